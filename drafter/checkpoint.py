@@ -1,0 +1,150 @@
+"""Drafter checkpoints in the public DFlash layout: config.json + model.safetensors (SPEC section 1).
+
+Tensor names carry no `model.` prefix and there is no embedding or lm_head; the same directory
+loads in the public DFlash code, SGLang and vLLM, and a public release loads here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from drafter.config import DFlashConfig
+from drafter.model import DFlashDrafter
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+# Releases may ship the target's embedding / head next to the drafter; the drafter uses the
+# target's own copies, so these are skipped rather than refused.
+IGNORED_TENSORS = frozenset({"embed_tokens.weight", "lm_head.weight"})
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+
+
+def _write_atomic(path: Path, write) -> None:
+    """write(tmp_path) then fsync + os.replace, so a reader never sees a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_drafter(
+    model: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """Write config.json and model.safetensors (weights cast to dtype) into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype_name = _dtype_name(dtype)
+    tensors = {
+        name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in model.state_dict().items()
+    }
+    hf = model.config.to_hf_dict()
+    hf["dtype"] = dtype_name
+    # Weights first, config last: a directory whose config.json is new always has new weights.
+    _write_atomic(out_dir / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+    def write_config(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(hf, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    _write_atomic(out_dir / CONFIG_FILE, write_config)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    single = path / WEIGHTS_FILE
+    if single.exists():
+        return [single]
+    index = path / WEIGHTS_INDEX_FILE
+    if index.exists():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    raise ValueError(f"{path} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
+
+
+def load_drafter(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> DFlashDrafter:
+    """Load a drafter directory (ours or a public DFlash release); dtype None = the config's."""
+    path = Path(path)
+    config_path = path / CONFIG_FILE
+    if not config_path.exists():
+        raise ValueError(f"{config_path} does not exist")
+    with open(config_path) as f:
+        config = DFlashConfig.from_hf_dict(json.load(f))
+    if dtype is None:
+        dtype = _DTYPES[config.dtype]
+
+    with torch.device("meta"):
+        model = DFlashDrafter(config)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for raw_name in f.keys():
+                name = raw_name.removeprefix("model.")
+                if name in IGNORED_TENSORS:
+                    continue
+                if name not in expected:
+                    raise ValueError(f"{file}: unexpected tensor {raw_name!r}")
+                if name in state:
+                    raise ValueError(f"{file}: tensor {name!r} appears twice")
+                tensor = f.get_tensor(raw_name)
+                if tuple(tensor.shape) != expected[name]:
+                    raise ValueError(
+                        f"{file}: tensor {raw_name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
+                    )
+                state[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing}")
+    model.load_state_dict(state, assign=True)
+    model.config.dtype = _dtype_name(dtype)
+    return model
+
+
+def check_compatible(
+    config: DFlashConfig,
+    *,
+    target_layer_ids: list[int],
+    hidden_size: int,
+    vocab_size: int,
+    block_size: int,
+) -> None:
+    """ValueError (one line) if a drafter cannot consume features from a cache with these settings."""
+    if list(config.target_layer_ids) != list(target_layer_ids):
+        raise ValueError(
+            f"drafter target_layer_ids {config.target_layer_ids} differ from the cache's "
+            f"{list(target_layer_ids)}"
+        )
+    if config.hidden_size != hidden_size:
+        raise ValueError(f"drafter hidden_size {config.hidden_size} differs from the target's {hidden_size}")
+    if config.vocab_size != vocab_size:
+        raise ValueError(f"drafter vocab_size {config.vocab_size} differs from the target's {vocab_size}")
+    if config.block_size != block_size:
+        raise ValueError(f"drafter block_size {config.block_size} differs from the cache's {block_size}")

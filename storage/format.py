@@ -1,0 +1,117 @@
+"""Cache format v1: the contract between stage 1 (cache build) and stage 2 (trainer).
+
+A cache is a directory:
+
+    manifest.json              settings, target identity, per-shard name/counts/checksum/status
+    target_head.safetensors    embed_tokens.weight [V, H], lm_head.weight [V, H]
+    shards/shard-00000.zarr    one Zarr v3 group per shard   (format "zarr")
+    shards/shard-00000.tar     or one WebDataset tar         (format "wds")
+
+A shard holds whole sequences. In Zarr the per-sequence arrays are concatenated into flat arrays
+with offsets (`seq_offsets` over tokens, `anchor_offsets` over anchors). In a WebDataset tar each
+sequence is one sample whose members are `{key}.{array_name}.npy`, with the same array names and
+per-sequence shapes as below.
+
+Per-sequence record (what `storage.reader` returns), T tokens, A pool anchors, K slots, k = top_k,
+F = n_taps * hidden_size:
+
+    source_row          int64   []          row index in the corpus file
+    input_ids           int32   [T]
+    loss_mask           uint8   [T]         1 on assistant tokens incl. end-of-turn
+    features            uint16  [T, F]      bf16 bits            (codec "bf16")
+                        uint8   [T, F]      fp8-e4m3 bits        (codec "fp8")
+    feature_scales      float32 [T]         per-token scale      (codec "fp8" only)
+    corpus_topk_ids     int32   [T, k]      target top-k at t (predicting t+1)
+    corpus_topk_probs   float32 [T, k]
+    corpus_tail         float32 [T]         max(0, 1 - sum(topk_probs))
+    corpus_next_prob    float32 [T]         p_T(x[t+1] | x[<=t]), 0 at the last position
+    anchor_pos          int32   [A]         sorted positions of the anchor pool
+    rollout_tokens      int32   [A, K+1]    slot 0 = x[a], slots 1..K = y*[1..K]
+    rollout_topk_ids    int32   [A, K, k]   pi[a, 1..K]
+    rollout_topk_probs  float32 [A, K, k]
+    rollout_tail        float32 [A, K]
+    rollout_features    uint16/uint8 [A, K-2, F]   features of y*[1..K-2]
+    rollout_feature_scales float32 [A, K-2]        (codec "fp8" only)
+"""
+
+from __future__ import annotations
+
+FORMAT_NAME = "alrira-cache"
+FORMAT_VERSION = 1
+
+MANIFEST_FILE = "manifest.json"
+TARGET_HEAD_FILE = "target_head.safetensors"
+SHARD_DIR = "shards"
+
+STORAGE_FORMATS = ("zarr", "wds")
+FEATURE_CODECS = ("bf16", "fp8")
+
+# Arrays indexed by token (flat over a shard in Zarr, sliced by seq_offsets).
+TOKEN_ARRAYS = (
+    "input_ids",
+    "loss_mask",
+    "features",
+    "corpus_topk_ids",
+    "corpus_topk_probs",
+    "corpus_tail",
+    "corpus_next_prob",
+)
+# Arrays indexed by anchor (flat over a shard in Zarr, sliced by anchor_offsets).
+ANCHOR_ARRAYS = (
+    "anchor_pos",
+    "rollout_tokens",
+    "rollout_topk_ids",
+    "rollout_topk_probs",
+    "rollout_tail",
+    "rollout_features",
+)
+FP8_SCALE_ARRAYS = {"features": "feature_scales", "rollout_features": "rollout_feature_scales"}
+
+# dtypes as numpy dtype strings; the feature arrays depend on the codec.
+ARRAY_DTYPES = {
+    "source_row": "int64",
+    "input_ids": "int32",
+    "loss_mask": "uint8",
+    "corpus_topk_ids": "int32",
+    "corpus_topk_probs": "float32",
+    "corpus_tail": "float32",
+    "corpus_next_prob": "float32",
+    "anchor_pos": "int32",
+    "rollout_tokens": "int32",
+    "rollout_topk_ids": "int32",
+    "rollout_topk_probs": "float32",
+    "rollout_tail": "float32",
+    "feature_scales": "float32",
+    "rollout_feature_scales": "float32",
+}
+FEATURE_DTYPES = {"bf16": "uint16", "fp8": "uint8"}
+
+
+def record_array_names(feature_codec: str) -> tuple[str, ...]:
+    """Every array name a per-sequence record holds under `feature_codec` (source_row included)."""
+    if feature_codec not in FEATURE_CODECS:
+        raise ValueError(f"feature_codec must be one of {FEATURE_CODECS}, got {feature_codec!r}")
+    names = ("source_row",) + TOKEN_ARRAYS + ANCHOR_ARRAYS
+    if feature_codec == "fp8":
+        names += tuple(FP8_SCALE_ARRAYS.values())
+    return names
+
+
+def shard_name(index: int, storage_format: str) -> str:
+    """File name of shard `index` under `shards/`."""
+    suffix = {"zarr": "zarr", "wds": "tar"}[storage_format]
+    return f"shard-{index:05d}.{suffix}"
+
+
+# Status of a shard in the manifest; only "complete" shards are readable.
+SHARD_COMPLETE = "complete"
+SHARD_STATUSES = ("pending", "complete", "failed")
+
+# Zarr-only index arrays of a shard group (not part of a per-sequence record).
+ZARR_SEQ_OFFSETS = "seq_offsets"  # int64 [n+1], token offsets of each sequence
+ZARR_ANCHOR_OFFSETS = "anchor_offsets"  # int64 [n+1], anchor offsets of each sequence
+ZARR_SOURCE_ROWS = "source_rows"  # int64 [n], the records' source_row
+ZARR_INDEX_ARRAYS = (ZARR_SEQ_OFFSETS, ZARR_ANCHOR_OFFSETS, ZARR_SOURCE_ROWS)
+
+# Prefix of a shard being written; it is renamed to its final name once complete.
+PARTIAL_SHARD_PREFIX = ".tmp-"
