@@ -1,0 +1,41 @@
+"""Cache format v1: manifest, feature codecs, shard writers and the reader (see storage/format.py)."""
+
+from storage.codecs import decode_features, encode_features
+from storage.format import FORMAT_NAME, FORMAT_VERSION
+from storage.manifest import (
+    CacheSettings,
+    Manifest,
+    ShardRecord,
+    load_manifest,
+    load_target_head,
+    save_manifest,
+    save_target_head,
+    settings_diff,
+)
+from storage.reader import CacheReader, available_arrays, cache_stats, open_cache
+from storage.shards import clean_partial_shards, read_shard_records, shard_checksum, write_shard
+from storage.verify import verify_cache
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "CacheReader",
+    "CacheSettings",
+    "Manifest",
+    "ShardRecord",
+    "available_arrays",
+    "cache_stats",
+    "clean_partial_shards",
+    "decode_features",
+    "encode_features",
+    "load_manifest",
+    "load_target_head",
+    "open_cache",
+    "read_shard_records",
+    "save_manifest",
+    "save_target_head",
+    "settings_diff",
+    "shard_checksum",
+    "verify_cache",
+    "write_shard",
+]

@@ -1,0 +1,402 @@
+"""The cache manifest (`manifest.json`) and the target head file (`target_head.safetensors`).
+
+The manifest says what a cache is: the settings that define its content (compared when a build
+resumes), the target's identity and config, and one record per shard with counts and a checksum.
+Both files are written atomically: temp file in the same directory, fsync, os.replace, fsync dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from storage.format import (
+    FEATURE_CODECS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    SHARD_COMPLETE,
+    SHARD_STATUSES,
+    STORAGE_FORMATS,
+    TARGET_HEAD_FILE,
+    shard_name,
+)
+
+TARGET_HEAD_KEYS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def package_version() -> str:
+    """Version of the installed `alrira` package (recorded in manifests)."""
+    from importlib import metadata
+
+    try:
+        return f"alrira {metadata.version('alrira')}"
+    except metadata.PackageNotFoundError:
+        return "alrira (not installed)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation helpers (user data: ValueError naming the field)
+
+
+def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_str(name: str, value: Any, *, nonempty: bool = False) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r}")
+    if nonempty and not value:
+        raise ValueError(f"{name} must not be empty")
+
+
+def _check_int_list(name: str, value: Any, *, minimum: int | None = None) -> None:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list of ints, got {value!r}")
+    for i, item in enumerate(value):
+        _check_int(f"{name}[{i}]", item, minimum=minimum)
+
+
+def _check_dict(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+
+
+def _check_keys(cls: type, data: Any) -> None:
+    """Reject unknown keys and missing required keys of a dict for dataclass `cls`."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ValueError(f"unknown key {key!r} in {cls.__name__}")
+    for name, f in fields.items():
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        if name not in data and not has_default:
+            raise ValueError(f"missing key {name!r} in {cls.__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass(kw_only=True)
+class CacheSettings:
+    """Settings that define a cache's content; a resumed build must use the same ones."""
+
+    target_hash: str  # content hash of the target's config and tokenizer
+    layer_ids: list[int]  # target layers whose outputs are the context features
+    num_slots: int  # K, predicted slots per block (15)
+    top_k: int  # k, stored top-k of every target distribution
+    anchors_per_sequence: int  # size of each sequence's anchor pool
+    seed: int
+    max_length: int  # sequences are truncated to this many tokens
+    min_supervised_tokens: int  # sequences with fewer loss-mask tokens are dropped
+    feature_codec: str  # "bf16" or "fp8"
+    storage_format: str  # "zarr" or "wds"
+    shard_size: int  # sequences per shard
+    corpus_hash: str  # content hash of the corpus file
+    skip_bad_rows: bool  # drop (and count) malformed corpus rows instead of failing
+
+    def __post_init__(self) -> None:
+        _check_str("target_hash", self.target_hash, nonempty=True)
+        _check_int_list("layer_ids", self.layer_ids, minimum=0)
+        if not self.layer_ids:
+            raise ValueError("layer_ids must not be empty")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"layer_ids must be unique, got {self.layer_ids}")
+        # K - 2 rollout features are stored per anchor, so a block needs at least 3 slots.
+        _check_int("num_slots", self.num_slots, minimum=3)
+        _check_int("top_k", self.top_k, minimum=1)
+        _check_int("anchors_per_sequence", self.anchors_per_sequence, minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("max_length", self.max_length, minimum=2)
+        _check_int("min_supervised_tokens", self.min_supervised_tokens, minimum=0)
+        if self.feature_codec not in FEATURE_CODECS:
+            raise ValueError(f"feature_codec must be one of {FEATURE_CODECS}, got {self.feature_codec!r}")
+        if self.storage_format not in STORAGE_FORMATS:
+            raise ValueError(f"storage_format must be one of {STORAGE_FORMATS}, got {self.storage_format!r}")
+        _check_int("shard_size", self.shard_size, minimum=1)
+        _check_str("corpus_hash", self.corpus_hash, nonempty=True)
+        if not isinstance(self.skip_bad_rows, bool):
+            raise ValueError(f"skip_bad_rows must be a bool, got {self.skip_bad_rows!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheSettings:
+        _check_keys(cls, data)
+        return cls(**data)
+
+
+def settings_diff(old: CacheSettings, new: CacheSettings) -> list[str]:
+    """Human-readable differences, one line per field ("top_k: 8 -> 4"); empty if equal."""
+    lines = []
+    for f in dataclasses.fields(CacheSettings):
+        before, after = getattr(old, f.name), getattr(new, f.name)
+        if before != after:
+            lines.append(f"{f.name}: {before!r} -> {after!r}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards and the manifest
+
+
+@dataclass(kw_only=True)
+class ShardRecord:
+    """One shard as listed in the manifest."""
+
+    name: str  # file/dir name under shards/, e.g. "shard-00003.zarr"
+    index: int
+    sequences: int
+    tokens: int
+    anchors: int
+    bytes: int  # size on disk
+    checksum: str  # "sha256:<hex>", see storage.shards.shard_checksum
+    status: str  # "complete" once published; only complete shards are readable
+
+    def __post_init__(self) -> None:
+        _check_str("name", self.name, nonempty=True)
+        if "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"name must be a plain shard file name, got {self.name!r}")
+        _check_int("index", self.index, minimum=0)
+        _check_int("sequences", self.sequences, minimum=0)
+        _check_int("tokens", self.tokens, minimum=0)
+        _check_int("anchors", self.anchors, minimum=0)
+        _check_int("bytes", self.bytes, minimum=0)
+        _check_str("checksum", self.checksum)
+        if not self.checksum.startswith("sha256:"):
+            raise ValueError(f"checksum must look like 'sha256:<hex>', got {self.checksum!r}")
+        if self.status not in SHARD_STATUSES:
+            raise ValueError(f"status must be one of {SHARD_STATUSES}, got {self.status!r}")
+
+    @property
+    def is_complete(self) -> bool:
+        return self.status == SHARD_COMPLETE
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShardRecord:
+        _check_keys(cls, data)
+        return cls(**data)
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """Everything `manifest.json` holds."""
+
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    settings: CacheSettings
+    target_path: str
+    target_config: dict[str, Any]  # the target's HF config.json (drafter configs derive from it)
+    num_target_layers: int
+    hidden_size: int
+    vocab_size: int
+    stop_token_ids: list[int]
+    mask_token_id: int
+    corpus_path: str
+    corpus_stats: dict[str, Any]  # e.g. {"rows": n, "sequences": n, "dropped": {reason: n}}
+    shards: list[ShardRecord]
+    num_shards_planned: int
+    created_with: str = field(default_factory=package_version)
+
+    def __post_init__(self) -> None:
+        if self.format != FORMAT_NAME:
+            raise ValueError(f"format must be {FORMAT_NAME!r}, got {self.format!r}")
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(f"format_version {self.format_version!r} is not supported (this code reads {FORMAT_VERSION})")
+        if not isinstance(self.settings, CacheSettings):
+            raise ValueError(f"settings must be a CacheSettings, got {type(self.settings).__name__}")
+        _check_str("target_path", self.target_path)
+        _check_dict("target_config", self.target_config)
+        _check_int("num_target_layers", self.num_target_layers, minimum=1)
+        _check_int("hidden_size", self.hidden_size, minimum=1)
+        _check_int("vocab_size", self.vocab_size, minimum=1)
+        _check_int_list("stop_token_ids", self.stop_token_ids, minimum=0)
+        _check_int("mask_token_id", self.mask_token_id, minimum=0)
+        _check_str("corpus_path", self.corpus_path)
+        _check_dict("corpus_stats", self.corpus_stats)
+        _check_int("num_shards_planned", self.num_shards_planned, minimum=0)
+        _check_str("created_with", self.created_with)
+        bad_layers = [i for i in self.settings.layer_ids if i >= self.num_target_layers]
+        if bad_layers:
+            raise ValueError(f"settings.layer_ids {bad_layers} out of range for num_target_layers={self.num_target_layers}")
+        if not isinstance(self.shards, list) or not all(isinstance(s, ShardRecord) for s in self.shards):
+            raise ValueError("shards must be a list of ShardRecord")
+        seen: set[int] = set()
+        for shard in self.shards:
+            if shard.index in seen:
+                raise ValueError(f"shards: index {shard.index} listed twice")
+            seen.add(shard.index)
+            expected = shard_name(shard.index, self.settings.storage_format)
+            if shard.name != expected:
+                raise ValueError(f"shards: shard {shard.index} is named {shard.name!r}, expected {expected!r}")
+            if shard.index >= self.num_shards_planned:
+                raise ValueError(f"shards: index {shard.index} >= num_shards_planned={self.num_shards_planned}")
+
+    @property
+    def feature_dim(self) -> int:
+        """F = number of tapped layers * hidden_size."""
+        return len(self.settings.layer_ids) * self.hidden_size
+
+    @property
+    def complete_shards(self) -> list[ShardRecord]:
+        return [s for s in self.shards if s.is_complete]
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(s.sequences for s in self.complete_shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.tokens for s in self.complete_shards)
+
+    @property
+    def num_anchors(self) -> int:
+        return sum(s.anchors for s in self.complete_shards)
+
+    @property
+    def is_complete(self) -> bool:
+        """All planned shards are written and complete."""
+        return len(self.complete_shards) == self.num_shards_planned
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["settings"] = self.settings.to_dict()
+        data["shards"] = [s.to_dict() for s in self.shards]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        _check_keys(cls, data)
+        if not isinstance(data["shards"], list):
+            raise ValueError("shards must be a list")
+        fields = {
+            **data,
+            "settings": CacheSettings.from_dict(data["settings"]),
+            "shards": [ShardRecord.from_dict(s) for s in data["shards"]],
+        }
+        return cls(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic file writes
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Create `path` atomically: `write(tmp_path)` fills a temp file in the same directory, which
+    is fsynced and renamed over `path`, so readers see either the old file or the whole new one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Atomically write `data` to `path` (see atomic_write)."""
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> None:
+    """Atomically write `cache_dir/manifest.json`."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(manifest.to_dict(), indent=2) + "\n"
+    atomic_write_bytes(cache_dir / MANIFEST_FILE, text.encode("utf-8"))
+
+
+def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
+    """Read and validate `cache_dir/manifest.json`; one-line ValueError naming the file otherwise."""
+    path = Path(cache_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: no cache manifest (is {cache_dir} a cache directory?)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: corrupt manifest ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: corrupt manifest (top level is not a JSON object)")
+    if data.get("format") != FORMAT_NAME:
+        raise ValueError(f"{path}: not an {FORMAT_NAME} manifest (format is {data.get('format')!r})")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: unsupported format_version {data.get('format_version')!r} (this code reads version {FORMAT_VERSION})"
+        )
+    try:
+        return Manifest.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: invalid manifest: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Target head
+
+
+def save_target_head(cache_dir: str | os.PathLike, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+    """Atomically write the target's input embedding and LM head ([V, H] each)."""
+    from safetensors.torch import save_file
+
+    if embed_tokens.ndim != 2 or lm_head.ndim != 2:
+        raise ValueError(
+            f"embed_tokens and lm_head must be [V, H], got {tuple(embed_tokens.shape)} and {tuple(lm_head.shape)}"
+        )
+    if embed_tokens.shape[1] != lm_head.shape[1]:
+        raise ValueError(f"embed_tokens and lm_head hidden sizes differ: {embed_tokens.shape[1]} vs {lm_head.shape[1]}")
+    # Clone: tied weights share storage, which safetensors refuses to write twice.
+    tensors = {
+        "embed_tokens.weight": embed_tokens.detach().to("cpu").contiguous().clone(),
+        "lm_head.weight": lm_head.detach().to("cpu").contiguous().clone(),
+    }
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(cache_dir / TARGET_HEAD_FILE, lambda tmp: save_file(tensors, tmp))
+
+
+def load_target_head(cache_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """{"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} from `cache_dir`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(cache_dir) / TARGET_HEAD_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: missing target head file")
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: corrupt target head ({e})") from None
+    missing = [k for k in TARGET_HEAD_KEYS if k not in tensors]
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing}")
+    return {k: tensors[k] for k in TARGET_HEAD_KEYS}

@@ -1,0 +1,163 @@
+"""The one reader API the trainer uses, for Zarr and WebDataset caches alike.
+
+Sequences are numbered globally over the manifest's complete shards, in manifest order. Shard
+handles are opened lazily and re-opened when the process id changes, so one `CacheReader` can be
+handed to torch DataLoader workers (forked or spawned) as is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from storage.codecs import decode_features
+from storage.format import FP8_SCALE_ARRAYS, SHARD_DIR, record_array_names
+from storage.manifest import Manifest, ShardRecord, load_manifest
+from storage.shards import WdsShard, ZarrShard, open_shard, shard_bytes
+
+
+def decode_record(record: dict[str, np.ndarray], *, feature_codec: str) -> dict[str, np.ndarray]:
+    """Record with `features`/`rollout_features` decoded to float32 and the fp8 scales dropped."""
+    out = {name: array for name, array in record.items() if name not in FP8_SCALE_ARRAYS.values()}
+    for name, scale_name in FP8_SCALE_ARRAYS.items():
+        if name in record:
+            out[name] = decode_features(record[name], record.get(scale_name), codec=feature_codec)
+    return out
+
+
+class CacheReader:
+    """Random and sequential access to the sequences of a cache's complete shards."""
+
+    def __init__(self, cache_dir: str | os.PathLike, manifest: Manifest):
+        self.cache_dir = Path(cache_dir)
+        self.manifest = manifest
+        self.storage_format = manifest.settings.storage_format
+        self.feature_codec = manifest.settings.feature_codec
+        self._shards: list[ShardRecord] = manifest.complete_shards
+        self._position = {shard.index: pos for pos, shard in enumerate(self._shards)}
+        self._starts = np.cumsum([0] + [s.sequences for s in self._shards])  # [num_shards + 1]
+        for shard in self._shards:
+            if not self.shard_path(shard).exists():
+                raise ValueError(f"{self.shard_path(shard)}: shard {shard.name} listed as complete is missing")
+        self._pid: int | None = None
+        self._handles: dict[int, ZarrShard | WdsShard] = {}
+
+    def shard_path(self, shard: ShardRecord) -> Path:
+        return self.cache_dir / SHARD_DIR / shard.name
+
+    @property
+    def shards(self) -> list[ShardRecord]:
+        """The readable (complete) shards, in manifest order."""
+        return list(self._shards)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open files and zarr handles stay behind; the receiving process opens its own.
+        state = self.__dict__.copy()
+        state["_pid"] = None
+        state["_handles"] = {}
+        return state
+
+    def _handle(self, pos: int) -> ZarrShard | WdsShard:
+        if self._pid != os.getpid():
+            # A forked child shares the parent's file offsets: never reuse its handles.
+            self._handles = {}
+            self._pid = os.getpid()
+        handle = self._handles.get(pos)
+        if handle is None:
+            shard = self._shards[pos]
+            handle = open_shard(self.shard_path(shard), storage_format=self.storage_format)
+            if handle.num_sequences != shard.sequences:
+                raise ValueError(
+                    f"{self.shard_path(shard)}: holds {handle.num_sequences} sequences, manifest says {shard.sequences}"
+                )
+            self._handles[pos] = handle
+        return handle
+
+    def shard_of(self, index: int) -> tuple[int, int]:
+        """(shard index as in the manifest, sequence index within that shard) of global `index`."""
+        if isinstance(index, (bool, np.bool_)) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"sequence index must be an int, got {type(index).__name__}")
+        if not 0 <= index < len(self):
+            raise IndexError(f"sequence index {index} out of range for a cache of {len(self)} sequences")
+        pos = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return self._shards[pos].index, int(index - self._starts[pos])
+
+    def read(self, index: int, *, decode_features: bool = True) -> dict[str, np.ndarray]:
+        """Record of global sequence `index`; features decoded to float32 unless told otherwise."""
+        shard_index, local = self.shard_of(index)
+        record = self._handle(self._position[shard_index]).read(local)
+        return decode_record(record, feature_codec=self.feature_codec) if decode_features else record
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return self.read(index)
+
+    def iter_shard(self, shard_index: int, *, decode_features: bool = True) -> Iterator[dict[str, np.ndarray]]:
+        """Records of one shard (by its manifest index), in order."""
+        if shard_index not in self._position:
+            raise ValueError(f"shard {shard_index} is not a complete shard of {self.cache_dir}")
+        pos = self._position[shard_index]
+        for local in range(self._shards[pos].sequences):
+            record = self._handle(pos).read(local)
+            yield decode_record(record, feature_codec=self.feature_codec) if decode_features else record
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for handle in self._handles.values():
+                handle.close()
+        self._handles = {}
+
+
+def open_cache(cache_dir: str | os.PathLike) -> CacheReader:
+    """Load and validate the manifest of `cache_dir` and return a reader over its complete shards."""
+    return CacheReader(cache_dir, load_manifest(cache_dir))
+
+
+def raw_bf16_bytes(
+    *, num_sequences: int, num_tokens: int, num_anchors: int, feature_dim: int, top_k: int, num_slots: int
+) -> int:
+    """Bytes the record arrays would take uncompressed with features stored as bf16."""
+    F, k, K = feature_dim, top_k, num_slots
+    # input_ids, loss_mask, features, corpus_topk_ids/probs, corpus_tail, corpus_next_prob
+    per_token = 4 + 1 + 2 * F + 4 * k + 4 * k + 4 + 4
+    # anchor_pos, rollout_tokens, rollout_topk_ids/probs, rollout_tail, rollout_features
+    per_anchor = 4 + 4 * (K + 1) + 8 * K * k + 4 * K + 2 * (K - 2) * F
+    per_sequence = 8  # source_row
+    return num_tokens * per_token + num_anchors * per_anchor + num_sequences * per_sequence
+
+
+def cache_stats(reader: CacheReader) -> dict[str, float | int]:
+    """Counts and size of the readable part of a cache, and how it compares to raw bf16 arrays."""
+    m = reader.manifest
+    bytes_on_disk = sum(shard_bytes(reader.shard_path(s)) for s in reader.shards)
+    raw = raw_bf16_bytes(
+        num_sequences=m.num_sequences,
+        num_tokens=m.num_tokens,
+        num_anchors=m.num_anchors,
+        feature_dim=m.feature_dim,
+        top_k=m.settings.top_k,
+        num_slots=m.settings.num_slots,
+    )
+    return {
+        "sequences": m.num_sequences,
+        "tokens": m.num_tokens,
+        "anchors": m.num_anchors,
+        "bytes_on_disk": bytes_on_disk,
+        "raw_bf16_bytes": raw,
+        "bytes_per_token": bytes_on_disk / m.num_tokens if m.num_tokens else 0.0,
+        "compression_ratio_vs_raw_bf16": raw / bytes_on_disk if bytes_on_disk else 0.0,
+    }
+
+
+def available_arrays(reader: CacheReader) -> set[str]:
+    """Names of the (encoded) record arrays the cache holds, read from its first complete shard;
+    a cache without complete shards reports the names its codec's schema promises."""
+    if not reader.shards:
+        return set(record_array_names(reader.feature_codec))
+    return reader._handle(0).array_names

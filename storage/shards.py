@@ -1,0 +1,529 @@
+"""Writing and reading one cache shard, in Zarr v3 or WebDataset-tar form.
+
+A shard is written whole under `shards/.tmp-<name>-<uuid>`, fsynced, and renamed to
+`shards/<name>`, so a published name always means a complete shard. The bytes are a function of
+the records only (no timestamps, fixed member order), so a resumed build can be checked against
+an uninterrupted one by checksum.
+
+Zarr: one group per shard; every per-sequence array is concatenated over the shard's sequences
+into one flat array (token arrays along tokens, anchor arrays along anchors), plus `seq_offsets`,
+`anchor_offsets` (int64 [n+1]) and `source_rows` (int64 [n]). Blosc zstd with byte shuffle.
+
+WebDataset: a tar whose samples are keyed `{source_row:09d}`, one member `{key}.{array}.npy`
+(np.save bytes, no pickle) per record array, arrays sorted by name inside a sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tarfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from storage.format import (
+    ANCHOR_ARRAYS,
+    FEATURE_CODECS,
+    FEATURE_DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    PARTIAL_SHARD_PREFIX,
+    SHARD_COMPLETE,
+    SHARD_DIR,
+    STORAGE_FORMATS,
+    TOKEN_ARRAYS,
+    ARRAY_DTYPES,
+    ZARR_ANCHOR_OFFSETS,
+    ZARR_INDEX_ARRAYS,
+    ZARR_SEQ_OFFSETS,
+    ZARR_SOURCE_ROWS,
+    record_array_names,
+    shard_name,
+)
+from storage.manifest import ShardRecord
+
+# Record arrays by the axis they are concatenated along in a Zarr shard (fp8 scales included).
+TOKEN_INDEXED_ARRAYS = TOKEN_ARRAYS + ("feature_scales",)
+ANCHOR_INDEXED_ARRAYS = ANCHOR_ARRAYS + ("rollout_feature_scales",)
+
+ZARR_CHUNK_BYTES = 2 << 20  # ~2 MiB uncompressed per chunk: small reads for random access
+ZARR_WRITE_BYTES = 32 << 20  # rows handed to zarr per write call (bounded extra memory)
+ZARR_CLEVEL = 3
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Record schema
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordDims:
+    """Sizes of one record: T tokens, A anchors, F feature dim, k = top_k, K slots."""
+
+    num_tokens: int
+    num_anchors: int
+    feature_dim: int
+    top_k: int
+    num_slots: int
+
+
+def record_shapes(dims: RecordDims, *, feature_codec: str) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every array of a record with sizes `dims`."""
+    T, A, F, k, K = dims.num_tokens, dims.num_anchors, dims.feature_dim, dims.top_k, dims.num_slots
+    shapes = {
+        "source_row": (),
+        "input_ids": (T,),
+        "loss_mask": (T,),
+        "features": (T, F),
+        "corpus_topk_ids": (T, k),
+        "corpus_topk_probs": (T, k),
+        "corpus_tail": (T,),
+        "corpus_next_prob": (T,),
+        "anchor_pos": (A,),
+        "rollout_tokens": (A, K + 1),
+        "rollout_topk_ids": (A, K, k),
+        "rollout_topk_probs": (A, K, k),
+        "rollout_tail": (A, K),
+        "rollout_features": (A, K - 2, F),
+    }
+    if feature_codec == "fp8":
+        shapes["feature_scales"] = (T,)
+        shapes["rollout_feature_scales"] = (A, K - 2)
+    return shapes
+
+
+def record_dtype(name: str, *, feature_codec: str) -> np.dtype:
+    """Stored numpy dtype of record array `name` under `feature_codec`."""
+    if name in ("features", "rollout_features"):
+        return np.dtype(FEATURE_DTYPES[feature_codec])
+    return np.dtype(ARRAY_DTYPES[name])
+
+
+def _ndim_size(record: dict, name: str, axis: int, ndim: int, where: str) -> int:
+    arr = record[name]
+    if not isinstance(arr, np.ndarray) or arr.ndim != ndim:
+        shape = getattr(arr, "shape", type(arr).__name__)
+        raise ValueError(f"{where}: array {name} must be a {ndim}-d numpy array, got {shape}")
+    return arr.shape[axis]
+
+
+def check_record(
+    record: dict, *, feature_codec: str, where: str, like: RecordDims | None = None
+) -> RecordDims:
+    """Validate one record's array names, dtypes and shapes against the schema; return its dims.
+
+    `like`: dims whose F, k and K the record must share (records of one shard, or the manifest's).
+    Raises ValueError naming `where` and the offending array.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a record must be a dict of arrays, got {type(record).__name__}")
+    names = set(record_array_names(feature_codec))
+    missing = sorted(names - set(record))
+    if missing:
+        raise ValueError(f"{where}: array {missing[0]} is missing (codec {feature_codec!r})")
+    extra = sorted(set(record) - names)
+    if extra:
+        raise ValueError(f"{where}: array {extra[0]} is not part of the schema (codec {feature_codec!r})")
+    source_row = record["source_row"]
+    if not isinstance(source_row, (int, np.integer, np.ndarray)) or isinstance(source_row, bool) or (
+        isinstance(source_row, np.ndarray) and (source_row.ndim != 0 or source_row.dtype.kind not in "iu")
+    ):
+        raise ValueError(f"{where}: array source_row must be an int or 0-d integer array, got {source_row!r}")
+    if int(source_row) < 0:
+        raise ValueError(f"{where}: array source_row must be >= 0, got {int(source_row)}")
+
+    dims = RecordDims(
+        num_tokens=_ndim_size(record, "input_ids", 0, 1, where),
+        num_anchors=_ndim_size(record, "anchor_pos", 0, 1, where),
+        feature_dim=_ndim_size(record, "features", 1, 2, where),
+        top_k=_ndim_size(record, "corpus_topk_ids", 1, 2, where),
+        num_slots=_ndim_size(record, "rollout_tokens", 1, 2, where) - 1,
+    )
+    if dims.num_tokens < 1:
+        raise ValueError(f"{where}: array input_ids is empty")
+    if dims.num_slots < 3:
+        raise ValueError(f"{where}: array rollout_tokens must have K + 1 >= 4 columns, got {dims.num_slots + 1}")
+    if like is not None:
+        for field, name in (("feature_dim", "features"), ("top_k", "corpus_topk_ids"), ("num_slots", "rollout_tokens")):
+            got, want = getattr(dims, field), getattr(like, field)
+            if got != want:
+                raise ValueError(f"{where}: array {name} implies {field} {got}, expected {want}")
+    for name, shape in record_shapes(dims, feature_codec=feature_codec).items():
+        if name == "source_row":
+            continue
+        arr = record[name]
+        dtype = record_dtype(name, feature_codec=feature_codec)
+        if not isinstance(arr, np.ndarray):
+            raise ValueError(f"{where}: array {name} must be a numpy array, got {type(arr).__name__}")
+        if arr.dtype != dtype:
+            raise ValueError(f"{where}: array {name} has dtype {arr.dtype}, expected {dtype}")
+        if arr.shape != shape:
+            raise ValueError(f"{where}: array {name} has shape {arr.shape}, expected {shape}")
+    return dims
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths, sizes, checksums
+
+
+def _shard_files(path: Path) -> list[tuple[str, Path]]:
+    """(relative posix path, path) of every file of a shard, sorted; a tar is its own file."""
+    if path.is_file():
+        return [("", path)]
+    files = []
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = Path(root) / name
+            files.append((full.relative_to(path).as_posix(), full))
+    return sorted(files)
+
+
+def shard_bytes(path: str | os.PathLike) -> int:
+    """Size on disk of a shard (sum of its files)."""
+    return sum(p.stat().st_size for _, p in _shard_files(Path(path)))
+
+
+def shard_checksum(path: str | os.PathLike) -> str:
+    """"sha256:<hex>" of a shard: a tar's bytes, or a Zarr directory's sorted relative file paths,
+    sizes and bytes (so renaming, adding or dropping a chunk changes it too)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: shard does not exist")
+    digest = hashlib.sha256()
+    directory = path.is_dir()
+    for rel, full in _shard_files(path):
+        if directory:
+            digest.update(rel.encode("utf-8") + b"\0" + full.stat().st_size.to_bytes(8, "little"))
+        with open(full, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    if path.is_file():
+        _fsync_path(path)
+        return
+    for root, dirs, names in os.walk(path, topdown=False):
+        for name in names:
+            _fsync_path(Path(root) / name)
+        _fsync_path(Path(root))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def clean_partial_shards(cache_dir: str | os.PathLike) -> list[str]:
+    """Delete `shards/.tmp-*` leftovers of interrupted writes; return their names (sorted)."""
+    shard_dir = Path(cache_dir) / SHARD_DIR
+    if not shard_dir.is_dir():
+        return []
+    removed = sorted(p.name for p in shard_dir.iterdir() if p.name.startswith(PARTIAL_SHARD_PREFIX))
+    for name in removed:
+        _remove(shard_dir / name)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_shard(
+    cache_dir: str | os.PathLike,
+    *,
+    shard_index: int,
+    records: list[dict[str, np.ndarray]],
+    storage_format: str,
+    feature_codec: str,
+) -> ShardRecord:
+    """Validate and atomically write one shard of already-encoded records; return its manifest
+    record (status "complete"). A published shard of the same name is replaced."""
+    _check_choice("storage_format", storage_format, STORAGE_FORMATS)
+    _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
+    if isinstance(shard_index, bool) or not isinstance(shard_index, int) or shard_index < 0:
+        raise ValueError(f"shard_index must be an int >= 0, got {shard_index!r}")
+    name = shard_name(shard_index, storage_format)
+    if not records:
+        raise ValueError(f"shard {name}: no records to write")
+    dims: list[RecordDims] = []
+    for i, record in enumerate(records):
+        like = dims[0] if dims else None
+        dims.append(check_record(record, feature_codec=feature_codec, where=f"shard {name} record {i}", like=like))
+    source_rows = [int(r["source_row"]) for r in records]
+    if len(set(source_rows)) != len(source_rows):
+        dup = next(row for row in source_rows if source_rows.count(row) > 1)
+        raise ValueError(f"shard {name}: source_row {dup} appears in more than one record")
+
+    shard_dir = Path(cache_dir) / SHARD_DIR
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    tmp = shard_dir / f"{PARTIAL_SHARD_PREFIX}{name}-{uuid.uuid4().hex}"
+    try:
+        if storage_format == "zarr":
+            _write_zarr(tmp, records, dims, feature_codec=feature_codec)
+        else:
+            _write_wds(tmp, records, feature_codec=feature_codec)
+        _fsync_tree(tmp)
+        final = shard_dir / name
+        _remove(final)
+        os.rename(tmp, final)
+        _fsync_path(shard_dir)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return ShardRecord(
+        name=name,
+        index=shard_index,
+        sequences=len(records),
+        tokens=sum(d.num_tokens for d in dims),
+        anchors=sum(d.num_anchors for d in dims),
+        bytes=shard_bytes(final),
+        checksum=shard_checksum(final),
+        status=SHARD_COMPLETE,
+    )
+
+
+def _chunk_rows(row_shape: tuple[int, ...], itemsize: int, num_rows: int) -> int:
+    row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * itemsize)
+    return int(max(1, min(max(num_rows, 1), ZARR_CHUNK_BYTES // row_bytes)))
+
+
+def _rows(pieces: list[np.ndarray], offsets: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of the concatenation of `pieces` (piece j holds rows offsets[j:j+2])."""
+    parts = []
+    j = int(np.searchsorted(offsets, start, side="right")) - 1
+    while start < stop:
+        lo, hi = int(offsets[j]), int(offsets[j + 1])
+        if hi > start:
+            parts.append(pieces[j][start - lo : min(stop, hi) - lo])
+            start = min(stop, hi)
+        j += 1
+    return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+
+def _write_zarr(path: Path, records: list[dict], dims: list[RecordDims], *, feature_codec: str) -> None:
+    seq_offsets = np.zeros(len(records) + 1, dtype=np.int64)  # [n+1]
+    seq_offsets[1:] = np.cumsum([d.num_tokens for d in dims])
+    anchor_offsets = np.zeros(len(records) + 1, dtype=np.int64)  # [n+1]
+    anchor_offsets[1:] = np.cumsum([d.num_anchors for d in dims])
+    d0 = dims[0]
+    attributes = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "feature_codec": feature_codec,
+        "num_sequences": len(records),
+        "num_tokens": int(seq_offsets[-1]),
+        "num_anchors": int(anchor_offsets[-1]),
+        "feature_dim": d0.feature_dim,
+        "top_k": d0.top_k,
+        "num_slots": d0.num_slots,
+    }
+    group = zarr.open_group(store=str(path), mode="w-", zarr_format=3, attributes=attributes)
+    compressor = zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle")
+
+    def write_array(name: str, pieces: list[np.ndarray], offsets: np.ndarray, dtype: np.dtype) -> None:
+        row_shape = pieces[0].shape[1:]
+        num_rows = int(offsets[-1])
+        chunk_rows = _chunk_rows(row_shape, dtype.itemsize, num_rows)
+        array = group.create_array(
+            name,
+            shape=(num_rows, *row_shape),
+            dtype=dtype,
+            chunks=(chunk_rows, *row_shape),
+            compressors=compressor,
+            fill_value=0,
+            # Every chunk gets a file, so the file set depends only on the shapes.
+            config={"write_empty_chunks": True},
+        )
+        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
+        step = chunk_rows * max(1, ZARR_WRITE_BYTES // (chunk_rows * row_bytes))  # chunk-aligned
+        for start in range(0, num_rows, step):
+            stop = min(num_rows, start + step)
+            array[start:stop] = _rows(pieces, offsets, start, stop)
+
+    for name in record_array_names(feature_codec):
+        if name == "source_row":
+            continue
+        offsets = anchor_offsets if name in ANCHOR_INDEXED_ARRAYS else seq_offsets
+        write_array(name, [r[name] for r in records], offsets, record_dtype(name, feature_codec=feature_codec))
+    source_rows = np.array([int(r["source_row"]) for r in records], dtype=np.int64)  # [n]
+    index_arrays = {ZARR_SEQ_OFFSETS: seq_offsets, ZARR_ANCHOR_OFFSETS: anchor_offsets, ZARR_SOURCE_ROWS: source_rows}
+    for name, data in index_arrays.items():
+        write_array(name, [data], np.array([0, len(data)]), data.dtype)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    # (np.ascontiguousarray would turn a 0-d source_row into shape [1])
+    np.lib.format.write_array(buf, np.require(array, requirements="C"), allow_pickle=False)
+    return buf.getvalue()
+
+
+def sample_key(source_row: int) -> str:
+    """WebDataset sample key of a record."""
+    return f"{source_row:09d}"
+
+
+def _write_wds(path: Path, records: list[dict], *, feature_codec: str) -> None:
+    with open(path, "xb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for record in records:
+            key = sample_key(int(record["source_row"]))
+            for name in sorted(record_array_names(feature_codec)):
+                if name == "source_row":
+                    data = _npy_bytes(np.asarray(int(record["source_row"]), dtype=np.int64))
+                else:
+                    data = _npy_bytes(record[name])
+                # Fixed metadata: the tar's bytes depend only on the records.
+                info = tarfile.TarInfo(f"{key}.{name}.npy")
+                info.size = len(data)
+                info.mtime = 0
+                info.mode = 0o644
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                tar.addfile(info, io.BytesIO(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one shard
+
+
+class ZarrShard:
+    """Random access to the sequences of one Zarr shard (arrays opened once, offsets cached)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self.group = zarr.open_group(store=str(self.path), mode="r", zarr_format=3)
+        except Exception as e:  # zarr raises several error types for a missing/broken group
+            raise ValueError(f"{self.path}: cannot open Zarr shard ({type(e).__name__}: {e})") from None
+        self.attrs = dict(self.group.attrs)
+        self.arrays = {name: array for name, array in self.group.arrays()}
+        missing = [n for n in ZARR_INDEX_ARRAYS if n not in self.arrays]
+        if missing:
+            raise ValueError(f"{self.path}: Zarr shard lacks index array {missing[0]}")
+        self.seq_offsets = self.arrays[ZARR_SEQ_OFFSETS][:]  # [n+1]
+        self.anchor_offsets = self.arrays[ZARR_ANCHOR_OFFSETS][:]  # [n+1]
+        self.source_rows = self.arrays[ZARR_SOURCE_ROWS][:]  # [n]
+        n = len(self.source_rows)
+        if len(self.seq_offsets) != n + 1 or len(self.anchor_offsets) != n + 1:
+            raise ValueError(
+                f"{self.path}: offsets have {len(self.seq_offsets)} / {len(self.anchor_offsets)} entries for {n} sequences"
+            )
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.source_rows)
+
+    @property
+    def array_names(self) -> set[str]:
+        """Record arrays stored (source_row included, index arrays excluded)."""
+        return {"source_row"} | (set(self.arrays) - set(ZARR_INDEX_ARRAYS))
+
+    def read(self, local: int) -> dict[str, np.ndarray]:
+        """Encoded record of sequence `local` of this shard."""
+        t0, t1 = int(self.seq_offsets[local]), int(self.seq_offsets[local + 1])
+        a0, a1 = int(self.anchor_offsets[local]), int(self.anchor_offsets[local + 1])
+        record = {"source_row": np.asarray(self.source_rows[local], dtype=np.int64)}
+        for name, array in self.arrays.items():
+            if name in ZARR_INDEX_ARRAYS:
+                continue
+            record[name] = array[a0:a1] if name in ANCHOR_INDEXED_ARRAYS else array[t0:t1]
+        return record
+
+    def close(self) -> None:
+        pass
+
+
+class WdsShard:
+    """Random access to the samples of one WebDataset tar: member offsets are indexed once, then
+    each read seeks to the members of one sample."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.file = open(self.path, "rb")
+        try:
+            self.samples = self._index()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _index(self) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+        samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
+        seen: set[str] = set()
+        try:
+            with tarfile.open(fileobj=self.file, mode="r:") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    key, dot, rest = member.name.partition(".")
+                    if not dot or not rest.endswith(".npy"):
+                        raise ValueError(f"{self.path}: unexpected tar member {member.name!r}")
+                    if not samples or samples[-1][0] != key:
+                        if key in seen:
+                            raise ValueError(f"{self.path}: members of sample {key} are not contiguous")
+                        seen.add(key)
+                        samples.append((key, {}))
+                    samples[-1][1][rest[: -len(".npy")]] = (member.offset_data, member.size)
+        except tarfile.TarError as e:
+            raise ValueError(f"{self.path}: corrupt tar shard ({e})") from None
+        return samples
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.samples)
+
+    @property
+    def array_names(self) -> set[str]:
+        return set(self.samples[0][1]) if self.samples else set()
+
+    def read(self, local: int) -> dict[str, np.ndarray]:
+        """Encoded record of sample `local` of this tar."""
+        record = {}
+        for name, (offset, size) in self.samples[local][1].items():
+            # pread leaves the shared file offset alone, so concurrent readers cannot interfere.
+            data = os.pread(self.file.fileno(), size, offset)
+            if len(data) != size:
+                raise ValueError(f"{self.path}: member {self.samples[local][0]}.{name}.npy is truncated")
+            record[name] = np.load(io.BytesIO(data), allow_pickle=False)
+        return record
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def open_shard(path: str | os.PathLike, *, storage_format: str) -> ZarrShard | WdsShard:
+    """Open one shard for random access by local sequence index."""
+    _check_choice("storage_format", storage_format, STORAGE_FORMATS)
+    return ZarrShard(path) if storage_format == "zarr" else WdsShard(path)
+
+
+def read_shard_records(path: str | os.PathLike, *, storage_format: str) -> Iterator[dict[str, np.ndarray]]:
+    """The encoded records of one shard, in written order."""
+    shard = open_shard(path, storage_format=storage_format)
+    try:
+        for local in range(shard.num_sequences):
+            yield shard.read(local)
+    finally:
+        shard.close()

@@ -1,0 +1,219 @@
+"""Full consistency check of a cache: files, checksums, shapes, offsets and label values.
+
+`verify_cache` reads every byte of every complete shard; each problem is one line naming the shard
+(or file) it concerns. An empty list means the cache is good.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from storage.format import (
+    FP8_SCALE_ARRAYS,
+    SHARD_DIR,
+    TARGET_HEAD_FILE,
+    ZARR_INDEX_ARRAYS,
+    MANIFEST_FILE,
+    record_array_names,
+)
+from storage.manifest import Manifest, ShardRecord, TARGET_HEAD_KEYS, load_manifest
+from storage.shards import (
+    ANCHOR_INDEXED_ARRAYS,
+    RecordDims,
+    ZarrShard,
+    check_record,
+    open_shard,
+    record_dtype,
+    shard_bytes,
+    shard_checksum,
+)
+
+PROB_TOLERANCE = 1e-3
+MAX_PROBLEMS_PER_SHARD = 10
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".replace("\n", " ")
+
+
+def _label_problems(prefix: str, probs: np.ndarray, tail: np.ndarray) -> list[str]:
+    """Top-k probs [..., k] and tail [...]: in [0, 1], sorted descending, summing with tail to 1."""
+    problems = []
+    if not (np.isfinite(probs).all() and (probs >= 0).all() and (probs <= 1).all()):
+        problems.append(f"{prefix}_topk_probs outside [0, 1]")
+    if not (np.isfinite(tail).all() and (tail >= 0).all() and (tail <= 1).all()):
+        problems.append(f"{prefix}_tail outside [0, 1]")
+    if probs.shape[-1] > 1 and (np.diff(probs, axis=-1) > 0).any():
+        problems.append(f"{prefix}_topk_probs not sorted descending")
+    if probs.size:
+        error = np.abs(probs.astype(np.float64).sum(-1) + tail - 1.0)
+        if not (error <= PROB_TOLERANCE).all():
+            worst = float(np.nanmax(np.where(np.isnan(error), np.inf, error)))
+            problems.append(f"{prefix}_topk_probs + {prefix}_tail differ from 1 by up to {worst:.3g}")
+    return problems
+
+
+def _feature_nan(bits: np.ndarray) -> bool:
+    if bits.dtype == np.uint16:  # bf16: exponent all ones is inf or NaN
+        return bool(((bits & 0x7F80) == 0x7F80).any())
+    return bool(((bits & 0x7F) == 0x7F).any())  # e4m3fn: S.1111.111 is NaN
+
+
+def record_value_problems(record: dict[str, np.ndarray], *, vocab_size: int) -> list[str]:
+    """Value-level problems of one encoded, schema-valid record (empty if none)."""
+    problems = []
+    input_ids = record["input_ids"]
+    T = len(input_ids)
+    for name in ("input_ids", "corpus_topk_ids", "rollout_tokens", "rollout_topk_ids"):
+        ids = record[name]
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            problems.append(f"{name} outside [0, vocab_size={vocab_size})")
+    if not np.isin(record["loss_mask"], (0, 1)).all():
+        problems.append("loss_mask has values other than 0 and 1")
+    problems += _label_problems("corpus", record["corpus_topk_probs"], record["corpus_tail"])
+    problems += _label_problems("rollout", record["rollout_topk_probs"], record["rollout_tail"])
+    next_prob = record["corpus_next_prob"]
+    if not (np.isfinite(next_prob).all() and (next_prob >= 0).all() and (next_prob <= 1).all()):
+        problems.append("corpus_next_prob outside [0, 1]")
+    elif next_prob[-1] != 0:
+        problems.append("corpus_next_prob is not 0 at the last position")
+    anchor_pos = record["anchor_pos"]
+    if anchor_pos.size:
+        if anchor_pos.min() < 0 or anchor_pos.max() >= T - 1:
+            problems.append(f"anchor_pos outside [0, T-1={T - 1})")
+        elif (np.diff(anchor_pos) <= 0).any():
+            problems.append("anchor_pos not sorted and unique")
+        elif (record["rollout_tokens"][:, 0] != input_ids[anchor_pos]).any():
+            problems.append("rollout_tokens[:, 0] != input_ids[anchor_pos]")
+    for name, scale_name in FP8_SCALE_ARRAYS.items():
+        if _feature_nan(record[name]):
+            problems.append(f"{name} contain NaN or infinite values")
+        if scale_name in record:
+            scales = record[scale_name]
+            if not (np.isfinite(scales).all() and (scales > 0).all()):
+                problems.append(f"{scale_name} not finite and positive")
+    return problems
+
+
+def _zarr_structure_problems(shard: ZarrShard, manifest: Manifest, record: ShardRecord) -> list[str]:
+    """Flat-array problems of a Zarr shard: offsets, lengths, dtypes, attributes."""
+    codec = manifest.settings.feature_codec
+    problems = []
+    names = set(record_array_names(codec)) - {"source_row"}
+    stored = set(shard.arrays) - set(ZARR_INDEX_ARRAYS)
+    if stored != names:
+        problems.append(f"arrays {sorted(stored ^ names)} missing or unexpected")
+    if shard.attrs.get("feature_codec") != codec:
+        problems.append(f"attribute feature_codec {shard.attrs.get('feature_codec')!r}, manifest says {codec!r}")
+    for offsets_name, offsets, arrays in (
+        ("seq_offsets", shard.seq_offsets, [n for n in stored if n not in ANCHOR_INDEXED_ARRAYS]),
+        ("anchor_offsets", shard.anchor_offsets, [n for n in stored if n in ANCHOR_INDEXED_ARRAYS]),
+    ):
+        if offsets.dtype != np.int64 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+            problems.append(f"{offsets_name} must be int64, start at 0 and not decrease")
+            continue
+        for name in sorted(arrays):
+            array = shard.arrays[name]
+            if array.shape[0] != offsets[-1]:
+                problems.append(f"{name} has {array.shape[0]} rows, {offsets_name} ends at {offsets[-1]}")
+            if array.dtype != record_dtype(name, feature_codec=codec):
+                problems.append(f"{name} has dtype {array.dtype}, expected {record_dtype(name, feature_codec=codec)}")
+    if shard.seq_offsets[-1] != record.tokens:
+        problems.append(f"holds {shard.seq_offsets[-1]} tokens, manifest says {record.tokens}")
+    if shard.anchor_offsets[-1] != record.anchors:
+        problems.append(f"holds {shard.anchor_offsets[-1]} anchors, manifest says {record.anchors}")
+    return problems
+
+
+def _shard_problems(cache_dir: Path, manifest: Manifest, record: ShardRecord) -> list[str]:
+    path = cache_dir / SHARD_DIR / record.name
+    if not path.exists():
+        return [f"listed in manifest as {record.status} but missing on disk ({path})"]
+    problems = []
+    checksum = shard_checksum(path)
+    if checksum != record.checksum:
+        problems.append(f"checksum mismatch: manifest {record.checksum}, on disk {checksum}")
+    size = shard_bytes(path)
+    if size != record.bytes:
+        problems.append(f"size mismatch: manifest {record.bytes} bytes, on disk {size}")
+
+    codec = manifest.settings.feature_codec
+    settings = manifest.settings
+    # Only F, k and K are compared against each record.
+    dims = RecordDims(
+        num_tokens=0, num_anchors=0, feature_dim=manifest.feature_dim, top_k=settings.top_k, num_slots=settings.num_slots
+    )
+    try:
+        shard = open_shard(path, storage_format=manifest.settings.storage_format)
+    except Exception as e:  # a broken shard can fail in zarr, tarfile or numpy
+        return problems + [f"unreadable ({_one_line(e)})"]
+    try:
+        if shard.num_sequences != record.sequences:
+            problems.append(f"holds {shard.num_sequences} sequences, manifest says {record.sequences}")
+        if isinstance(shard, ZarrShard):
+            problems += _zarr_structure_problems(shard, manifest, record)
+        num_tokens = num_anchors = 0
+        for local in range(shard.num_sequences):
+            if len(problems) > MAX_PROBLEMS_PER_SHARD:
+                break
+            try:
+                seq = shard.read(local)
+                where = f"sequence {local}" + (f" (source row {int(seq['source_row'])})" if "source_row" in seq else "")
+                seq_dims = check_record(seq, feature_codec=codec, where=where, like=dims)
+            except Exception as e:
+                problems.append(f"sequence {local}: {_one_line(e)}" if not isinstance(e, ValueError) else str(e))
+                continue
+            num_tokens += seq_dims.num_tokens
+            num_anchors += seq_dims.num_anchors
+            problems += [f"{where}: {p}" for p in record_value_problems(seq, vocab_size=manifest.vocab_size)]
+        else:
+            if not isinstance(shard, ZarrShard) and (num_tokens, num_anchors) != (record.tokens, record.anchors):
+                problems.append(
+                    f"holds {num_tokens} tokens / {num_anchors} anchors, manifest says {record.tokens} / {record.anchors}"
+                )
+    finally:
+        shard.close()
+    if len(problems) > MAX_PROBLEMS_PER_SHARD:
+        problems = problems[:MAX_PROBLEMS_PER_SHARD] + [f"more problems not listed (stopped after {MAX_PROBLEMS_PER_SHARD})"]
+    return problems
+
+
+def _target_head_problems(cache_dir: Path, manifest: Manifest) -> list[str]:
+    from safetensors import safe_open
+
+    path = cache_dir / TARGET_HEAD_FILE
+    if not path.is_file():
+        return [f"{path}: missing target head file"]
+    try:
+        with safe_open(path, framework="numpy") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:
+        return [f"{path}: unreadable ({_one_line(e)})"]
+    problems = []
+    for key in TARGET_HEAD_KEYS:
+        if key not in shapes:
+            problems.append(f"{path}: missing tensor {key}")
+        elif shapes[key] != (manifest.vocab_size, manifest.hidden_size):
+            problems.append(f"{path}: {key} has shape {shapes[key]}, expected ({manifest.vocab_size}, {manifest.hidden_size})")
+    return problems
+
+
+def verify_cache(cache_dir: str | os.PathLike) -> list[str]:
+    """Every problem found in the cache at `cache_dir`, one line each; empty if it is good."""
+    cache_dir = Path(cache_dir)
+    try:
+        manifest = load_manifest(cache_dir)
+    except ValueError as e:
+        return [str(e)]
+    problems = []
+    if not manifest.is_complete:
+        problems.append(
+            f"{cache_dir / MANIFEST_FILE}: {len(manifest.complete_shards)} of {manifest.num_shards_planned} planned shards are complete"
+        )
+    problems += _target_head_problems(cache_dir, manifest)
+    for record in manifest.complete_shards:
+        problems += [f"{record.name}: {p}" for p in _shard_problems(cache_dir, manifest, record)]
+    return problems

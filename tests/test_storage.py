@@ -1,0 +1,535 @@
+"""storage/: codecs, manifest, shard writers/readers (real Zarr and tar files), reader, verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from storage.codecs import FP8_E4M3FN_TABLE, decode_features, encode_features
+from storage.format import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    SHARD_DIR,
+    record_array_names,
+    shard_name,
+)
+from storage.manifest import (
+    CacheSettings,
+    Manifest,
+    ShardRecord,
+    load_manifest,
+    load_target_head,
+    save_manifest,
+    save_target_head,
+    settings_diff,
+)
+from storage.reader import available_arrays, cache_stats, open_cache
+from storage.shards import clean_partial_shards, read_shard_records, shard_checksum, write_shard
+from storage.verify import verify_cache
+
+F, TOP_K, K = 64, 4, 15
+VOCAB, HIDDEN = 1000, 32  # F = 2 taps * HIDDEN
+LAYER_IDS = [1, 3]
+FORMATS = ("zarr", "wds")
+CODECS = ("bf16", "fp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fabricated, schema-valid records
+
+
+def _labels(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Top-k ids, probs sorted descending, and tail, for distributions of `shape`."""
+    dist = rng.dirichlet(np.ones(TOP_K + 2), size=shape)  # [..., k + 2]
+    probs = -np.sort(-dist[..., :TOP_K], axis=-1)
+    probs = probs.astype(np.float32)
+    tail = np.maximum(0.0, 1.0 - probs.sum(-1, dtype=np.float64)).astype(np.float32)
+    ids = rng.integers(0, VOCAB, size=(*shape, TOP_K)).astype(np.int32)
+    return ids, probs, tail
+
+
+def _features(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    # Quarter steps: realistic magnitudes but few distinct values, so the data compresses.
+    return (np.round(rng.normal(size=shape) * 4.0) / 4.0).astype(np.float32)
+
+
+def make_record(rng: np.random.Generator, *, source_row: int, T: int, A: int, codec: str) -> tuple[dict, dict]:
+    """(encoded record, float features {"features", "rollout_features"}) of one sequence."""
+    input_ids = rng.integers(0, VOCAB, size=T).astype(np.int32)
+    anchor_pos = np.sort(rng.choice(T - 1, size=A, replace=False)).astype(np.int32)
+    rollout_tokens = rng.integers(0, VOCAB, size=(A, K + 1)).astype(np.int32)
+    rollout_tokens[:, 0] = input_ids[anchor_pos]
+    corpus_ids, corpus_probs, corpus_tail = _labels(rng, (T,))
+    rollout_ids, rollout_probs, rollout_tail = _labels(rng, (A, K))
+    next_prob = rng.random(T).astype(np.float32)
+    next_prob[-1] = 0.0
+    floats = {"features": _features(rng, (T, F)), "rollout_features": _features(rng, (A, K - 2, F))}
+    record = {
+        "source_row": source_row,
+        "input_ids": input_ids,
+        "loss_mask": (rng.random(T) < 0.7).astype(np.uint8),
+        "corpus_topk_ids": corpus_ids,
+        "corpus_topk_probs": corpus_probs,
+        "corpus_tail": corpus_tail,
+        "corpus_next_prob": next_prob,
+        "anchor_pos": anchor_pos,
+        "rollout_tokens": rollout_tokens,
+        "rollout_topk_ids": rollout_ids,
+        "rollout_topk_probs": rollout_probs,
+        "rollout_tail": rollout_tail,
+    }
+    scale_names = {"features": "feature_scales", "rollout_features": "rollout_feature_scales"}
+    for name, values in floats.items():
+        bits, scales = encode_features(torch.from_numpy(values), codec=codec)
+        record[name] = bits
+        if codec == "fp8":
+            record[scale_names[name]] = scales
+    return record, floats
+
+
+def make_shard_records(seed: int, *, first_row: int, num: int, codec: str) -> tuple[list[dict], list[dict]]:
+    rng = np.random.default_rng(seed)
+    records, floats = [], []
+    for i in range(num):
+        T = int(rng.integers(20, 60))
+        A = 0 if i == 1 else int(rng.integers(1, 6))  # one sequence without anchors
+        record, f = make_record(rng, source_row=first_row + 3 * i, T=T, A=A, codec=codec)
+        records.append(record)
+        floats.append(f)
+    return records, floats
+
+
+def make_settings(**overrides) -> CacheSettings:
+    values = dict(
+        target_hash="sha256:abc",
+        layer_ids=list(LAYER_IDS),
+        num_slots=K,
+        top_k=TOP_K,
+        anchors_per_sequence=8,
+        seed=0,
+        max_length=64,
+        min_supervised_tokens=4,
+        feature_codec="bf16",
+        storage_format="zarr",
+        shard_size=4,
+        corpus_hash="sha256:def",
+        skip_bad_rows=False,
+    )
+    values.update(overrides)
+    return CacheSettings(**values)
+
+
+def make_manifest(settings: CacheSettings, shards: list[ShardRecord], num_shards_planned: int | None = None) -> Manifest:
+    return Manifest(
+        settings=settings,
+        target_path="/models/tiny",
+        target_config={"model_type": "qwen3", "hidden_size": HIDDEN, "num_hidden_layers": 4},
+        num_target_layers=4,
+        hidden_size=HIDDEN,
+        vocab_size=VOCAB,
+        stop_token_ids=[2, 3],
+        mask_token_id=999,
+        corpus_path="/data/corpus.jsonl",
+        corpus_stats={"rows": 10, "sequences": 7, "dropped": {"too_short": 3}},
+        shards=shards,
+        num_shards_planned=len(shards) if num_shards_planned is None else num_shards_planned,
+    )
+
+
+def build_cache(cache_dir: Path, *, storage_format: str, codec: str, sizes=(4, 3), seed: int = 0):
+    """Cache of len(sizes) shards; returns (records, floats) flattened in global order."""
+    all_records, all_floats, shards = [], [], []
+    for index, num in enumerate(sizes):
+        records, floats = make_shard_records(seed + index, first_row=100 * index, num=num, codec=codec)
+        shards.append(write_shard(cache_dir, shard_index=index, records=records, storage_format=storage_format, feature_codec=codec))
+        all_records += records
+        all_floats += floats
+    settings = make_settings(feature_codec=codec, storage_format=storage_format)
+    save_manifest(cache_dir, make_manifest(settings, shards))
+    head = torch.randn(VOCAB, HIDDEN)
+    save_target_head(cache_dir, embed_tokens=head, lm_head=head)  # tied, as in small targets
+    return all_records, all_floats
+
+
+def assert_record_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, value in want.items():
+        value = np.asarray(value)
+        assert got[name].dtype == (np.int64 if name == "source_row" else value.dtype), name
+        assert got[name].shape == value.shape, name
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Codecs
+
+
+def test_bf16_codec_is_bit_exact_and_keeps_leading_dims():
+    x = torch.randn(2, 3, 5, F) * 100
+    bits, scales = encode_features(x, codec="bf16")
+    assert scales is None and bits.dtype == np.uint16 and bits.shape == (2, 3, 5, F)
+    decoded = decode_features(bits, None, codec="bf16")
+    assert decoded.dtype == np.float32
+    np.testing.assert_array_equal(decoded, x.to(torch.bfloat16).float().numpy())
+    # bf16 input goes through unchanged
+    bits_bf16, _ = encode_features(x.to(torch.bfloat16), codec="bf16")
+    np.testing.assert_array_equal(bits_bf16, bits)
+
+
+def test_fp8_table_matches_torch():
+    torch_values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(FP8_E4M3FN_TABLE, torch_values)  # NaN positions included
+
+
+def test_fp8_codec_relative_error_zero_rows_and_shapes():
+    x = torch.randn(3, 7, F) * torch.logspace(-3, 3, 7)[None, :, None]
+    x[1, 2] = 0.0  # an all-zero row
+    bits, scales = encode_features(x, codec="fp8")
+    assert bits.dtype == np.uint8 and bits.shape == (3, 7, F)
+    assert scales.dtype == np.float32 and scales.shape == (3, 7)
+    assert scales[1, 2] == 1.0
+    np.testing.assert_allclose(scales, x.abs().amax(-1).numpy() / 448.0 + (x.abs().amax(-1) == 0).numpy(), rtol=1e-6)
+    decoded = decode_features(bits, scales, codec="fp8")
+    assert decoded.shape == x.shape and decoded.dtype == np.float32
+    np.testing.assert_array_equal(decoded[1, 2], 0.0)
+    xs = x.numpy()
+    normal = np.abs(xs) >= scales[..., None] * 2.0**-6  # e4m3 normal range (3 mantissa bits)
+    assert normal.mean() > 0.9
+    rel = np.abs(decoded - xs)[normal] / np.abs(xs)[normal]
+    assert rel.max() <= 2.0**-4 * (1 + 1e-5)
+    # the row maximum maps to +-448 and comes back (almost) exactly
+    row_max = np.abs(xs).max(-1)
+    np.testing.assert_allclose(np.abs(decoded).max(-1), row_max, rtol=1e-6)
+
+
+def test_codecs_reject_bad_input():
+    with pytest.raises(ValueError, match="codec"):
+        encode_features(torch.zeros(2, 4), codec="int8")
+    with pytest.raises(ValueError, match="NaN"):
+        encode_features(torch.tensor([[1.0, float("nan")]]), codec="fp8")
+    with pytest.raises(ValueError, match="scales"):
+        decode_features(np.zeros((2, 4), np.uint8), None, codec="fp8")
+    with pytest.raises(ValueError, match="uint16"):
+        decode_features(np.zeros((2, 4), np.uint8), None, codec="bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards and reader
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+@pytest.mark.parametrize("codec", CODECS)
+def test_round_trip(tmp_path, storage_format, codec):
+    records, floats = build_cache(tmp_path, storage_format=storage_format, codec=codec)
+    reader = open_cache(tmp_path)
+    assert len(reader) == len(records) == 7
+    assert available_arrays(reader) == set(record_array_names(codec))
+    for i, (record, f) in enumerate(zip(records, floats)):
+        assert_record_equal(reader.read(i, decode_features=False), record)
+        decoded = reader.read(i)
+        assert "feature_scales" not in decoded and "rollout_feature_scales" not in decoded
+        for name in ("features", "rollout_features"):
+            assert decoded[name].dtype == np.float32 and decoded[name].shape == f[name].shape
+            if codec == "bf16":  # bit-exact bf16 of the original floats
+                want = torch.from_numpy(f[name]).to(torch.bfloat16).float().numpy()
+                np.testing.assert_array_equal(decoded[name], want)
+            else:
+                np.testing.assert_allclose(decoded[name], f[name], rtol=2.0**-4, atol=1e-6)
+        assert decoded["input_ids"].dtype == np.int32
+        np.testing.assert_array_equal(decoded["corpus_topk_probs"], record["corpus_topk_probs"])
+    # read_shard_records gives the encoded records of one shard in written order
+    path = tmp_path / SHARD_DIR / shard_name(1, storage_format)
+    for got, want in zip(read_shard_records(path, storage_format=storage_format), records[4:], strict=True):
+        assert_record_equal(got, want)
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+def test_random_access_matches_sequential(tmp_path, storage_format):
+    build_cache(tmp_path, storage_format=storage_format, codec="fp8")
+    reader = open_cache(tmp_path)
+    sequential = [r for shard in reader.shards for r in reader.iter_shard(shard.index)]
+    assert len(sequential) == len(reader)
+    assert [reader.shard_of(i) for i in (0, 3, 4, 6)] == [(0, 0), (0, 3), (1, 0), (1, 2)]
+    for i in np.random.default_rng(1).permutation(len(reader)):
+        assert_record_equal(reader.read(int(i)), sequential[i])
+    with pytest.raises(IndexError):
+        reader.read(len(reader))
+    with pytest.raises(IndexError):
+        reader.read(-1)
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+def test_shards_are_byte_identical_when_rewritten(tmp_path, storage_format):
+    records, _ = make_shard_records(5, first_row=0, num=3, codec="bf16")
+    a = write_shard(tmp_path / "a", shard_index=2, records=records, storage_format=storage_format, feature_codec="bf16")
+    b = write_shard(tmp_path / "b", shard_index=2, records=records, storage_format=storage_format, feature_codec="bf16")
+    assert a == b
+    assert a.name == shard_name(2, storage_format) and a.sequences == 3 and a.status == "complete"
+    assert a.tokens == sum(len(r["input_ids"]) for r in records)
+    assert a.anchors == sum(len(r["anchor_pos"]) for r in records)
+    assert a.checksum == shard_checksum(tmp_path / "a" / SHARD_DIR / a.name)
+    # one changed value changes the checksum
+    records[2]["loss_mask"][0] ^= 1
+    c = write_shard(tmp_path / "c", shard_index=2, records=records, storage_format=storage_format, feature_codec="bf16")
+    assert c.checksum != a.checksum
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+def test_atomic_publish_replace_and_cleanup(tmp_path, storage_format):
+    records, _ = make_shard_records(0, first_row=0, num=2, codec="bf16")
+    write_shard(tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16")
+    shard_dir = tmp_path / SHARD_DIR
+    assert sorted(os.listdir(shard_dir)) == [shard_name(0, storage_format)]
+    # a redone shard replaces the published one
+    new_records, _ = make_shard_records(9, first_row=50, num=3, codec="bf16")
+    rec = write_shard(tmp_path, shard_index=0, records=new_records, storage_format=storage_format, feature_codec="bf16")
+    assert sorted(os.listdir(shard_dir)) == [rec.name]
+    got = list(read_shard_records(shard_dir / rec.name, storage_format=storage_format))
+    assert [int(r["source_row"]) for r in got] == [50, 53, 56]
+    # leftovers of an interrupted write are removed; the published shard is untouched
+    (shard_dir / ".tmp-shard-00001.zarr-dead").mkdir()
+    (shard_dir / ".tmp-shard-00001.zarr-dead" / "zarr.json").write_text("{}")
+    (shard_dir / ".tmp-shard-00002.tar-beef").write_bytes(b"partial")
+    assert clean_partial_shards(tmp_path) == [".tmp-shard-00001.zarr-dead", ".tmp-shard-00002.tar-beef"]
+    assert sorted(os.listdir(shard_dir)) == [rec.name]
+    assert shard_checksum(shard_dir / rec.name) == rec.checksum
+    assert clean_partial_shards(tmp_path) == []
+
+
+def test_write_shard_rejects_bad_records(tmp_path):
+    records, _ = make_shard_records(0, first_row=0, num=3, codec="bf16")
+    bad = [dict(r) for r in records]
+    bad[1]["input_ids"] = bad[1]["input_ids"].astype(np.int64)
+    with pytest.raises(ValueError, match=r"shard shard-00000.zarr record 1: array input_ids has dtype int64"):
+        write_shard(tmp_path, shard_index=0, records=bad, storage_format="zarr", feature_codec="bf16")
+    bad = [dict(r) for r in records]
+    bad[2]["corpus_tail"] = bad[2]["corpus_tail"][:-1]
+    with pytest.raises(ValueError, match=r"record 2: array corpus_tail has shape"):
+        write_shard(tmp_path, shard_index=0, records=bad, storage_format="wds", feature_codec="bf16")
+    with pytest.raises(ValueError, match=r"record 0: array feature_scales is missing"):
+        write_shard(tmp_path, shard_index=0, records=records, storage_format="zarr", feature_codec="fp8")
+    bad = [dict(r) for r in records]
+    bad[0]["extra"] = np.zeros(3)
+    with pytest.raises(ValueError, match=r"record 0: array extra is not part of the schema"):
+        write_shard(tmp_path, shard_index=0, records=bad, storage_format="zarr", feature_codec="bf16")
+    bad = [dict(r) for r in records]
+    bad[2]["features"] = np.zeros((len(bad[2]["input_ids"]), F + 1), np.uint16)
+    with pytest.raises(ValueError, match=r"record 2: array features implies feature_dim 65, expected 64"):
+        write_shard(tmp_path, shard_index=0, records=bad, storage_format="zarr", feature_codec="bf16")
+    bad = [dict(r) for r in records]
+    bad[2]["source_row"] = records[0]["source_row"]
+    with pytest.raises(ValueError, match=r"source_row 0 appears in more than one record"):
+        write_shard(tmp_path, shard_index=0, records=bad, storage_format="wds", feature_codec="bf16")
+    assert not (tmp_path / SHARD_DIR).exists() or os.listdir(tmp_path / SHARD_DIR) == []
+
+
+def test_wds_shard_is_readable_by_webdataset(tmp_path):
+    import webdataset
+
+    records, _ = make_shard_records(0, first_row=7, num=3, codec="bf16")
+    rec = write_shard(tmp_path, shard_index=0, records=records, storage_format="wds", feature_codec="bf16")
+    samples = list(webdataset.WebDataset(str(tmp_path / SHARD_DIR / rec.name), shardshuffle=False).decode())
+    assert [s["__key__"] for s in samples] == ["000000007", "000000010", "000000013"]
+    for sample, record in zip(samples, records, strict=True):
+        np.testing.assert_array_equal(sample["input_ids.npy"], record["input_ids"])
+        np.testing.assert_array_equal(sample["rollout_features.npy"], record["rollout_features"])
+        assert int(sample["source_row.npy"]) == record["source_row"]
+
+
+def _collate_list(batch):
+    return batch
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+def test_dataloader_workers_read_the_same_arrays(tmp_path, storage_format):
+    build_cache(tmp_path, storage_format=storage_format, codec="bf16")
+    reader = open_cache(tmp_path)
+    expected = [reader.read(i) for i in range(len(reader))]  # parent opens handles before forking
+    loader = torch.utils.data.DataLoader(reader, batch_size=2, num_workers=2, collate_fn=_collate_list)
+    got = [record for batch in loader for record in batch]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert_record_equal(g, e)
+    # a pickled reader (spawned workers) carries no open handles and reads the same
+    clone = pickle.loads(pickle.dumps(reader))
+    assert clone._handles == {}
+    assert_record_equal(clone.read(5), expected[5])
+
+
+def test_only_complete_shards_are_readable(tmp_path):
+    build_cache(tmp_path, storage_format="zarr", codec="bf16")
+    manifest = load_manifest(tmp_path)
+    manifest.shards[1].status = "pending"
+    save_manifest(tmp_path, manifest)
+    reader = open_cache(tmp_path)
+    assert len(reader) == 4 and [s.index for s in reader.shards] == [0]
+    assert not reader.manifest.is_complete and reader.manifest.num_sequences == 4
+    with pytest.raises(ValueError, match="shard 1 is not a complete shard"):
+        list(reader.iter_shard(1))
+    # a complete shard whose files are gone cannot be opened
+    manifest.shards[1].status = "complete"
+    save_manifest(tmp_path, manifest)
+    import shutil
+
+    shutil.rmtree(tmp_path / SHARD_DIR / "shard-00001.zarr")
+    with pytest.raises(ValueError, match="shard-00001.zarr listed as complete is missing"):
+        open_cache(tmp_path)
+
+
+def _disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_cache_stats(tmp_path, codec):
+    records, _ = build_cache(tmp_path, storage_format="zarr", codec=codec, sizes=(6,))
+    stats = cache_stats(open_cache(tmp_path))
+    tokens = sum(len(r["input_ids"]) for r in records)
+    anchors = sum(len(r["anchor_pos"]) for r in records)
+    # hand computation: every record array at its stored size, features as 2-byte bf16, no scales
+    raw = 0
+    for r in records:
+        for name, value in r.items():
+            if name in ("feature_scales", "rollout_feature_scales"):
+                continue
+            value = np.asarray(value, dtype=np.int64) if name == "source_row" else value
+            raw += value.size * 2 if name in ("features", "rollout_features") else value.nbytes
+    assert stats["sequences"] == 6 and stats["tokens"] == tokens and stats["anchors"] == anchors
+    assert stats["raw_bf16_bytes"] == raw
+    assert stats["bytes_on_disk"] == _disk_bytes(tmp_path / SHARD_DIR)
+    assert stats["bytes_per_token"] == pytest.approx(stats["bytes_on_disk"] / tokens)
+    assert stats["compression_ratio_vs_raw_bf16"] == pytest.approx(raw / stats["bytes_on_disk"])
+    assert stats["compression_ratio_vs_raw_bf16"] > (1.5 if codec == "fp8" else 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest and target head
+
+
+def test_manifest_round_trip_and_properties(tmp_path):
+    shards = [
+        ShardRecord(name="shard-00000.zarr", index=0, sequences=4, tokens=100, anchors=9, bytes=10, checksum="sha256:0", status="complete"),
+        ShardRecord(name="shard-00001.zarr", index=1, sequences=3, tokens=50, anchors=5, bytes=10, checksum="sha256:1", status="pending"),
+    ]
+    manifest = make_manifest(make_settings(), shards, num_shards_planned=3)
+    save_manifest(tmp_path, manifest)
+    assert [p.name for p in tmp_path.iterdir()] == [MANIFEST_FILE]  # no temp file left behind
+    loaded = load_manifest(tmp_path)
+    assert loaded == manifest
+    assert json.loads((tmp_path / MANIFEST_FILE).read_text()) == manifest.to_dict()
+    assert (loaded.num_sequences, loaded.num_tokens, loaded.num_anchors) == (4, 100, 9)
+    assert not loaded.is_complete
+    loaded.shards[1].status = "complete"
+    loaded.shards.append(ShardRecord(**{**shards[0].to_dict(), "index": 2, "name": "shard-00002.zarr"}))
+    assert loaded.is_complete and loaded.num_sequences == 11
+
+
+def _write_manifest_dict(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / MANIFEST_FILE
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_manifest_rejects_unknown_keys_and_versions(tmp_path):
+    data = make_manifest(make_settings(), []).to_dict()
+    path = _write_manifest_dict(tmp_path, {**data, "colour": "blue"})
+    with pytest.raises(ValueError, match=r"manifest.json.*unknown key 'colour'"):
+        load_manifest(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown key 'beam_width' in CacheSettings"):
+        CacheSettings.from_dict({**make_settings().to_dict(), "beam_width": 4})
+    with pytest.raises(ValueError, match=r"missing key 'top_k'"):
+        CacheSettings.from_dict({k: v for k, v in make_settings().to_dict().items() if k != "top_k"})
+    _write_manifest_dict(tmp_path, {**data, "format_version": FORMAT_VERSION + 1})
+    with pytest.raises(ValueError, match=rf"{path}: unsupported format_version 2"):
+        load_manifest(tmp_path)
+    _write_manifest_dict(tmp_path, {**data, "format": "something-else"})
+    with pytest.raises(ValueError, match=rf"{path}: not an alrira-cache manifest"):
+        load_manifest(tmp_path)
+    path.write_text("{ not json")
+    with pytest.raises(ValueError, match=rf"{path}: corrupt manifest"):
+        load_manifest(tmp_path)
+    path.unlink()
+    with pytest.raises(ValueError, match=rf"{path}: no cache manifest"):
+        load_manifest(tmp_path)
+
+
+def test_settings_validation_and_diff():
+    with pytest.raises(ValueError, match="num_slots"):
+        make_settings(num_slots=2)
+    with pytest.raises(ValueError, match="feature_codec"):
+        make_settings(feature_codec="fp4")
+    with pytest.raises(ValueError, match="storage_format"):
+        make_settings(storage_format="parquet")
+    with pytest.raises(ValueError, match="top_k"):
+        make_settings(top_k=0)
+    with pytest.raises(ValueError, match="layer_ids"):
+        make_settings(layer_ids=[])
+    with pytest.raises(ValueError, match="layer_ids"):
+        make_manifest(make_settings(layer_ids=[1, 7]), [])  # target has 4 layers
+    with pytest.raises(ValueError, match="expected 'shard-00000.tar'"):
+        shard = ShardRecord(name="shard-00000.zarr", index=0, sequences=1, tokens=1, anchors=0, bytes=1, checksum="sha256:0", status="complete")
+        make_manifest(make_settings(storage_format="wds"), [shard])
+    old = make_settings()
+    assert settings_diff(old, make_settings()) == []
+    new = make_settings(top_k=8, feature_codec="fp8", layer_ids=[1, 2])
+    assert settings_diff(old, new) == ["layer_ids: [1, 3] -> [1, 2]", "top_k: 4 -> 8", "feature_codec: 'bf16' -> 'fp8'"]
+
+
+def test_target_head_round_trip(tmp_path):
+    embed, lm_head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN).to(torch.bfloat16)
+    save_target_head(tmp_path, embed_tokens=embed, lm_head=lm_head)
+    head = load_target_head(tmp_path)
+    assert set(head) == {"embed_tokens.weight", "lm_head.weight"}
+    assert torch.equal(head["embed_tokens.weight"], embed)
+    assert head["lm_head.weight"].dtype == torch.bfloat16 and torch.equal(head["lm_head.weight"], lm_head)
+    with pytest.raises(ValueError, match="missing target head"):
+        load_target_head(tmp_path / "elsewhere")
+
+
+# ---------------------------------------------------------------------------------------------
+# Verify
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+def test_verify_passes_on_good_cache(tmp_path, storage_format):
+    build_cache(tmp_path, storage_format=storage_format, codec="fp8")
+    assert verify_cache(tmp_path) == []
+
+
+def test_verify_catches_flipped_byte_in_zarr_chunk(tmp_path):
+    build_cache(tmp_path, storage_format="zarr", codec="bf16")
+    chunk = tmp_path / SHARD_DIR / "shard-00001.zarr" / "features" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    problems = verify_cache(tmp_path)
+    assert problems and all(p.startswith("shard-00001.zarr: ") for p in problems)
+    assert any("checksum mismatch" in p for p in problems)
+
+
+def test_verify_catches_missing_shard(tmp_path):
+    build_cache(tmp_path, storage_format="wds", codec="bf16")
+    (tmp_path / SHARD_DIR / "shard-00000.tar").unlink()
+    problems = verify_cache(tmp_path)
+    assert len(problems) == 1
+    assert problems[0].startswith("shard-00000.tar: ") and "missing" in problems[0]
+
+
+def test_verify_catches_bad_values(tmp_path):
+    records, _ = make_shard_records(0, first_row=0, num=3, codec="bf16")
+    records[1]["corpus_tail"] = records[1]["corpus_tail"] + np.float32(0.1)
+    records[2]["rollout_tokens"][0, 0] += 1
+    shard = write_shard(tmp_path, shard_index=0, records=records, storage_format="zarr", feature_codec="bf16")
+    save_manifest(tmp_path, make_manifest(make_settings(), [shard]))
+    save_target_head(tmp_path, embed_tokens=torch.zeros(VOCAB, HIDDEN), lm_head=torch.zeros(VOCAB, HIDDEN))
+    problems = verify_cache(tmp_path)
+    assert problems == [
+        "shard-00000.zarr: sequence 1 (source row 3): corpus_topk_probs + corpus_tail differ from 1 by up to 0.1",
+        "shard-00000.zarr: sequence 2 (source row 6): rollout_tokens[:, 0] != input_ids[anchor_pos]",
+    ]
