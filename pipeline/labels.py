@@ -1,0 +1,306 @@
+"""Labels and slot weights of one sequence's draft blocks, for every objective (SPEC section 3).
+
+`build_block_targets` is the single place where the objectives differ: the train loop draws blocks
+through it and feeds the result to the drafter and `objectives.topk_tail_loss` the same way for every
+method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pipeline.objectives import (
+    alive_mask,
+    base_factors,
+    cap_mask,
+    depth_mask,
+    draw_anchors,
+    eligible_anchor_positions,
+    hard_gate,
+    ira_split,
+    rollout_gate,
+    secondary_labels,
+    secondary_weights,
+    slot_control_caps,
+    slot_envelope,
+    soft_gate,
+)
+
+METHODS = ("dflash", "kd", "erase", "erase_hard", "alr", "alr_gate", "alr_ira", "slot_control")
+CORPUS_METHODS = ("dflash", "kd", "erase", "erase_hard")  # labels from the corpus pass only
+ROLLOUT_METHODS = ("alr", "alr_gate", "alr_ira", "slot_control")  # labels from greedy rollouts
+ANCHOR_SOURCES = ("pool", "all")
+LABEL_SOURCES = ("corpus", "rollout")
+
+
+@dataclass(kw_only=True)
+class ObjectiveConfig:
+    """How draft blocks are labelled and weighted."""
+
+    method: str
+    """Objective: one of dflash, kd, erase, erase_hard, alr, alr_gate, alr_ira, slot_control."""
+    num_slots: int = 15
+    """K, predicted slots per block (block size K + 1); must match the cache."""
+    gamma: float = 2.0
+    """Slot envelope decay exp(-(k - 1) / gamma) of the distillation methods."""
+    dflash_gamma: float = 7.0
+    """Slot envelope decay of the DFlash cross-entropy baseline (7.0 vision recipe, 2.0 text)."""
+    rollout_depth: int = 14
+    """R, greedy rollout steps whose labels are trained: slots 1..R+1 (rollout methods)."""
+    anchors_per_step: int | None = None
+    """Anchors drawn per sequence and step; None takes the whole source."""
+    anchor_source: str = "pool"
+    """Where anchors come from: the cached pool, or all eligible positions (corpus methods only)."""
+    mask_token_id: int
+    """Token id of the block's MASK slots."""
+    stop_token_ids: tuple[int, ...]
+    """Stop token ids (eos / end of turn): rollout slots after one are not trained."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.method in ("alr_ira", "slot_control") and self.num_slots < 3:
+            raise ValueError(f"num_slots must be >= 3 for {self.method} (offsets j ~ U{{2..K-1}})")
+        if not self.gamma > 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if not self.dflash_gamma > 0:
+            raise ValueError(f"dflash_gamma must be > 0, got {self.dflash_gamma}")
+        if self.rollout_depth < 0:
+            raise ValueError(f"rollout_depth must be >= 0, got {self.rollout_depth}")
+        if self.method in ROLLOUT_METHODS and self.rollout_depth > self.num_slots - 1:
+            raise ValueError(
+                f"rollout_depth must be <= num_slots - 1 = {self.num_slots - 1}, got {self.rollout_depth}"
+            )
+        if self.method == "alr_ira" and self.rollout_depth != self.num_slots - 1:
+            raise ValueError(
+                f"rollout_depth must be num_slots - 1 = {self.num_slots - 1} for alr_ira "
+                f"(secondaries sit at offsets up to K - 1), got {self.rollout_depth}"
+            )
+        if self.anchors_per_step is not None and self.anchors_per_step < 1:
+            raise ValueError(f"anchors_per_step must be >= 1 or None, got {self.anchors_per_step}")
+        if self.anchor_source not in ANCHOR_SOURCES:
+            raise ValueError(f"anchor_source must be one of {ANCHOR_SOURCES}, got {self.anchor_source!r}")
+        if self.anchor_source == "all" and self.method in ROLLOUT_METHODS:
+            raise ValueError(
+                f"anchor_source 'all' needs rollouts at every position; {self.method} has them only "
+                "for the cached pool (use anchor_source 'pool')"
+            )
+        if self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+        self.stop_token_ids = tuple(int(token) for token in self.stop_token_ids)
+
+
+def required_arrays(method: str) -> set[str]:
+    """Cache arrays training with `method` reads (fp8 scale arrays follow their feature arrays)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    arrays = {"input_ids", "loss_mask", "features", "anchor_pos"}
+    if method in ("kd", "erase", "erase_hard"):
+        arrays |= {"corpus_topk_ids", "corpus_topk_probs"}
+    if method == "erase":
+        arrays.add("corpus_next_prob")
+    if method in ROLLOUT_METHODS:
+        arrays |= {"rollout_tokens", "rollout_topk_ids", "rollout_topk_probs"}
+    if method == "alr_ira":
+        arrays.add("rollout_features")
+    return arrays
+
+
+@dataclass(kw_only=True)
+class BlockTargets:
+    """Inputs, visibility and labels of one sequence's N draft blocks (slot k sits at index k - 1)."""
+
+    block_tokens: Tensor  # [N, K+1] long: slot 0 = anchor token, slots 1..K = mask_token_id
+    block_anchor_pos: Tensor  # [N] long: position of slot 0 (a, or a + j for a secondary)
+    block_corpus_limit: Tensor  # [N] long: corpus features visible at positions < limit
+    private_parent: Tensor  # [N] long: pool index whose rollout features the block also sees, or -1
+    private_len: Tensor  # [N] long: how many of them (y*[1..j-1] at positions a+1..a+j-1), else 0
+    label_ids: Tensor  # [N, K, k] long (k = 1 for dflash's one-hot labels)
+    label_probs: Tensor  # [N, K, k] float32, tail = max(0, 1 - sum)
+    slot_weights: Tensor  # [N, K] float32, 0 = unsupervised
+    is_secondary: Tensor  # [N] bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_tokens.shape[0]
+
+
+def compose_slot_weights(
+    *,
+    base: Tensor,
+    label_source: str,
+    alive: Tensor | None = None,
+    depth: Tensor | None = None,
+    cap: Tensor | None = None,
+    rollout_gate: Tensor | None = None,
+    corpus_gate: Tensor | None = None,
+) -> Tensor:
+    """Multiply slot weight factors in the fixed order base -> alive, depth, cap -> rollout gate ->
+    corpus gate ([N, K + 1] each, or [K + 1]).
+
+    A corpus gate scores the corpus continuation, which rollout labels do not follow: refused.
+    """
+    if label_source not in LABEL_SOURCES:
+        raise ValueError(f"label_source must be one of {LABEL_SOURCES}, got {label_source!r}")
+    if label_source == "rollout" and corpus_gate is not None:
+        raise ValueError("a corpus gate cannot weight rollout labels (it scores a different continuation)")
+    weights = base
+    for factor in (alive, depth, cap, rollout_gate, corpus_gate):
+        if factor is not None:
+            weights = weights * factor
+    return weights
+
+
+def _blocks_at_corpus_anchors(
+    record: dict[str, Tensor], *, anchor_pos: Tensor, label_ids: Tensor, label_probs: Tensor,
+    weights: Tensor, config: ObjectiveConfig,
+) -> BlockTargets:
+    """Blocks [x[a], MASK x K] that see the corpus features before their anchor a and nothing else."""
+    num_blocks = anchor_pos.shape[0]
+    device = anchor_pos.device
+    block_tokens = torch.full((num_blocks, config.num_slots + 1), config.mask_token_id, device=device)
+    block_tokens[:, 0] = record["input_ids"].long()[anchor_pos]
+    return BlockTargets(
+        block_tokens=block_tokens,  # [N, K + 1]
+        block_anchor_pos=anchor_pos.clone(),
+        block_corpus_limit=anchor_pos.clone(),
+        private_parent=torch.full((num_blocks,), -1, dtype=torch.long, device=device),
+        private_len=torch.zeros(num_blocks, dtype=torch.long, device=device),
+        label_ids=label_ids,
+        label_probs=label_probs,
+        slot_weights=weights[:, 1:].contiguous(),  # [N, K]: slot 0 is never trained
+        is_secondary=torch.zeros(num_blocks, dtype=torch.bool, device=device),
+    )
+
+
+def _corpus_labels(
+    record: dict[str, Tensor], *, anchor_pos: Tensor, config: ObjectiveConfig
+) -> tuple[Tensor, Tensor]:
+    """Labels of slot k from the corpus pass: [N, K, k] ids and probs, zero past the sequence end."""
+    input_ids = record["input_ids"].long()
+    seq_len = input_ids.shape[0]
+    slots = torch.arange(1, config.num_slots + 1, device=anchor_pos.device)
+    positions = anchor_pos[:, None] + slots  # [N, K]: a + k, the token slot k predicts
+    in_seq = (positions < seq_len)[:, :, None]
+    if config.method == "dflash":
+        tokens = input_ids[positions.clamp(max=seq_len - 1)][:, :, None]
+        label_ids = torch.where(in_seq, tokens, 0)  # [N, K, 1]
+        return label_ids, torch.ones(label_ids.shape, dtype=torch.float32, device=label_ids.device)
+    # the distribution predicting x[a + k] sits at position a + k - 1
+    source = (positions - 1).clamp(max=seq_len - 1)
+    label_ids = torch.where(in_seq, record["corpus_topk_ids"].long()[source], 0)  # [N, K, k]
+    label_probs = torch.where(in_seq, record["corpus_topk_probs"].float()[source], 0.0)
+    return label_ids, label_probs
+
+
+def _corpus_targets(
+    record: dict[str, Tensor], *, anchor_pos: Tensor, config: ObjectiveConfig
+) -> BlockTargets:
+    num_slots = config.num_slots
+    gamma = config.dflash_gamma if config.method == "dflash" else config.gamma
+    envelope = slot_envelope(num_slots=num_slots, gamma=gamma)
+    in_seq = base_factors(anchor_pos=anchor_pos, loss_mask=record["loss_mask"], num_slots=num_slots)
+    corpus_gate = None
+    if config.method == "erase":
+        corpus_gate = soft_gate(
+            anchor_pos=anchor_pos, corpus_next_prob=record["corpus_next_prob"], num_slots=num_slots
+        )
+    elif config.method == "erase_hard":
+        corpus_gate = hard_gate(
+            anchor_pos=anchor_pos,
+            input_ids=record["input_ids"],
+            corpus_argmax=record["corpus_topk_ids"][:, 0],
+            num_slots=num_slots,
+        )
+    weights = compose_slot_weights(base=in_seq * envelope, label_source="corpus", corpus_gate=corpus_gate)
+    label_ids, label_probs = _corpus_labels(record, anchor_pos=anchor_pos, config=config)
+    return _blocks_at_corpus_anchors(
+        record, anchor_pos=anchor_pos, label_ids=label_ids, label_probs=label_probs, weights=weights,
+        config=config,
+    )
+
+
+def _rollout_targets(
+    record: dict[str, Tensor], *, anchor_pos: Tensor, pool_index: Tensor, config: ObjectiveConfig,
+    generator: torch.Generator,
+) -> BlockTargets:
+    num_slots = config.num_slots
+    num_blocks = anchor_pos.shape[0]
+    rollout_tokens = record["rollout_tokens"].long()[pool_index]  # [N, K + 1]
+    if rollout_tokens.shape[1] != num_slots + 1:
+        raise ValueError(
+            f"num_slots is {num_slots} but the cache's rollouts have {rollout_tokens.shape[1] - 1} slots"
+        )
+    label_ids = record["rollout_topk_ids"].long()[pool_index]  # [N, K, k]: pi[a, 1..K]
+    label_probs = record["rollout_topk_probs"].float()[pool_index]  # [N, K, k]
+    stop_token_ids = torch.tensor(config.stop_token_ids, dtype=torch.long)
+    envelope = slot_envelope(num_slots=num_slots, gamma=config.gamma)
+    in_seq = base_factors(anchor_pos=anchor_pos, loss_mask=record["loss_mask"], num_slots=num_slots)
+    alive = alive_mask(rollout_tokens=rollout_tokens, stop_token_ids=stop_token_ids)  # [N, K + 1]
+    depth = depth_mask(num_slots=num_slots, rollout_depth=config.rollout_depth)  # [K + 1]
+    split = cap = gate = None
+    if config.method in ("alr_ira", "slot_control"):
+        split = ira_split(num_blocks=num_blocks, num_slots=num_slots, generator=generator)
+    if config.method == "slot_control":
+        cap = cap_mask(slot_control_caps(split=split, num_blocks=num_blocks, num_slots=num_slots), num_slots)
+    if config.method == "alr_gate":
+        gate = rollout_gate(rollout_topk_probs=label_probs, num_slots=num_slots)
+    weights = compose_slot_weights(
+        base=in_seq * envelope, label_source="rollout", alive=alive, depth=depth, cap=cap, rollout_gate=gate
+    )  # [N, K + 1]
+    targets = _blocks_at_corpus_anchors(
+        record, anchor_pos=anchor_pos, label_ids=label_ids, label_probs=label_probs, weights=weights,
+        config=config,
+    )
+    if config.method != "alr_ira":
+        return targets
+
+    # Secondaries take over the blocks drawn at their indices: each is anchored on y*[j] of its
+    # parent's rollout, sees the corpus up to a and y*[1..j-1], and reuses the parent's labels.
+    secondaries, parents, offsets = split.secondaries, split.parents, split.offsets
+    parent_anchor = anchor_pos[parents]  # [n_sec]
+    parent_factors = in_seq[parents] * alive[parents] * depth  # [n_sec, K + 1], no envelope
+    sec_weights = secondary_weights(
+        parent_base_factors=parent_factors, offsets=offsets, envelope=envelope, num_slots=num_slots
+    )
+    sec_ids, sec_probs = secondary_labels(
+        parent_topk_ids=label_ids[parents], parent_topk_probs=label_probs[parents], offsets=offsets,
+        num_slots=num_slots,
+    )
+    targets.block_tokens[secondaries, 0] = rollout_tokens[parents, offsets]
+    targets.block_anchor_pos[secondaries] = parent_anchor + offsets
+    targets.block_corpus_limit[secondaries] = parent_anchor + 1
+    targets.private_parent[secondaries] = pool_index[parents]
+    targets.private_len[secondaries] = offsets - 1
+    targets.label_ids[secondaries] = sec_ids
+    targets.label_probs[secondaries] = sec_probs
+    targets.slot_weights[secondaries] = sec_weights[:, 1:]
+    targets.is_secondary[secondaries] = True
+    return targets
+
+
+def build_block_targets(
+    record: dict[str, Tensor], *, config: ObjectiveConfig, generator: torch.Generator
+) -> BlockTargets:
+    """Draw one sequence's anchors and build its blocks' inputs, labels and slot weights.
+
+    `record` holds the sequence's cache arrays as CPU tensors (see `required_arrays`). Randomness is
+    taken from `generator` in a fixed order (anchor draw, then the IRA split), so a seed fixes the
+    targets bit for bit. A sequence with no anchors gives N = 0 blocks.
+    """
+    if config.anchor_source == "pool":
+        candidates = record["anchor_pos"].long()  # [A]
+    else:
+        candidates = eligible_anchor_positions(record["loss_mask"])
+    drawn = draw_anchors(candidates, num_anchors=config.anchors_per_step, generator=generator)  # [N]
+    anchor_pos = candidates[drawn]  # [N]
+    if config.method in CORPUS_METHODS:
+        return _corpus_targets(record, anchor_pos=anchor_pos, config=config)
+    return _rollout_targets(
+        record, anchor_pos=anchor_pos, pool_index=drawn, config=config, generator=generator
+    )
