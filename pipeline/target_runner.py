@@ -1,0 +1,380 @@
+"""The target side of stage 1: one corpus forward plus batched greedy rollouts per batch.
+
+For a batch of corpus sequences this computes everything the trainer will ever need from the
+target (SPEC section 5): tapped features, top-k + tail distributions at every position, an anchor
+pool per sequence, and for every pool anchor a greedy rollout of depth K - 1 with its
+distributions and the tapped features of the rollout tokens.
+
+Rollouts are parallel branches that share the corpus KV cache. Rollout step r feeds, for every
+anchor of every sequence at once, the token y*[r] at position a + r; its query sees the corpus
+keys at positions <= a and the branch's own earlier rollout keys, nothing else. So the whole
+batch takes one corpus forward and K - 1 small forwards of (num_anchors) tokens each, instead of
+one `generate()` per anchor. `reference_rollout` below is the plain step-by-step version that
+the tests (and the benchmark) compare against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Files that define what a target computes; their bytes make the target hash.
+_TARGET_IDENTITY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+@dataclass(kw_only=True)
+class TargetRunConfig:
+    """What the target computes per sequence; every field changes cache content."""
+
+    layer_ids: list[int]
+    num_slots: int = 15  # K: slots per block; rollouts have depth K - 1
+    top_k: int = 8
+    anchors_per_sequence: int = 128
+    seed: int = 0
+    logits_chunk: int = 2048  # positions per lm_head call, bounds the [chunk, vocab] logits buffer
+
+    def __post_init__(self):
+        if not self.layer_ids:
+            raise ValueError("layer_ids: at least one tapped layer is required")
+        if self.num_slots < 3:
+            raise ValueError(f"num_slots must be >= 3, got {self.num_slots}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.anchors_per_sequence < 1:
+            raise ValueError(f"anchors_per_sequence must be >= 1, got {self.anchors_per_sequence}")
+
+    @property
+    def rollout_depth(self) -> int:
+        return self.num_slots - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Target identity and loading
+
+
+def target_hash(target_dir: str | Path) -> str:
+    """Content hash of the files that define the target's config and tokenizer."""
+    target_dir = Path(target_dir)
+    digest = hashlib.sha256()
+    for name in _TARGET_IDENTITY_FILES:
+        path = target_dir / name
+        if path.is_file():
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def read_target_config(target_dir: str | Path) -> dict:
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no config.json; --target must be a local HF model directory")
+    config = json.loads(path.read_text())
+    # Multimodal targets (Qwen3-VL) keep the language model's keys under text_config.
+    return config.get("text_config", config)
+
+
+def load_target(target_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a local HF causal LM for feature extraction (eval mode, SDPA attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(target_dir), dtype=dtype, attn_implementation="sdpa"
+    )
+    if getattr(model.config, "use_sliding_window", False):
+        raise ValueError(f"{target_dir}: sliding-window targets are not supported")
+    return model.to(device).eval()
+
+
+def stop_token_ids(tokenizer, generation_config: dict | None = None) -> list[int]:
+    """eos / end-of-turn ids: a rollout slot after one of these is not trained."""
+    ids = set()
+    for token in (tokenizer.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        if token is None:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    eos = (generation_config or {}).get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure pieces
+
+
+def topk_with_tail(logits: torch.Tensor, *, top_k: int):
+    """fp32 softmax of logits [N, V] -> (ids [N, k] int32, probs [N, k] f32, tail [N] f32, argmax [N]).
+
+    Ties in the argmax go to the lowest id (torch.topk is stable only on CPU, so the argmax is
+    taken separately with torch.argmax, which returns the first maximal index).
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    topk_probs, topk_ids = probs.topk(top_k, dim=-1)  # [N, k]
+    argmax = probs.argmax(dim=-1)  # [N]
+    # Keep column 0 == argmax even under exact ties, so "top-1" and "greedy" never disagree.
+    tie = topk_ids[:, 0] != argmax
+    if tie.any():
+        topk_ids[tie, 0] = argmax[tie]
+    tail = (1.0 - topk_probs.sum(dim=-1)).clamp_min(0.0)
+    return topk_ids.int(), topk_probs, tail, argmax
+
+
+def anchor_pool(loss_mask: np.ndarray, *, num_anchors: int, seed: int, source_row: int) -> np.ndarray:
+    """Eligible positions (m[a] = m[a+1] = 1), up to num_anchors drawn without replacement, sorted.
+
+    The generator is seeded by (seed, source_row), so a sequence's pool never depends on which
+    shard, batch or worker processed it.
+    """
+    mask = np.asarray(loss_mask).astype(bool)
+    eligible = np.flatnonzero(mask[:-1] & mask[1:])  # [E]
+    if len(eligible) > num_anchors:
+        rng = np.random.default_rng([seed, source_row])
+        eligible = np.sort(rng.choice(eligible, size=num_anchors, replace=False))
+    return eligible.astype(np.int32)
+
+
+def rollout_attention_mask(
+    *,
+    anchor_pos: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    corpus_len: int,
+    step: int,
+) -> torch.Tensor:
+    """Visibility for rollout step `step` (1-based): bool [B, 1, A, corpus_len + step * A].
+
+    Key layout in the shared cache: the corpus (padded to corpus_len), then the A branch tokens
+    of step 1, then those of step 2, ... A branch query sees corpus keys at positions <= its
+    anchor and the keys of its own branch from every step so far. Padding anchors see key 0 and
+    themselves only, so no row is fully masked.
+    """
+    batch, num_anchors = anchor_pos.shape
+    limit = torch.where(anchor_valid, anchor_pos, torch.zeros_like(anchor_pos))
+    corpus = torch.arange(corpus_len, device=anchor_pos.device)[None, None, :] <= limit[:, :, None]
+    own = torch.eye(num_anchors, dtype=torch.bool, device=anchor_pos.device)
+    branches = own[None].expand(batch, num_anchors, num_anchors).repeat(1, 1, step)
+    return torch.cat([corpus, branches], dim=-1)[:, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# The batched computation
+
+
+@dataclass(kw_only=True)
+class TargetSequence:
+    source_row: int
+    input_ids: np.ndarray  # [T] int
+    loss_mask: np.ndarray  # [T] uint8
+
+
+@dataclass(kw_only=True)
+class TargetOutputs:
+    """One sequence's target outputs as float tensors (features not yet encoded)."""
+
+    source_row: int
+    input_ids: torch.Tensor  # [T] int32
+    loss_mask: torch.Tensor  # [T] uint8
+    features: torch.Tensor  # [T, F]
+    corpus_topk_ids: torch.Tensor  # [T, k]
+    corpus_topk_probs: torch.Tensor  # [T, k]
+    corpus_tail: torch.Tensor  # [T]
+    corpus_next_prob: torch.Tensor  # [T]
+    anchor_pos: torch.Tensor  # [A] int32
+    rollout_tokens: torch.Tensor  # [A, K+1] int32
+    rollout_topk_ids: torch.Tensor  # [A, K, k]
+    rollout_topk_probs: torch.Tensor  # [A, K, k]
+    rollout_tail: torch.Tensor  # [A, K]
+    rollout_features: torch.Tensor  # [A, K-2, F]
+    extras: dict = field(default_factory=dict)
+
+
+def _tapped(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    # hidden_states[0] is the embedding output, hidden_states[id + 1] the residual stream after
+    # decoder layer id (before the final norm as long as id < L - 1).
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _lm_head_topk(model, hidden: torch.Tensor, *, top_k: int, chunk: int):
+    """hidden [N, H] (after the final norm) -> topk_with_tail outputs, lm_head applied in chunks."""
+    outs = [topk_with_tail(model.lm_head(hidden[i : i + chunk]), top_k=top_k) for i in range(0, len(hidden), chunk)]
+    if not outs:
+        empty = hidden.new_zeros((0, top_k))
+        return empty.int(), empty.float(), hidden.new_zeros(0).float(), hidden.new_zeros(0).long()
+    return tuple(torch.cat(parts) for parts in zip(*outs))
+
+
+def _next_token_prob(model, hidden: torch.Tensor, next_ids: torch.Tensor, *, chunk: int) -> torch.Tensor:
+    """p_T(next_ids[i] | ...) from hidden [N, H]: one gather per chunk of fp32 softmax."""
+    probs = []
+    for i in range(0, len(hidden), chunk):
+        logits = model.lm_head(hidden[i : i + chunk]).float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, next_ids[i : i + chunk, None])[:, 0]
+        probs.append(logp.exp())
+    return torch.cat(probs) if probs else hidden.new_zeros(0).float()
+
+
+@torch.inference_mode()
+def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunConfig) -> list[TargetOutputs]:
+    """Corpus forward + batched greedy rollouts for a batch of sequences (right-padded)."""
+    device = next(model.parameters()).device
+    batch = len(sequences)
+    lengths = [len(s.input_ids) for s in sequences]
+    max_len = max(lengths)
+    num_slots, depth, top_k = config.num_slots, config.rollout_depth, config.top_k
+
+    input_ids = torch.zeros((batch, max_len), dtype=torch.long, device=device)  # [B, S]
+    token_valid = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
+    for b, seq in enumerate(sequences):
+        input_ids[b, : lengths[b]] = torch.tensor(np.asarray(seq.input_ids), dtype=torch.long)
+        token_valid[b, : lengths[b]] = True
+
+    # Corpus pass: causal over real tokens. Padding keys sit after every real token, so causality
+    # already hides them from real queries; the mask is written out to keep the semantics explicit.
+    positions = torch.arange(max_len, device=device)
+    causal = positions[None, :] <= positions[:, None]  # [S, S]
+    corpus_mask = (causal[None] & token_valid[:, None, :])[:, None]  # [B, 1, S, S]
+    corpus_mask |= torch.eye(max_len, dtype=torch.bool, device=device)[None, None]  # padding rows see themselves
+    out = model.model(
+        input_ids=input_ids,
+        attention_mask=_mask_mapping(model, corpus_mask),
+        position_ids=positions[None].expand(batch, -1),
+        use_cache=True,
+        output_hidden_states=True,
+    )
+    cache = out.past_key_values
+    corpus_features = _tapped(out.hidden_states, config.layer_ids)  # [B, S, F]
+    final_hidden = out.last_hidden_state  # [B, S, H], after the final norm
+
+    flat_hidden = final_hidden[token_valid]  # [sum T, H]
+    c_ids, c_probs, c_tail, c_argmax = _lm_head_topk(model, flat_hidden, top_k=top_k, chunk=config.logits_chunk)
+    # p_T(x[t+1] | x[<=t]); the last position of each sequence has no next token.
+    next_ids = torch.zeros((batch, max_len), dtype=torch.long, device=device)
+    next_ids[:, :-1] = input_ids[:, 1:]
+    c_next = _next_token_prob(model, flat_hidden, next_ids[token_valid], chunk=config.logits_chunk)
+    is_last = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
+    is_last[torch.arange(batch), torch.as_tensor(lengths, device=device) - 1] = True
+    c_next = c_next.masked_fill(is_last[token_valid], 0.0)
+    split = [int(n) for n in lengths]
+    c_ids, c_probs, c_tail, c_argmax, c_next = (t.split(split) for t in (c_ids, c_probs, c_tail, c_argmax, c_next))
+
+    # Anchor pools, padded to a common count A.
+    pools = [
+        anchor_pool(s.loss_mask, num_anchors=config.anchors_per_sequence, seed=config.seed, source_row=s.source_row)
+        for s in sequences
+    ]
+    num_anchors = max((len(p) for p in pools), default=0)
+    anchor_pos = torch.zeros((batch, num_anchors), dtype=torch.long, device=device)  # [B, A]
+    anchor_valid = torch.zeros((batch, num_anchors), dtype=torch.bool, device=device)
+    for b, pool in enumerate(pools):
+        anchor_pos[b, : len(pool)] = torch.as_tensor(pool, dtype=torch.long)
+        anchor_valid[b, : len(pool)] = True
+
+    # Slot 1 of every rollout is the corpus distribution at the anchor itself.
+    roll_ids = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.int32, device=device)
+    roll_probs = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.float32, device=device)
+    roll_tail = torch.zeros((batch, num_anchors, num_slots), dtype=torch.float32, device=device)
+    roll_tokens = torch.zeros((batch, num_anchors, num_slots + 1), dtype=torch.long, device=device)
+    feature_dim = corpus_features.shape[-1]
+    roll_features = corpus_features.new_zeros((batch, num_anchors, num_slots - 2, feature_dim))
+    for b in range(batch):
+        pos = anchor_pos[b, anchor_valid[b]]
+        roll_ids[b, : len(pos), 0] = c_ids[b][pos]
+        roll_probs[b, : len(pos), 0] = c_probs[b][pos]
+        roll_tail[b, : len(pos), 0] = c_tail[b][pos]
+        roll_tokens[b, : len(pos), 0] = input_ids[b, pos]
+        roll_tokens[b, : len(pos), 1] = c_argmax[b][pos]
+
+    if num_anchors > 0:
+        for step in range(1, depth + 1):
+            step_out = model.model(
+                input_ids=roll_tokens[:, :, step],  # y*[step] for every branch: [B, A]
+                attention_mask=_mask_mapping(
+                    model,
+                    rollout_attention_mask(
+                        anchor_pos=anchor_pos, anchor_valid=anchor_valid, corpus_len=max_len, step=step
+                    ),
+                ),
+                position_ids=anchor_pos + step,
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+            )
+            if step <= num_slots - 2:
+                roll_features[:, :, step - 1] = _tapped(step_out.hidden_states, config.layer_ids)
+            ids, probs, tail, argmax = _lm_head_topk(
+                model, step_out.last_hidden_state.reshape(batch * num_anchors, -1), top_k=top_k, chunk=config.logits_chunk
+            )
+            roll_ids[:, :, step] = ids.view(batch, num_anchors, top_k)
+            roll_probs[:, :, step] = probs.view(batch, num_anchors, top_k)
+            roll_tail[:, :, step] = tail.view(batch, num_anchors)
+            roll_tokens[:, :, step + 1] = argmax.view(batch, num_anchors)
+    del cache
+
+    results = []
+    for b, seq in enumerate(sequences):
+        n, a = lengths[b], len(pools[b])
+        results.append(
+            TargetOutputs(
+                source_row=int(seq.source_row),
+                input_ids=input_ids[b, :n].int().cpu(),
+                loss_mask=torch.tensor(np.asarray(seq.loss_mask), dtype=torch.uint8),
+                features=corpus_features[b, :n].cpu(),
+                corpus_topk_ids=c_ids[b].cpu(),
+                corpus_topk_probs=c_probs[b].cpu(),
+                corpus_tail=c_tail[b].cpu(),
+                corpus_next_prob=c_next[b].cpu(),
+                anchor_pos=torch.as_tensor(pools[b], dtype=torch.int32),
+                rollout_tokens=roll_tokens[b, :a].int().cpu(),
+                rollout_topk_ids=roll_ids[b, :a].cpu(),
+                rollout_topk_probs=roll_probs[b, :a].cpu(),
+                rollout_tail=roll_tail[b, :a].cpu(),
+                rollout_features=roll_features[b, :a].cpu(),
+            )
+        )
+    return results
+
+
+def _mask_mapping(model, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    # A dict skips transformers' own mask construction and hands our boolean mask to every layer.
+    return {layer_type: mask for layer_type in set(model.config.layer_types)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain reference: one anchor at a time, a full forward per rollout step (no cache tricks).
+
+
+@torch.inference_mode()
+def reference_rollout(model, input_ids: np.ndarray, *, anchor: int, config: TargetRunConfig) -> dict[str, torch.Tensor]:
+    """Rollout of one anchor by plain full forwards over x[<=a] + y*[<k]; used by tests and benchmarks."""
+    device = next(model.parameters()).device
+    prefix = torch.as_tensor(np.asarray(input_ids[: anchor + 1]), dtype=torch.long, device=device)[None]
+    tokens, ids, probs, tails, features = [], [], [], [], []
+    for slot in range(1, config.num_slots + 1):
+        out = model.model(input_ids=prefix, output_hidden_states=True)
+        k_ids, k_probs, k_tail, argmax = topk_with_tail(model.lm_head(out.last_hidden_state[0, -1:]), top_k=config.top_k)
+        ids.append(k_ids[0])
+        probs.append(k_probs[0])
+        tails.append(k_tail[0])
+        if slot >= 2:  # features of y*[slot - 1], the token fed last
+            features.append(_tapped(out.hidden_states, config.layer_ids)[0, -1])
+        tokens.append(int(argmax[0]))
+        prefix = torch.cat([prefix, argmax.view(1, 1)], dim=1)
+    return {
+        "rollout_tokens": torch.tensor([int(input_ids[anchor])] + tokens, dtype=torch.int32),
+        "rollout_topk_ids": torch.stack(ids),
+        "rollout_topk_probs": torch.stack(probs),
+        "rollout_tail": torch.stack(tails),
+        "rollout_features": torch.stack(features[: config.num_slots - 2]),
+    }

@@ -1,0 +1,53 @@
+"""Shared fixtures: one local Ray cluster per test session, a tiny real Qwen3 target, a toy corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_address(tmp_path_factory):
+    """Start a local 2-CPU Ray cluster once; tests and CLI subprocesses join it by address."""
+    import ray
+
+    temp_dir = tmp_path_factory.mktemp("ray")
+    context = ray.init(
+        num_cpus=2,
+        _temp_dir=str(temp_dir),
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
+    yield context.address_info["gcs_address"]
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def toy_target(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 (head_dim 32) with a word-level chat tokenizer, saved as an HF directory."""
+    from pipeline.toy import make_toy_target
+
+    return make_toy_target(tmp_path_factory.mktemp("target") / "toy-qwen3", seed=0, peaked=True)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row))
+            f.write("\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_corpus(tmp_path_factory) -> Path:
+    from pipeline.toy import toy_chat_rows
+
+    rows = toy_chat_rows(10, seed=1, response_words=(30, 60))
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "chat.jsonl", rows)

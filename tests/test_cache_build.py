@@ -1,0 +1,191 @@
+"""Stage 1 end to end on real parts: a local Ray cluster, a tiny Qwen3, real Zarr and tar shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.cache_build import CacheBuildConfig
+from pipeline.cli import cache_cli
+from pipeline.corpus import load_tokenized_corpus
+from pipeline.target_runner import TargetRunConfig, TargetSequence, load_target, run_target_batch
+from storage.format import SHARD_DIR
+from storage.manifest import load_manifest
+from storage.reader import open_cache
+from tests.conftest import write_jsonl
+
+pytestmark = pytest.mark.slow
+
+SMALL = dict(layers=[0, 2], anchors=6, top_k=4, max_length=128, shard_size=3, batch_tokens=512)
+
+
+def _config(target, corpus, out, **overrides) -> CacheBuildConfig:
+    return CacheBuildConfig(target=str(target), corpus=str(corpus), out=str(out), **{**SMALL, **overrides})
+
+
+def _build(ray_address, config: CacheBuildConfig):
+    from ray_jobs.build import build_cache
+
+    return build_cache(config, progress=False, log=lambda m: None)
+
+
+def _cli_args(target, corpus, out, ray_address, *extra):
+    return [
+        "build", "--target", str(target), "--corpus", str(corpus), "--out", str(out), "--ray-address", ray_address,
+        "--layers", "0,2", "--anchors", "6", "--top-k", "4", "--max-length", "128", "--shard-size", "3",
+        "--batch-tokens", "512", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zarr_cache(ray_address, toy_target, toy_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache") / "zarr-bf16"
+    return _build(ray_address, _config(toy_target, toy_corpus, out, workers=2)), out
+
+
+def test_build_with_two_workers_matches_direct_target_run(zarr_cache, toy_target):
+    manifest, out = zarr_cache
+    corpus = load_tokenized_corpus(out / "corpus")
+    assert manifest.is_complete and manifest.num_sequences == len(corpus) > 3
+    assert manifest.num_shards_planned == len(manifest.shards) == -(-len(corpus) // 3)
+    assert manifest.settings.layer_ids == [0, 2]
+
+    reader = open_cache(out)
+    assert len(reader) == len(corpus)
+    model = load_target(toy_target)
+    config = TargetRunConfig(layer_ids=[0, 2], anchors_per_sequence=6, top_k=4, seed=0)
+    for index in (0, len(reader) - 1):
+        record = reader.read(index)
+        ids, mask = corpus.sequence(index)
+        direct = run_target_batch(
+            model, [TargetSequence(source_row=int(corpus.source_rows[index]), input_ids=np.asarray(ids), loss_mask=np.asarray(mask))], config
+        )[0]
+        assert int(record["source_row"]) == int(corpus.source_rows[index])
+        assert np.array_equal(record["input_ids"], direct.input_ids.numpy())
+        assert np.array_equal(record["anchor_pos"], direct.anchor_pos.numpy())
+        assert np.array_equal(record["rollout_tokens"], direct.rollout_tokens.numpy())
+        np.testing.assert_allclose(record["rollout_topk_probs"], direct.rollout_topk_probs.numpy(), atol=2e-6)
+        # bf16 features: exactly the bf16 rounding of the fp32 features.
+        expected = direct.features.to(torch.bfloat16).float().numpy()
+        np.testing.assert_allclose(record["features"], expected, atol=1e-2, rtol=1e-2)
+        assert record["rollout_features"].shape == (len(direct.anchor_pos), 13, direct.features.shape[1])
+
+
+def test_info_and_verify(zarr_cache):
+    _, out = zarr_cache
+    runner = CliRunner()
+    result = runner.invoke(cache_cli, ["info", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["sequences"] > 0 and info["bytes_per_token"] > 0
+    assert set(info["trainable_methods"]) >= {"dflash", "kd", "erase", "alr", "alr_ira"}
+    result = runner.invoke(cache_cli, ["verify", str(out)])
+    assert result.exit_code == 0, result.output
+
+
+def test_verify_catches_one_flipped_byte(zarr_cache, tmp_path):
+    import shutil
+
+    _, out = zarr_cache
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    shard = sorted((copy / SHARD_DIR).iterdir())[1]
+    chunk = max((p for p in shard.rglob("*") if p.is_file() and "features" in str(p)), key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    result = CliRunner().invoke(cache_cli, ["verify", str(copy)])
+    assert result.exit_code != 0
+    assert shard.name in result.output
+
+
+def test_wds_fp8_cache_holds_the_same_content(ray_address, zarr_cache, toy_target, toy_corpus, tmp_path):
+    _, zarr_out = zarr_cache
+    out = tmp_path / "wds-fp8"
+    manifest = _build(ray_address, _config(toy_target, toy_corpus, out, storage_format="wds", feature_codec="fp8"))
+    assert all(s.name.endswith(".tar") for s in manifest.shards)
+    zarr_reader, wds_reader = open_cache(zarr_out), open_cache(out)
+    assert len(zarr_reader) == len(wds_reader)
+    for index in range(len(wds_reader)):
+        a, b = zarr_reader.read(index), wds_reader.read(index)
+        for name in ("input_ids", "loss_mask", "anchor_pos", "rollout_tokens", "rollout_topk_ids", "corpus_topk_ids"):
+            assert np.array_equal(a[name], b[name]), name
+        np.testing.assert_allclose(a["rollout_topk_probs"], b["rollout_topk_probs"], atol=1e-6)
+        # fp8-e4m3 keeps 3 mantissa bits: relative error per element <= 2^-4 of the row scale.
+        scale = np.abs(a["features"]).max(axis=-1, keepdims=True)
+        assert np.all(np.abs(a["features"] - b["features"]) <= scale * 2**-4 + 1e-2)
+    zarr_bytes = sum(s.bytes for s in load_manifest(zarr_out).shards)
+    assert manifest.num_tokens == load_manifest(zarr_out).num_tokens
+    assert sum(s.bytes for s in manifest.shards) > 0 and zarr_bytes > 0
+
+
+def test_changed_setting_is_refused_unless_overwrite(ray_address, toy_target, toy_corpus, tmp_path):
+    out = tmp_path / "cache"
+    _build(ray_address, _config(toy_target, toy_corpus, out))
+    with pytest.raises(ValueError, match="top_k: 4 -> 3"):
+        _build(ray_address, _config(toy_target, toy_corpus, out, top_k=3))
+    manifest = _build(ray_address, _config(toy_target, toy_corpus, out, top_k=3, overwrite=True))
+    assert manifest.settings.top_k == 3
+    assert open_cache(out).read(0)["corpus_topk_ids"].shape[1] == 3
+    # The same settings again: nothing to rebuild, the manifest is unchanged.
+    again = _build(ray_address, _config(toy_target, toy_corpus, out, top_k=3))
+    assert [s.checksum for s in again.shards] == [s.checksum for s in manifest.shards]
+
+
+def test_bad_rows_error_names_file_and_line_or_are_skipped(ray_address, toy_target, toy_corpus, tmp_path):
+    rows = toy_corpus.read_text().splitlines()
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows[:3] + ["{not json", '{"messages": [{"role": "robot", "content": "x"}]}'] + rows[3:])
+    runner = CliRunner()
+    result = runner.invoke(cache_cli, _cli_args(toy_target, bad, tmp_path / "c1", ray_address))
+    assert result.exit_code != 0
+    assert "bad.jsonl:4" in result.output and "\n" not in result.output.strip().split("Error: ")[-1]
+    assert not (tmp_path / "c1" / "manifest.json").exists()
+
+    result = runner.invoke(cache_cli, _cli_args(toy_target, bad, tmp_path / "c2", ray_address, "--skip-bad-rows"))
+    assert result.exit_code == 0, result.output
+    manifest = load_manifest(tmp_path / "c2")
+    assert manifest.corpus_stats["dropped"]["bad_json"] == 1
+    assert manifest.corpus_stats["dropped"]["unknown_role"] == 1
+    assert manifest.corpus_stats["rows"] == len(rows) + 2
+
+
+def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_corpus, tmp_path):
+    """Kill the whole build mid-way (driver and its worker actors), resume, compare to a clean run."""
+    reference = tmp_path / "reference"
+    _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1))
+
+    out = tmp_path / "killed"
+    args = _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from pipeline.cli import cache_cli; cache_cli()", *args],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 180
+    manifest_path = out / "manifest.json"
+    while time.time() < deadline:
+        if manifest_path.exists() and len(json.loads(manifest_path.read_text())["shards"]) >= 2:
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = load_manifest(out)
+    assert 2 <= len(killed.shards) < killed.num_shards_planned, "build finished before it could be killed"
+
+    result = CliRunner().invoke(cache_cli, _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1"))
+    assert result.exit_code == 0, result.output
+    resumed, clean = load_manifest(out), load_manifest(reference)
+    assert resumed.is_complete
+    assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]
+    assert not [p for p in (out / SHARD_DIR).iterdir() if p.name.startswith(".tmp")]
+    assert CliRunner().invoke(cache_cli, ["verify", str(out)]).exit_code == 0
