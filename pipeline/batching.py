@@ -1,0 +1,204 @@
+"""From cache records to drafter inputs: the dataset, the deterministic sampler, and collation.
+
+Every random choice of a training example (anchor draw, IRA split, offsets) is made by a torch
+generator seeded from (seed, epoch, sequence index), inside whichever DataLoader worker reads the
+sequence. So the data of a step never depends on the number of workers, ranks or on a resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from drafter.masks import SHARED_OWNER
+from pipeline.labels import BlockTargets, ObjectiveConfig, build_block_targets
+
+# Record arrays the label builder reads (features are handled separately).
+_LABEL_ARRAYS = (
+    "input_ids", "loss_mask", "corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "corpus_next_prob",
+    "anchor_pos", "rollout_tokens", "rollout_topk_ids", "rollout_topk_probs", "rollout_tail",
+)  # fmt: skip
+
+
+def _derived_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def example_seed(*, seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed for one (epoch, sequence) example, independent of order and sharding."""
+    return _derived_seed(seed, epoch, 0, index)
+
+
+@dataclass(kw_only=True)
+class SequenceExample:
+    """One sequence ready to collate: its context tokens and its blocks' targets."""
+
+    index: int
+    num_tokens: int
+    context_features: Tensor  # [C, F] corpus features, then private (IRA) rollout features
+    context_positions: Tensor  # [C] long
+    context_owner: Tensor  # [C] long: -1 shared corpus token, else the block index that owns it
+    targets: BlockTargets
+
+
+class CacheTrainDataset(torch.utils.data.Dataset):
+    """Indexed by (epoch, sequence index); builds the objective's blocks for that sequence."""
+
+    def __init__(self, reader, *, objective: ObjectiveConfig, seed: int):
+        self.reader = reader
+        self.objective = objective
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, key: tuple[int, int]) -> SequenceExample:
+        epoch, index = key
+        record = self.reader.read(index, decode_features=True)
+        tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
+        generator = torch.Generator().manual_seed(example_seed(seed=self.seed, epoch=epoch, index=index))
+        targets = build_block_targets(tensors, config=self.objective, generator=generator)
+
+        corpus_features = torch.from_numpy(np.asarray(record["features"], dtype=np.float32))  # [T, F]
+        num_tokens = corpus_features.shape[0]
+        features, positions, owners = [corpus_features], [torch.arange(num_tokens)], [torch.full((num_tokens,), SHARED_OWNER)]
+        # IRA secondaries also see the parent's rollout features of y*[1..j-1] at positions a+1..a+j-1.
+        secondary = torch.nonzero(targets.private_parent >= 0).flatten().tolist()
+        if secondary:
+            rollout_features = record["rollout_features"]  # [A, K-2, F]
+            anchor_pos = tensors["anchor_pos"].long()
+            for block in secondary:
+                parent, length = int(targets.private_parent[block]), int(targets.private_len[block])
+                if length == 0:
+                    continue
+                features.append(torch.from_numpy(np.asarray(rollout_features[parent, :length], dtype=np.float32)))
+                positions.append(anchor_pos[parent] + 1 + torch.arange(length))
+                owners.append(torch.full((length,), block))
+        return SequenceExample(
+            index=index,
+            num_tokens=num_tokens,
+            context_features=torch.cat(features),
+            context_positions=torch.cat(positions).long(),
+            context_owner=torch.cat(owners).long(),
+            targets=targets,
+        )
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    """A padded micro-batch of B sequences, N blocks each (after padding), C context tokens."""
+
+    context_features: Tensor  # [B, C, F]
+    context_positions: Tensor  # [B, C]
+    context_owner: Tensor  # [B, C]
+    context_valid: Tensor  # [B, C] bool
+    block_tokens: Tensor  # [B, N * block_size] long
+    block_positions: Tensor  # [B, N * block_size] long
+    block_corpus_limit: Tensor  # [B, N]
+    block_valid: Tensor  # [B, N] bool
+    label_ids: Tensor  # [B, N, K, k]
+    label_probs: Tensor  # [B, N, K, k]
+    slot_weights: Tensor  # [B, N, K]
+    num_tokens: int  # corpus tokens in the batch (for throughput)
+    num_sequences: int
+
+    def to(self, device) -> TrainBatch:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TrainBatch(**{k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in moved.items()})
+
+
+def collate(examples: list[SequenceExample]) -> TrainBatch:
+    batch = len(examples)
+    num_context = max(e.context_features.shape[0] for e in examples)
+    num_blocks = max(max(e.targets.block_tokens.shape[0] for e in examples), 1)
+    block_size = examples[0].targets.block_tokens.shape[1]
+    feature_dim = examples[0].context_features.shape[1]
+    num_slots, top_k = examples[0].targets.label_ids.shape[1:]
+
+    context_features = torch.zeros((batch, num_context, feature_dim))
+    context_positions = torch.zeros((batch, num_context), dtype=torch.long)
+    context_owner = torch.full((batch, num_context), SHARED_OWNER, dtype=torch.long)
+    context_valid = torch.zeros((batch, num_context), dtype=torch.bool)
+    block_tokens = torch.zeros((batch, num_blocks, block_size), dtype=torch.long)
+    block_positions = torch.zeros((batch, num_blocks, block_size), dtype=torch.long)
+    block_corpus_limit = torch.zeros((batch, num_blocks), dtype=torch.long)
+    block_valid = torch.zeros((batch, num_blocks), dtype=torch.bool)
+    label_ids = torch.zeros((batch, num_blocks, num_slots, top_k), dtype=torch.long)
+    label_probs = torch.zeros((batch, num_blocks, num_slots, top_k))
+    slot_weights = torch.zeros((batch, num_blocks, num_slots))
+    for b, e in enumerate(examples):
+        c, t = e.context_features.shape[0], e.targets
+        n = t.block_tokens.shape[0]
+        context_features[b, :c] = e.context_features
+        context_positions[b, :c] = e.context_positions
+        context_owner[b, :c] = e.context_owner
+        context_valid[b, :c] = True
+        block_tokens[b, :n] = t.block_tokens
+        block_positions[b, :n] = t.block_anchor_pos[:, None] + torch.arange(block_size)
+        block_corpus_limit[b, :n] = t.block_corpus_limit
+        block_valid[b, :n] = True
+        label_ids[b, :n] = t.label_ids
+        label_probs[b, :n] = t.label_probs
+        slot_weights[b, :n] = t.slot_weights
+    return TrainBatch(
+        context_features=context_features,
+        context_positions=context_positions,
+        context_owner=context_owner,
+        context_valid=context_valid,
+        block_tokens=block_tokens.view(batch, -1),
+        block_positions=block_positions.view(batch, -1),
+        block_corpus_limit=block_corpus_limit,
+        block_valid=block_valid,
+        label_ids=label_ids,
+        label_probs=label_probs,
+        slot_weights=slot_weights,
+        num_tokens=sum(e.num_tokens for e in examples),
+        num_sequences=batch,
+    )
+
+
+def steps_per_epoch(num_sequences: int, *, batch_size: int) -> int:
+    """Full global batches per epoch (the last partial batch is dropped)."""
+    return num_sequences // batch_size
+
+
+def epoch_order(num_sequences: int, *, seed: int, epoch: int) -> list[int]:
+    generator = torch.Generator().manual_seed(_derived_seed(seed, epoch, 1))
+    return torch.randperm(num_sequences, generator=generator).tolist()
+
+
+class StepSampler(torch.utils.data.Sampler):
+    """Yields this rank's micro-batches of (epoch, index) keys, step by step, from a start step.
+
+    A step's global batch is `batch_size` consecutive sequences of the epoch's permutation; rank r
+    takes every world_size-th of them, split into `grad_accum` micro-batches. The trainer requires
+    batch_size to be a multiple of world_size * grad_accum and drops an epoch's last partial batch,
+    so every rank runs the same number of equally sized micro-batches (DDP needs that).
+    """
+
+    def __init__(self, num_sequences: int, *, batch_size: int, grad_accum: int, epochs: int, seed: int,
+                 rank: int, world_size: int, start_step: int = 0):  # fmt: skip
+        self.num_sequences, self.batch_size, self.grad_accum = num_sequences, batch_size, grad_accum
+        self.epochs, self.seed, self.rank, self.world_size, self.start_step = epochs, seed, rank, world_size, start_step
+
+    def steps(self):
+        """(global step, epoch, this rank's micro-batches) from start_step to the end of training."""
+        per_epoch = steps_per_epoch(self.num_sequences, batch_size=self.batch_size)
+        for step in range(self.start_step, per_epoch * self.epochs):
+            epoch, within = divmod(step, per_epoch)
+            order = epoch_order(self.num_sequences, seed=self.seed, epoch=epoch)
+            global_batch = order[within * self.batch_size : (within + 1) * self.batch_size]
+            mine = global_batch[self.rank :: self.world_size]
+            micro = [mine[i :: self.grad_accum] for i in range(self.grad_accum)]
+            yield step, epoch, [[(epoch, index) for index in m] for m in micro]
+
+    def __iter__(self):
+        for _, _, micro_batches in self.steps():
+            yield from micro_batches
+
+    def __len__(self) -> int:
+        per_epoch = steps_per_epoch(self.num_sequences, batch_size=self.batch_size)
+        return (per_epoch * self.epochs - self.start_step) * self.grad_accum

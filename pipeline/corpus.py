@@ -1,0 +1,475 @@
+"""Corpus ingestion: chat rows -> token ids and loss masks, rendered with the target's chat template.
+
+Rows come from JSONL (ShareGPT `conversations: [{from, value}]` or OpenAI `messages: [{role,
+content}]`), parquet, arrow, or a `Dataset.save_to_disk` directory. Each conversation is rendered
+once with the tokenizer's chat template (thinking disabled), tokenized with offsets, and the tokens
+that fall inside an assistant turn's content or its end-of-turn token get loss mask 1. The turn
+spans come from rendering prefixes of the conversation, so no template is special-cased beyond the
+empty `<think></think>` block Qwen3 puts in front of a non-thinking answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+# Qwen3 renders a non-thinking answer as "<think>\n\n</think>\n\n" + content: template, not response.
+EMPTY_THINK_BLOCK = re.compile(r"<think>\s*</think>\s*")
+TRAILING_EMPTY_THINK_BLOCK = re.compile(r"(<think>\s*</think>)?\s*$")
+
+ARRAY_DTYPES = {"source_rows": "int64", "offsets": "int64", "input_ids": "int32", "loss_mask": "uint8"}
+STATS_FILE = "stats.json"
+
+
+class CorpusError(ValueError):
+    """A bad corpus row. The message is one line, "path:line: reason" (JSONL) or "path:row N:
+    reason" (parquet/arrow); `reason` is the key it is counted under when bad rows are skipped."""
+
+    def __init__(self, message: str, reason: str = "bad_row"):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(kw_only=True)
+class CorpusConfig:
+    path: str
+    """Corpus: JSONL (ShareGPT or OpenAI rows), parquet, arrow, or a save_to_disk directory."""
+    max_length: int = 1024
+    """Sequences are truncated to this many tokens."""
+    min_supervised_tokens: int = 32
+    """Sequences with fewer supervised (assistant) tokens are dropped (2 * block size)."""
+    skip_bad_rows: bool = False
+    """Skip and count malformed rows instead of stopping at the first one."""
+
+    def __post_init__(self):
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ValueError(f"path must be a non-empty path, got {self.path!r}")
+        self.path = os.fspath(self.path)
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if self.min_supervised_tokens < 0:
+            raise ValueError(f"min_supervised_tokens must be >= 0, got {self.min_supervised_tokens}")
+        if self.min_supervised_tokens > self.max_length:
+            raise ValueError(
+                f"min_supervised_tokens ({self.min_supervised_tokens}) must not exceed "
+                f"max_length ({self.max_length}): every sequence would be dropped"
+            )
+
+
+@dataclass(kw_only=True)
+class TokenizedCorpus:
+    """Kept sequences, concatenated: sequence i is input_ids[offsets[i]:offsets[i + 1]]."""
+
+    source_rows: np.ndarray  # [n] int64, 0-based row of the corpus file each sequence came from
+    offsets: np.ndarray  # [n + 1] int64
+    input_ids: np.ndarray  # [total] int32
+    loss_mask: np.ndarray  # [total] uint8, 1 on assistant content and its end-of-turn token
+    stats: dict
+
+    def __post_init__(self):
+        n = len(self.source_rows)
+        if len(self.offsets) != n + 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.input_ids):
+            raise ValueError(
+                f"offsets must have {n + 1} entries from 0 to {len(self.input_ids)}, "
+                f"got {len(self.offsets)} ending at {self.offsets[-1] if len(self.offsets) else None}"
+            )
+        if len(self.loss_mask) != len(self.input_ids):
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} tokens, input_ids {len(self.input_ids)}")
+        if n and np.any(np.diff(self.offsets) < 0):
+            raise ValueError("offsets must be non-decreasing")
+
+    def __len__(self) -> int:
+        return len(self.source_rows)
+
+    def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, loss_mask) of sequence i: views into the flat arrays."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence {i} out of range for {len(self)} sequences")
+        i = i % len(self)
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[start:stop], self.loss_mask[start:stop]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading rows
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in JSONL_SUFFIXES
+
+
+def row_locator(path: str | os.PathLike) -> Callable[[int], str]:
+    """row_index -> where the row is, for error messages: "path:line" (1-based) for JSONL,
+    "path:row N" (0-based) for parquet/arrow."""
+    path = Path(path)
+    if _is_jsonl(path):
+        return lambda row_index: f"{path}:{row_index + 1}"
+    return lambda row_index: f"{path}:row {row_index}"
+
+
+def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
+    """Yield (row_index, row) for every row of the corpus, row_index 0-based in the file (for JSONL
+    the line index; blank lines are skipped but counted). A row that cannot be parsed is yielded as
+    a CorpusError instead of a row, so the caller decides whether to stop or skip."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: corpus not found")
+    if path.is_dir():
+        import datasets
+
+        dataset = datasets.load_from_disk(str(path))
+        if isinstance(dataset, datasets.DatasetDict):
+            raise ValueError(f"{path}: holds a DatasetDict (splits {list(dataset)}); point at one split's directory")
+        return _iter_arrow_batches(dataset.with_format("arrow").iter(batch_size=1024))
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return _iter_jsonl(path)
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        # Streamed batch by batch: a parquet corpus is never copied into the datasets cache.
+        return _iter_arrow_batches(pq.ParquetFile(path).iter_batches(batch_size=1024))
+    if suffix == ".arrow":
+        import datasets
+
+        return _iter_arrow_batches(datasets.Dataset.from_file(str(path)).with_format("arrow").iter(batch_size=1024))
+    raise ValueError(
+        f"{path}: unsupported corpus file type {suffix!r} (expected .jsonl, .json, .parquet, .arrow or a directory)"
+    )
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
+    with open(path, "rb") as f:
+        for line_index, raw in enumerate(f):
+            where = f"{path}:{line_index + 1}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield line_index, CorpusError(f"{where}: bad JSON: not UTF-8 at byte {error.start}", "bad_json")
+                continue
+            if line_index == 0:
+                text = text.lstrip("\ufeff")
+            if not text.strip():
+                continue
+            try:
+                yield line_index, json.loads(text)
+            except json.JSONDecodeError as error:
+                yield line_index, CorpusError(f"{where}: bad JSON: {error.msg} at column {error.colno}", "bad_json")
+
+
+def _iter_arrow_batches(batches) -> Iterator[tuple[int, object]]:
+    row_index = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield row_index, row
+            row_index += 1
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def normalize_messages(row: object, *, where: str) -> list[dict[str, str]]:
+    """A corpus row -> [{"role": system|user|assistant, "content": str}, ...]. Raises CorpusError
+    (message "{where}: reason") for a row that is not a usable conversation."""
+    if not isinstance(row, dict):
+        raise CorpusError(f"{where}: row is a {type(row).__name__}, not an object", "bad_row")
+    conversations, messages = row.get("conversations"), row.get("messages")
+    if conversations is not None and messages is not None:
+        raise CorpusError(f"{where}: row has both 'conversations' and 'messages'", "bad_row")
+    if conversations is not None:
+        turns, role_key, content_key, roles = conversations, "from", "value", SHAREGPT_ROLES
+        list_key = "conversations"
+    elif messages is not None:
+        turns, role_key, content_key, roles = messages, "role", "content", OPENAI_ROLES
+        list_key = "messages"
+    else:
+        raise CorpusError(f"{where}: row has no 'conversations' or 'messages' list", "bad_row")
+    if not isinstance(turns, list):
+        raise CorpusError(f"{where}: '{list_key}' is a {type(turns).__name__}, not a list", "bad_row")
+    if not turns:
+        raise CorpusError(f"{where}: empty conversation", "empty_conversation")
+
+    normalized = []
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise CorpusError(f"{where}: message {j} is a {type(turn).__name__}, not an object", "bad_row")
+        role = turn.get(role_key)
+        if role is None:
+            raise CorpusError(f"{where}: message {j} has no '{role_key}'", "missing_role")
+        if not isinstance(role, str) or role.strip().lower() not in roles:
+            raise CorpusError(
+                f"{where}: message {j} has unknown role {_short(role)} (expected one of {sorted(roles)})",
+                "unknown_role",
+            )
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise CorpusError(
+                f"{where}: message {j} '{content_key}' is {type(content).__name__}, not a string", "bad_content"
+            )
+        normalized.append({"role": roles[role.strip().lower()], "content": content})
+
+    # Some ShareGPT exports keep the system prompt beside the turns.
+    system = row.get("system")
+    if isinstance(system, str) and system.strip() and normalized[0]["role"] != "system":
+        normalized.insert(0, {"role": "system", "content": system})
+    if not any(m["role"] == "assistant" for m in normalized):
+        raise CorpusError(f"{where}: conversation has no assistant turn", "no_assistant_turn")
+    return normalized
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering and loss masks
+
+
+def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: bool, where: str) -> str:
+    import jinja2
+
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=False
+        )
+    except jinja2.TemplateError as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        reason = f"the chat template refused the conversation: {message}"
+        raise CorpusError(f"{where}: {reason}", "template_error") from error
+    assert isinstance(text, str), type(text)
+    return text
+
+
+def _not_prefix_stable(where: str, turn: int) -> CorpusError:
+    return CorpusError(
+        f"{where}: chat template is not prefix-stable at assistant turn (message {turn}): rendering "
+        "the conversation up to that turn does not give a prefix of the full rendering",
+        "template_not_prefix_stable",
+    )
+
+
+def _assistant_span(tokenizer, messages: list[dict[str, str]], i: int, full: str, *, where: str) -> tuple[int, int]:
+    """Character span in `full` of assistant message i's content and its end-of-turn token.
+
+    Rendering messages[:i] gives the text before the turn; adding the generation prompt gives the
+    turn header; rendering messages[:i + 1] gives the turn as the template writes it when it is the
+    last message. Qwen3 writes an earlier turn with a shorter header (no empty think block) than
+    the generation prompt, so when the turn as last message is not a prefix of `full`, the turn's
+    text is looked up right after a (possibly shortened) header instead.
+    """
+    if i == 0:
+        reason = "conversation starts with an assistant turn (nothing to prompt it)"
+        raise CorpusError(f"{where}: {reason}", "assistant_first")
+    before = _render(tokenizer, messages[:i], add_generation_prompt=False, where=where)
+    prompt = _render(tokenizer, messages[:i], add_generation_prompt=True, where=where)
+    upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False, where=where)
+    if not (full.startswith(before) and prompt.startswith(before) and upto.startswith(prompt)):
+        raise _not_prefix_stable(where, i)
+    header = prompt[len(before) :]
+    # Content + end-of-turn token; the newline the template writes after it is not response, nor
+    # is an empty think block the template writes into the turn rather than the generation prompt.
+    turn = upto[len(prompt) :].rstrip()
+    think = EMPTY_THINK_BLOCK.match(turn)
+    skip = think.end() if think is not None else 0
+    if full.startswith(upto):
+        start = len(prompt) + skip
+    else:
+        start = full.find(turn[skip:], len(before))
+        gap = TRAILING_EMPTY_THINK_BLOCK.sub("", full[len(before) : max(start, len(before))])
+        if start < 0 or not header.startswith(gap):
+            raise _not_prefix_stable(where, i)
+    stop = start + len(turn) - skip
+    return start, stop
+
+
+def _tokenize_conversation(tokenizer, messages: list[dict[str, str]], *, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Untruncated (input_ids [S] int32, loss_mask [S] uint8) of one normalized conversation."""
+    full = _render(tokenizer, messages, add_generation_prompt=False, where=where)
+    spans = [
+        _assistant_span(tokenizer, messages, i, full, where=where)
+        for i, message in enumerate(messages)
+        if message["role"] == "assistant"
+    ]
+    encoding = tokenizer(full, return_offsets_mapping=True, add_special_tokens=False)
+    input_ids = np.asarray(encoding["input_ids"], dtype=np.int32)  # [S]
+    token_spans = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [S, 2] char offsets
+    token_start, token_stop = token_spans[:, 0], token_spans[:, 1]
+    loss_mask = np.zeros(len(input_ids), dtype=np.uint8)  # [S]
+    for start, stop in spans:
+        # Only tokens wholly inside the span: a token straddling the header boundary is template.
+        loss_mask |= (token_start >= start) & (token_stop <= stop) & (token_stop > token_start)
+    return input_ids, loss_mask
+
+
+def render_sequence(
+    tokenizer, messages: list[dict[str, str]], *, max_length: int, where: str = "conversation"
+) -> tuple[list[int], list[int]]:
+    """Render normalized `messages` with the tokenizer's chat template (thinking disabled) and
+    return (input_ids, loss_mask) truncated to `max_length`; the mask is 1 on assistant content and
+    its end-of-turn token. Raises CorpusError ("{where}: reason") when the template cannot be used."""
+    input_ids, loss_mask = _tokenize_conversation(tokenizer, messages, where=where)
+    return input_ids[:max_length].tolist(), loss_mask[:max_length].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole corpus
+
+
+def ingest_corpus(config: CorpusConfig, tokenizer, *, progress: bool = True) -> TokenizedCorpus:
+    """Read, render and filter every row of `config.path`. A bad row raises CorpusError, or with
+    `skip_bad_rows` is counted in stats["dropped"] under its reason; so are short sequences."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the target tokenizer has no chat template; the corpus cannot be rendered")
+    rows = iter_corpus_rows(config.path)
+    locate = row_locator(config.path)
+    source_rows: list[int] = []
+    lengths: list[int] = []
+    id_chunks: list[np.ndarray] = []
+    mask_chunks: list[np.ndarray] = []
+    dropped: Counter[str] = Counter()
+    num_rows = num_truncated = 0
+    bar = tqdm(rows, desc=f"tokenizing {Path(config.path).name}", unit=" rows", disable=not progress)
+    for row_index, row in bar:
+        num_rows += 1
+        try:
+            if isinstance(row, CorpusError):
+                raise row
+            where = locate(row_index)
+            messages = normalize_messages(row, where=where)
+            input_ids, loss_mask = _tokenize_conversation(tokenizer, messages, where=where)
+        except CorpusError as error:
+            if not config.skip_bad_rows:
+                raise
+            dropped[error.reason] += 1
+            continue
+        truncated = len(input_ids) > config.max_length
+        input_ids, loss_mask = input_ids[: config.max_length], loss_mask[: config.max_length]
+        if int(loss_mask.sum()) < config.min_supervised_tokens:
+            dropped["too_few_supervised_tokens"] += 1
+            continue
+        num_truncated += truncated
+        source_rows.append(row_index)
+        lengths.append(len(input_ids))
+        id_chunks.append(input_ids)
+        mask_chunks.append(loss_mask)
+
+    input_ids = np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int32)
+    loss_mask = np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8)
+    stats = {
+        "rows": num_rows,
+        "sequences": len(source_rows),
+        "tokens": int(len(input_ids)),
+        "supervised_tokens": int(loss_mask.sum(dtype=np.int64)),
+        "truncated": num_truncated,
+        "dropped": dict(sorted(dropped.items())),
+    }
+    return TokenizedCorpus(
+        source_rows=np.asarray(source_rows, dtype=np.int64),
+        offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        stats=stats,
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_tokenized_corpus(corpus: TokenizedCorpus, out_dir: str | os.PathLike) -> None:
+    """Write `corpus` to `out_dir` as {source_rows,offsets,input_ids,loss_mask}.npy + stats.json.
+    Written into a temporary sibling directory and renamed into place, so a reader sees either the
+    old directory or the complete new one."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
+    tmp_dir.mkdir()
+    try:
+        for name, dtype in ARRAY_DTYPES.items():
+            with open(tmp_dir / f"{name}.npy", "wb") as f:
+                np.save(f, np.ascontiguousarray(getattr(corpus, name), dtype=dtype))
+                f.flush()
+                os.fsync(f.fileno())
+        with open(tmp_dir / STATS_FILE, "w") as f:
+            json.dump(corpus.stats, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp_dir)
+        if out_dir.exists():
+            old_dir = out_dir.parent / f".{out_dir.name}.old-{tag}"
+            os.replace(out_dir, old_dir)
+            os.replace(tmp_dir, out_dir)
+            shutil.rmtree(old_dir)
+        else:
+            os.replace(tmp_dir, out_dir)
+        _fsync_dir(out_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
+def load_tokenized_corpus(out_dir: str | os.PathLike, *, mmap: bool = True) -> TokenizedCorpus:
+    """Read a corpus written by save_tokenized_corpus; with `mmap` the arrays are read-only maps."""
+    out_dir = Path(out_dir)
+    missing = [f"{n}.npy" for n in ARRAY_DTYPES if not (out_dir / f"{n}.npy").is_file()]
+    missing += [] if (out_dir / STATS_FILE).is_file() else [STATS_FILE]
+    if missing:
+        raise ValueError(f"{out_dir}: not a tokenized corpus (missing {', '.join(missing)})")
+    arrays = {}
+    for name, dtype in ARRAY_DTYPES.items():
+        array = np.load(out_dir / f"{name}.npy", mmap_mode="r" if mmap else None, allow_pickle=False)
+        if array.dtype != np.dtype(dtype) or array.ndim != 1:
+            raise ValueError(f"{out_dir}/{name}.npy: expected 1-D {dtype}, got {array.ndim}-D {array.dtype}")
+        arrays[name] = array
+    stats = json.loads((out_dir / STATS_FILE).read_text())
+    return TokenizedCorpus(**arrays, stats=stats)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """"sha256:<hex>" of a file's bytes, or of a directory: every file under it in sorted
+    relative-path order, each as its path and its own digest. Reads in 1 MiB chunks."""
+    path = Path(path)
+
+    def digest(file: Path) -> bytes:
+        h = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return h.digest()
+
+    if path.is_file():
+        return "sha256:" + digest(path).hex()
+    if path.is_dir():
+        h = hashlib.sha256()
+        files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*") if p.is_file())
+        for relative, file in files:
+            h.update(relative.encode() + b"\0")
+            h.update(digest(file))
+        return "sha256:" + h.hexdigest()
+    raise ValueError(f"{path}: no such file or directory")
