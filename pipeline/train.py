@@ -317,6 +317,7 @@ def train(config: TrainConfig) -> dict:
         num_workers=config.num_workers,
         prefetch_factor=config.prefetch if config.num_workers else None,
         pin_memory=device.type == "cuda",
+        worker_init_fn=_single_threaded_worker,
     )
     batches = iter(loader)
 
@@ -390,6 +391,12 @@ def train(config: TrainConfig) -> dict:
     if world_size > 1:
         dist.barrier()
     return summary
+
+
+def _single_threaded_worker(worker_id: int) -> None:
+    # Data workers build labels with small tensor ops; several multi-threaded workers next to the
+    # training process would oversubscribe the cores and stall the training step.
+    torch.set_num_threads(1)
 
 
 def _tensorboard(run: Path):
