@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from pipeline.cache_build import CacheBuildConfig
+from pipeline.evaluate import EvalConfig
 from pipeline.train import TrainConfig
 
 # Field names whose flag differs from the field name.
@@ -169,3 +170,34 @@ def train_cli(**kwargs):
 @click.group(help="Evaluate drafters by real speculative decoding.")
 def eval_cli():
     pass
+
+
+@eval_cli.command("run")
+@config_options(EvalConfig)
+def eval_run(**kwargs):
+    """Speculative decoding with the HF target: tau, speedup over AR, accepted-length histogram."""
+    from pipeline.evaluate import run_eval, score_table
+
+    config = _config_from_kwargs(EvalConfig, kwargs)
+    try:
+        summary = run_eval(config)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(score_table(Path(config.out) / "results.csv"))
+    if summary.get("lossless_mismatches"):
+        raise click.ClickException(
+            f"{summary['lossless_mismatches']} prompt(s) decoded differently from the target's greedy output"
+        )
+
+
+@eval_cli.command("score")
+@click.argument("csv_path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--group", default="benchmark", show_default=True, help="CSV column to group prompts by.")
+def eval_score(csv_path: str, group: str):
+    """Print the tau / speedup table of a results.csv written by `alrira-eval run`."""
+    from pipeline.evaluate import score_table
+
+    try:
+        click.echo(score_table(csv_path, group=group))
+    except (KeyError, ValueError) as error:
+        raise click.ClickException(f"{csv_path}: {error}") from None

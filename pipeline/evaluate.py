@@ -1,0 +1,420 @@
+"""`alrira-eval`: acceptance length (tau) and decode speedup of a drafter by real speculative decoding.
+
+For every prompt the autoregressive baseline and speculative decoding run on the same target, in
+alternating order (even prompts AR first, odd prompts speculative first) so warm-up and thermal
+drift do not favour either. Outputs in `out/`:
+  results.csv       one row per prompt (RESULT_COLUMNS)
+  summary.json      per group: tau pooled over its prompts, speedup; geometric means across groups
+  accept_hist.json  counts of committed draft tokens per round (0..K), overall and per group
+  accept_hist.png   the same as a bar chart (skipped when matplotlib is missing)
+At T = 0 the speculative tokens must equal the AR tokens; mismatches are counted in the summary.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from drafter.checkpoint import check_compatible, load_drafter
+from pipeline.corpus import OPENAI_ROLES, SHAREGPT_ROLES, CorpusError, iter_corpus_rows, row_locator
+from pipeline.speculative import DecodeResult, autoregressive_decode, speculative_decode
+from pipeline.target_runner import load_target, stop_token_ids
+
+RESULT_COLUMNS = (
+    "prompt_id",
+    "benchmark",
+    "prompt_tokens",
+    "committed",
+    "rounds",
+    "accepted_tokens",
+    "tau",
+    "ar_ms",
+    "draft_ms",
+    "ar_ms_per_token",
+    "spec_ms_per_token",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARMUP_TOKENS = 32  # new tokens of the untimed warm-up run of each decoder
+
+
+def _opt(help: str, **kwargs):
+    return field(metadata={"help": help}, **kwargs)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """`alrira-eval`: speculative decoding of a prompt set with a target and a DFlash drafter."""
+
+    target: str = _opt("Local HF directory of the target model.")
+    drafter: str = _opt("DFlash drafter checkpoint directory (ours or a public release).")
+    prompts: str = _opt(
+        "JSONL prompts: ShareGPT/OpenAI rows (the final assistant turn is dropped) or rows with a "
+        "'prompt' string; an optional 'benchmark' or 'group' key names the group (default: the file stem)."
+    )
+    out: str = _opt("Output directory (results.csv, summary.json, accept_hist.json/.png).")
+    temperature: float = _opt("Sampling temperature (0 = greedy, checked lossless against AR).", default=0.0)
+    max_new_tokens: int = _opt("Generated tokens per prompt (fewer when a stop token comes first).", default=256)
+    max_prompts: int | None = _opt("Evaluate only the first N prompts.", default=None)
+    seed: int = _opt("Seed of the samplers at T > 0 (prompt i uses seed + i).", default=0)
+    dtype: str = _opt("Compute dtype of target and drafter: float32, bfloat16 or float16.", default="float32")
+    device: str = _opt("auto (cuda if available, else cpu), cpu, cuda or cuda:N.", default="auto")
+    progress: bool = _opt("Show a progress bar.", default=True)
+
+    def __post_init__(self):
+        for name in ("target", "drafter", "prompts", "out"):
+            value = getattr(self, name)
+            if not isinstance(value, (str, os.PathLike)) or not str(value):
+                raise ValueError(f"--{name} must be a non-empty path, got {value!r}")
+            setattr(self, name, os.fspath(value))
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"--max-prompts must be >= 1, got {self.max_prompts}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts
+
+
+@dataclass(kw_only=True)
+class EvalPrompt:
+    prompt_id: int  # 0-based row of the prompts file
+    benchmark: str
+    input_ids: list[int]
+
+
+def prompt_messages(row: object, *, where: str) -> list[dict[str, str]]:
+    """A prompts row -> the chat messages to answer: a 'prompt' string becomes one user turn; a
+    ShareGPT/OpenAI conversation loses its trailing assistant turn(s) and must then end with a user turn."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: row is a {type(row).__name__}, not an object")
+    if isinstance(row.get("prompt"), str):
+        return [{"role": "user", "content": row["prompt"]}]
+    if "conversations" in row:
+        turns, role_key, content_key, roles = row["conversations"], "from", "value", SHAREGPT_ROLES
+    elif "messages" in row:
+        turns, role_key, content_key, roles = row["messages"], "role", "content", OPENAI_ROLES
+    else:
+        raise ValueError(f"{where}: row has no 'prompt' string, 'conversations' or 'messages' list")
+    if not isinstance(turns, list):
+        raise ValueError(f"{where}: the conversation is a {type(turns).__name__}, not a list")
+    messages = []
+    for j, turn in enumerate(turns):
+        role = turn.get(role_key) if isinstance(turn, dict) else None
+        content = turn.get(content_key) if isinstance(turn, dict) else None
+        if not isinstance(role, str) or role.strip().lower() not in roles or not isinstance(content, str):
+            raise ValueError(f"{where}: message {j} needs a known '{role_key}' and a string '{content_key}'")
+        messages.append({"role": roles[role.strip().lower()], "content": content})
+    system = row.get("system")
+    if isinstance(system, str) and system.strip() and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages or messages[-1]["role"] != "user":
+        raise ValueError(f"{where}: the conversation has no user turn to answer")
+    return messages
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-template token ids ending in the generation prompt (thinking disabled where supported)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def load_prompts(path: str | os.PathLike, tokenizer, *, max_prompts: int | None = None) -> list[EvalPrompt]:
+    """Render every row (or the first max_prompts) of a prompts file with the target chat template."""
+    default_group = Path(path).stem
+    locate = row_locator(path)
+    prompts = []
+    for row_index, row in iter_corpus_rows(path):
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            break
+        if isinstance(row, CorpusError):
+            raise ValueError(str(row))
+        where = locate(row_index)
+        messages = prompt_messages(row, where=where)
+        group = row.get("benchmark") or row.get("group") or default_group
+        input_ids = render_prompt(tokenizer, messages)
+        prompts.append(EvalPrompt(prompt_id=row_index, benchmark=str(group), input_ids=input_ids))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+# ----------------------------------------------------------------------------------------------
+# Scores (shared by run_eval's summary and score_table)
+
+
+def _ms_per_token(decode_s: float, num_tokens: int) -> float | None:
+    # The prefill produces the first token; the decode phase produces the rest.
+    return 1000.0 * decode_s / (num_tokens - 1) if num_tokens > 1 else None
+
+
+def result_row(prompt: EvalPrompt, *, ar: DecodeResult, spec: DecodeResult) -> dict:
+    accepted = sum(spec.accepted_lengths)
+    return {
+        "prompt_id": prompt.prompt_id,
+        "benchmark": prompt.benchmark,
+        "prompt_tokens": len(prompt.input_ids),
+        "committed": len(spec.tokens),
+        "rounds": spec.rounds,
+        "accepted_tokens": accepted,
+        "tau": (accepted + spec.rounds) / spec.rounds if spec.rounds else None,
+        "ar_ms": 1000.0 * ar.decode_s,
+        "draft_ms": 1000.0 * spec.decode_s,
+        "ar_ms_per_token": _ms_per_token(ar.decode_s, len(ar.tokens)),
+        "spec_ms_per_token": _ms_per_token(spec.decode_s, len(spec.tokens)),
+    }
+
+
+def geometric_mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    if not values or any(v <= 0 for v in values):
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def summarize(rows: list[dict], *, group: str = "benchmark") -> dict:
+    """Per group: prompts, rounds, tau pooled over the group's rounds, mean ms/token and speedup;
+    geometric means of tau and speedup across groups. Rows with no decode tokens are left out of
+    the speed means."""
+    groups: dict[str, dict] = {}
+    for name in dict.fromkeys(str(r[group]) for r in rows):
+        members = [r for r in rows if str(r[group]) == name]
+        rounds = sum(int(r["rounds"]) for r in members)
+        accepted = sum(int(r["accepted_tokens"]) for r in members)
+        timed = [r for r in members if r["ar_ms_per_token"] is not None and r["spec_ms_per_token"] is not None]
+        ar_ms = sum(float(r["ar_ms_per_token"]) for r in timed) / len(timed) if timed else None
+        spec_ms = sum(float(r["spec_ms_per_token"]) for r in timed) / len(timed) if timed else None
+        groups[name] = {
+            "prompts": len(members),
+            "rounds": rounds,
+            "accepted_tokens": accepted,
+            "tau": (accepted + rounds) / rounds if rounds else None,
+            "ar_ms_per_token": ar_ms,
+            "spec_ms_per_token": spec_ms,
+            "speedup": ar_ms / spec_ms if timed and spec_ms > 0 else None,
+        }
+    return {
+        "groups": groups,
+        "tau_geomean": geometric_mean([g["tau"] for g in groups.values()]),
+        "speedup_geomean": geometric_mean([g["speedup"] for g in groups.values()]),
+    }
+
+
+def _read_rows(csv_path: str | os.PathLike) -> list[dict]:
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    needed = ("rounds", "accepted_tokens", "ar_ms_per_token", "spec_ms_per_token")
+    missing = [c for c in needed if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"{csv_path}: missing columns {missing}")
+    for row in rows:
+        for key in ("ar_ms_per_token", "spec_ms_per_token"):
+            row[key] = float(row[key]) if row[key] not in ("", None) else None
+    return rows
+
+
+def score_table(csv_path: str | os.PathLike, *, group: str = "benchmark") -> str:
+    """A printable table of a results.csv: per group prompts, tau, speedup; then the geometric means."""
+    rows = _read_rows(csv_path)
+    if rows and group not in rows[0]:
+        raise ValueError(f"{csv_path}: no column {group!r} to group by")
+    summary = summarize(rows, group=group)
+
+    def fmt(value: float | None, suffix: str = "") -> str:
+        return "-" if value is None else f"{value:.3f}{suffix}"
+
+    lines = [(group, "prompts", "tau", "speedup")]
+    for name, g in summary["groups"].items():
+        lines.append((name, str(g["prompts"]), fmt(g["tau"]), fmt(g["speedup"], "x")))
+    lines.append(("geomean", str(len(rows)), fmt(summary["tau_geomean"]), fmt(summary["speedup_geomean"], "x")))
+    width = max(len(line[0]) for line in lines)
+    return "\n".join(f"{a:<{width}}  {b:>7}  {c:>7}  {d:>8}" for a, b, c, d in lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Histogram
+
+
+def accept_histogram(accepted_lengths: list[int], *, num_draft: int) -> list[int]:
+    """Counts of each accepted length 0..K."""
+    counts = [0] * (num_draft + 1)
+    for n in accepted_lengths:
+        counts[n] += 1
+    return counts
+
+
+def _plot_histogram(hist: dict, path: Path) -> bool:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    # Figure + Agg canvas directly: no pyplot, so the process-wide backend is left alone.
+    fig = Figure(figsize=(8, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    groups = hist["groups"]
+    lengths = list(range(len(hist["all"])))
+    width = 0.8 / max(len(groups), 1)
+    for i, (name, counts) in enumerate(groups.items()):
+        total = sum(counts) or 1
+        ax.bar([x - 0.4 + width * (i + 0.5) for x in lengths], [c / total for c in counts], width=width, label=name)
+    ax.set_xlabel("accepted draft tokens per round")
+    ax.set_ylabel("fraction of rounds")
+    ax.set_xticks(lengths)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+def _csv_value(value):
+    if value is None:
+        return ""
+    return round(value, 4) if isinstance(value, float) else value
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def run_eval(config: EvalConfig) -> dict:
+    """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return the summary."""
+    from transformers import AutoTokenizer
+
+    device = _resolve_device(config.device)
+    dtype = DTYPES[config.dtype]
+    target = load_target(config.target, device=str(device), dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(config.target)
+    drafter = load_drafter(config.drafter, dtype=dtype, device=device).eval()
+    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    draft_config = drafter.config
+    num_target_layers = target.config.get_text_config().num_hidden_layers
+    if draft_config.num_target_layers != num_target_layers:
+        raise ValueError(
+            f"drafter was built for {draft_config.num_target_layers} target layers, the target has {num_target_layers}"
+        )
+    check_compatible(
+        draft_config,
+        target_layer_ids=draft_config.target_layer_ids,
+        hidden_size=embed_tokens.embedding_dim,
+        vocab_size=embed_tokens.num_embeddings,
+        block_size=draft_config.block_size,
+    )
+    stops = stop_token_ids(tokenizer, {"eos_token_id": target.generation_config.eos_token_id})
+    prompts = load_prompts(config.prompts, tokenizer, max_prompts=config.max_prompts)
+    num_draft = draft_config.block_size - 1
+
+    def run_ar(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
+        return autoregressive_decode(
+            target,
+            prompt.input_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=config.temperature,
+            stop_token_ids=stops,
+            generator=torch.Generator(device=device).manual_seed(seed),
+        )
+
+    def run_spec(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
+        return speculative_decode(
+            target,
+            drafter,
+            embed_tokens=embed_tokens,
+            lm_head=lm_head,
+            prompt_ids=prompt.input_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=config.temperature,
+            stop_token_ids=stops,
+            generator=torch.Generator(device=device).manual_seed(seed),
+            mask_token_id=draft_config.mask_token_id,
+        )
+
+    # Untimed warm-up of both decoders: first-call costs (allocator, kernels) would skew prompt 0.
+    warmup = min(config.max_new_tokens, WARMUP_TOKENS)
+    run_ar(prompts[0], warmup, config.seed)
+    run_spec(prompts[0], warmup, config.seed)
+
+    rows, mismatches = [], 0
+    accepted_by_group: dict[str, list[int]] = {}
+    bar = tqdm(prompts, desc="eval", unit="prompt", disable=not config.progress)
+    for i, prompt in enumerate(bar):
+        seed = config.seed + i
+        if i % 2 == 0:
+            ar = run_ar(prompt, config.max_new_tokens, seed)
+            spec = run_spec(prompt, config.max_new_tokens, seed)
+        else:
+            spec = run_spec(prompt, config.max_new_tokens, seed)
+            ar = run_ar(prompt, config.max_new_tokens, seed)
+        if config.temperature == 0 and spec.tokens != ar.tokens:
+            mismatches += 1
+        rows.append(result_row(prompt, ar=ar, spec=spec))
+        accepted_by_group.setdefault(prompt.benchmark, []).extend(spec.accepted_lengths)
+        running = summarize(rows)
+        bar.set_postfix(tau=running["tau_geomean"], speedup=running["speedup_geomean"])
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(v) for k, v in row.items()})
+
+    all_accepted = [n for lengths in accepted_by_group.values() for n in lengths]
+    hist = {
+        "num_draft_tokens": num_draft,
+        "all": accept_histogram(all_accepted, num_draft=num_draft),
+        "groups": {g: accept_histogram(v, num_draft=num_draft) for g, v in accepted_by_group.items()},
+    }
+    _write_json(out / "accept_hist.json", hist)
+    plotted = _plot_histogram(hist, out / "accept_hist.png")
+
+    summary = {
+        "target": str(Path(config.target).resolve()),
+        "drafter": str(Path(config.drafter).resolve()),
+        "prompts": str(Path(config.prompts).resolve()),
+        "temperature": config.temperature,
+        "max_new_tokens": config.max_new_tokens,
+        "seed": config.seed,
+        "dtype": config.dtype,
+        "device": str(device),
+        "block_size": draft_config.block_size,
+        "num_prompts": len(rows),
+        "num_groups": len(accepted_by_group),
+        "committed_tokens": sum(r["committed"] for r in rows),
+        "rounds": sum(r["rounds"] for r in rows),
+        **summarize(rows),
+        # Losslessness is checked token for token at T = 0 only (sampled runs differ by design).
+        "lossless_mismatches": mismatches if config.temperature == 0 else None,
+        "accept_hist_png": plotted,
+    }
+    _write_json(out / "summary.json", summary)
+    return summary

@@ -1,0 +1,293 @@
+"""Speculative decoding with a HF target and a DFlash block drafter (SPEC section 6), batch size 1.
+
+Round r, with the last committed token (the anchor) at position p:
+  1. draft:  the drafter reads the tapped target features of every committed token at positions
+             < p (the training visibility rule) and the block [anchor, MASK x K] at positions
+             p .. p + K; its argmax at slots 1..K are the K draft tokens;
+  2. verify: ONE target forward over [anchor, draft_1 .. draft_K] on top of the target's KV cache
+             (which holds positions < p) gives K + 1 posterior tokens (argmax at T = 0, a sample
+             from softmax(logits / T) at T > 0);
+  3. commit: the longest prefix where draft == posterior, plus the posterior at the first mismatch
+             (or the bonus token after a fully accepted block). The KV cache is cropped back to
+             the anchor and the accepted tokens, whose features the verify forward just computed;
+             the newly committed last token is the next round's anchor, so its cache entry and
+             feature come from the next verify.
+Every committed token is the target's own choice given the committed prefix, so at T = 0 the
+output equals the target's greedy decode token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from drafter.masks import SHARED_OWNER, visibility_mask
+from drafter.model import DFlashDrafter
+
+# draft_fn(context_features [p, F], anchor_token, anchor_pos) -> draft tokens [K] (long)
+DraftFn = Callable[..., Tensor]
+
+
+@dataclass(kw_only=True)
+class DecodeResult:
+    tokens: list[int]  # generated tokens (the prompt excluded)
+    accepted_lengths: list[int]  # committed draft tokens per round, 0..K (empty for the AR baseline)
+    rounds: int  # drafting rounds (0 for the AR baseline)
+    decode_s: float  # wall time after the prefill (which produced the first token)
+    prefill_s: float  # wall time of the prefill forward and the first token
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure pieces
+
+
+def accept_length(draft_tokens: Tensor, posterior_tokens: Tensor) -> int:
+    """Length of the longest prefix where draft [K] equals posterior [K + 1] (0..K)."""
+    num_draft = draft_tokens.shape[0]
+    if posterior_tokens.shape[0] != num_draft + 1:
+        raise ValueError(
+            f"posterior_tokens must have K + 1 = {num_draft + 1} entries, got {posterior_tokens.shape[0]}"
+        )
+    matches = (draft_tokens == posterior_tokens[:num_draft]).long()  # [K]
+    # cumprod stays 1 until the first mismatch, so its sum is the accepted prefix length.
+    return int(matches.cumprod(dim=0).sum())
+
+
+def sample_tokens(logits: Tensor, *, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """logits [N, V] -> tokens [N]: argmax at T = 0 (first maximal id), else softmax(logits / T) samples."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [N, V]
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def commit_tokens(
+    new_tokens: list[int], *, num_generated: int, max_new_tokens: int, stop_token_ids: set[int]
+) -> tuple[list[int], bool]:
+    """The part of `new_tokens` that is committed after `num_generated` tokens, and whether decoding ends.
+
+    Decoding ends at a stop token (kept, nothing after it) or once max_new_tokens are generated.
+    """
+    kept = []
+    for token in new_tokens:
+        if num_generated + len(kept) >= max_new_tokens:
+            return kept, True
+        kept.append(token)
+        if token in stop_token_ids:
+            return kept, True
+    return kept, num_generated + len(kept) >= max_new_tokens
+
+
+def tapped_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
+    """Residual stream after each tapped decoder layer (HF hidden_states[id + 1]), concatenated: [..., n*H]."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Drop cached positions >= length (a negative crop() removes that many in transformers 4 and 5)."""
+    excess = cache.get_seq_length() - length
+    assert excess >= 0, (cache.get_seq_length(), length)
+    if excess > 0:
+        cache.crop(-excess)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_decode_args(prompt_ids: list[int], *, max_new_tokens: int, temperature: float) -> None:
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids must not be empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Autoregressive baseline
+
+
+@torch.inference_mode()
+def autoregressive_decode(
+    target,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    stop_token_ids: list[int],
+    generator: torch.Generator | None,
+) -> DecodeResult:
+    """Plain decoding: prefill, then one cached target forward per token."""
+    from transformers import DynamicCache
+
+    _check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
+    device = next(target.parameters()).device
+    stops = set(stop_token_ids)
+
+    _sync(device)
+    start = time.perf_counter()
+    cache = DynamicCache(config=target.config)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    token = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
+    tokens, done = commit_tokens([int(token)], num_generated=0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+    _sync(device)
+    prefill_end = time.perf_counter()
+
+    while not done:
+        out = target(input_ids=token[None], past_key_values=cache, use_cache=True)
+        token = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
+        new, done = commit_tokens(
+            [int(token)], num_generated=len(tokens), max_new_tokens=max_new_tokens, stop_token_ids=stops
+        )
+        tokens += new
+    _sync(device)
+    end = time.perf_counter()
+    return DecodeResult(
+        tokens=tokens, accepted_lengths=[], rounds=0, decode_s=end - prefill_end, prefill_s=prefill_end - start
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding
+
+
+def drafter_draft(
+    drafter: DFlashDrafter,
+    *,
+    embed_tokens: nn.Module,
+    lm_head: nn.Module,
+    mask_token_id: int,
+    context_features: Tensor,
+    anchor_token: int,
+    anchor_pos: int,
+) -> Tensor:
+    """Draft tokens [K]: argmax of lm_head(drafter hidden) at slots 1..K of [anchor, MASK x K].
+
+    context_features [p, n*H] are the features of positions 0..p-1 (p = anchor_pos).
+    """
+    block_size = drafter.config.block_size
+    device = context_features.device
+    dtype = next(drafter.parameters()).dtype
+    num_context = context_features.shape[0]
+    assert num_context == anchor_pos, (num_context, anchor_pos)
+
+    block_ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)  # [1, B]
+    block_ids[0, 0] = anchor_token
+    block_positions = torch.arange(anchor_pos, anchor_pos + block_size, device=device)[None]  # [1, B]
+    context_positions = torch.arange(num_context, device=device)[None]  # [1, p]
+    # One block whose corpus limit is its anchor: it sees exactly the features at positions < p.
+    attention_mask = visibility_mask(
+        context_positions=context_positions,
+        context_owner=torch.full_like(context_positions, SHARED_OWNER),
+        context_valid=torch.ones_like(context_positions, dtype=torch.bool),
+        block_corpus_limit=torch.tensor([[anchor_pos]], device=device),
+        block_valid=torch.ones((1, 1), dtype=torch.bool, device=device),
+        block_size=block_size,
+    )  # [1, 1, B, p + B]
+    hidden = drafter(
+        context_features=context_features[None].to(dtype),
+        context_positions=context_positions,
+        block_embeds=embed_tokens(block_ids).to(dtype),
+        block_positions=block_positions,
+        attention_mask=attention_mask,
+    )  # [1, B, H]
+    head_dtype = lm_head.weight.dtype
+    return lm_head(hidden[0, 1:].to(head_dtype)).argmax(dim=-1)  # [K]
+
+
+@torch.inference_mode()
+def speculative_decode(
+    target,
+    drafter: DFlashDrafter,
+    *,
+    embed_tokens: nn.Module,
+    lm_head: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    stop_token_ids: list[int],
+    generator: torch.Generator | None,
+    mask_token_id: int,
+    draft_fn: DraftFn | None = None,
+) -> DecodeResult:
+    """Speculative decoding of one prompt (see the module docstring).
+
+    `draft_fn(context_features=..., anchor_token=..., anchor_pos=...) -> [K]` replaces the drafter's
+    draft step when given (tests use an oracle); the drafter's config still sets the block size
+    and the tapped layers.
+    """
+    from transformers import DynamicCache
+
+    _check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
+    if draft_fn is None:
+
+        def draft_fn(**kwargs) -> Tensor:
+            return drafter_draft(
+                drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id, **kwargs
+            )
+
+    device = next(target.parameters()).device
+    layer_ids = list(drafter.config.target_layer_ids)
+    num_draft = drafter.config.block_size - 1  # K
+    stops = set(stop_token_ids)
+    num_prompt = len(prompt_ids)
+
+    _sync(device)
+    start = time.perf_counter()
+    cache = DynamicCache(config=target.config)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
+    out = target(
+        input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1
+    )
+    prompt_features = tapped_features(out.hidden_states, layer_ids)[0]  # [n, F]
+    # Features of every committed token, filled as tokens are verified; row i = position i.
+    capacity = num_prompt + max_new_tokens + num_draft + 1
+    features = prompt_features.new_empty((capacity, prompt_features.shape[-1]))  # [capacity, F]
+    features[:num_prompt] = prompt_features
+    first = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
+    tokens, done = commit_tokens([int(first)], num_generated=0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+    _sync(device)
+    prefill_end = time.perf_counter()
+
+    accepted_lengths = []
+    while not done:
+        anchor_pos = num_prompt + len(tokens) - 1  # position of the last committed token
+        anchor = tokens[-1]
+        assert cache.get_seq_length() == anchor_pos, (cache.get_seq_length(), anchor_pos)
+        draft = draft_fn(context_features=features[:anchor_pos], anchor_token=anchor, anchor_pos=anchor_pos)  # [K]
+        assert draft.shape == (num_draft,), draft.shape
+
+        block = torch.cat([torch.tensor([anchor], device=device), draft.to(device)])[None]  # [1, K + 1]
+        out = target(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        posterior = sample_tokens(out.logits[0], temperature=temperature, generator=generator)  # [K + 1]
+        num_accepted = accept_length(draft.to(device), posterior)
+
+        # The anchor and the accepted draft tokens are now committed context: keep their cache
+        # entries and features; drop the rejected tail.
+        num_kept = num_accepted + 1
+        crop_cache(cache, anchor_pos + num_kept)
+        features[anchor_pos : anchor_pos + num_kept] = tapped_features(out.hidden_states, layer_ids)[0, :num_kept]
+        new_tokens = posterior[:num_kept].tolist()  # accepted drafts (== posterior there) + one target token
+        new, done = commit_tokens(
+            new_tokens, num_generated=len(tokens), max_new_tokens=max_new_tokens, stop_token_ids=stops
+        )
+        tokens += new
+        # A round cut short by a stop token or max_new_tokens counts only what it committed, so
+        # sum(accepted + 1) over rounds == tokens generated after the prefill.
+        accepted_lengths.append(min(num_accepted, len(new) - 1))
+    _sync(device)
+    end = time.perf_counter()
+    return DecodeResult(
+        tokens=tokens,
+        accepted_lengths=accepted_lengths,
+        rounds=len(accepted_lengths),
+        decode_s=end - prefill_end,
+        prefill_s=prefill_end - start,
+    )
