@@ -189,3 +189,39 @@ def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_co
     assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]
     assert not [p for p in (out / SHARD_DIR).iterdir() if p.name.startswith(".tmp")]
     assert CliRunner().invoke(cache_cli, ["verify", str(out)]).exit_code == 0
+
+
+def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, toy_target, toy_corpus, tmp_path):
+    """SIGKILL one target actor while it works: the driver starts a new one and redoes its shard."""
+    import threading
+
+    reference = tmp_path / "reference"
+    _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1, workers=2))
+
+    out = tmp_path / "killed-worker"
+    logs, errors = [], []
+
+    def run():
+        try:
+            from ray_jobs.build import build_cache
+
+            build_cache(_config(toy_target, toy_corpus, out, shard_size=1, workers=2), progress=False, log=logs.append)
+        except Exception as error:  # surfaced by the assertion below
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    manifest_path, killed_at = out / "manifest.json", None
+    deadline = time.time() + 180
+    while time.time() < deadline and killed_at is None and thread.is_alive():
+        pids = subprocess.run(["pgrep", "-f", "ray::CacheWorker"], capture_output=True, text=True).stdout.split()
+        if pids and manifest_path.exists() and len(json.loads(manifest_path.read_text())["shards"]) >= 1:
+            killed_at = len(json.loads(manifest_path.read_text())["shards"])
+            os.kill(int(pids[0]), signal.SIGKILL)
+        time.sleep(0.02)
+    thread.join(timeout=300)
+    assert not errors, errors
+    assert killed_at is not None and killed_at < load_manifest(reference).num_shards_planned
+    resumed, clean = load_manifest(out), load_manifest(reference)
+    assert resumed.is_complete
+    assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]
