@@ -18,6 +18,7 @@ from drafter.config import default_target_layer_ids
 from pipeline.corpus import load_tokenized_corpus
 from pipeline.target_runner import TargetRunConfig, TargetSequence, load_target, run_target_batch
 from storage.codecs import encode_features
+from storage.format import ALL_GROUPS, record_array_names
 from storage.manifest import ShardRecord
 from storage.shards import write_shard
 
@@ -45,6 +46,19 @@ class CacheBuildConfig:
     top_k: int = _opt("Top-k probabilities kept per distribution (plus the tail mass).", default=8)
     anchors: int = _opt("Anchor pool size per sequence (drawn from eligible positions).", default=128)
     seed: int = _opt("Seed of the anchor pools.", default=0)
+    rollouts: bool = _opt(
+        "Run greedy rollouts from the anchor pool (needed by alr, alr_gate, alr_ira, slot_control); "
+        "--no-rollouts also leaves out the rollout features. The anchor pool is stored either way.",
+        default=True,
+    )
+    rollout_features: bool = _opt(
+        "Store the features of rollout tokens (needed by alr_ira only; the largest part of a cache). "
+        "Off whenever --no-rollouts.",
+        default=True,
+    )
+    corpus_topk: bool = _opt(
+        "Store the target's top-k distributions along the corpus (needed by kd, erase, erase_hard).", default=True
+    )
     max_length: int = _opt("Truncate rendered conversations to this many tokens.", default=1024)
     min_supervised_tokens: int = _opt("Drop sequences with fewer supervised tokens (2 * block size).", default=32)
     skip_bad_rows: bool = _opt("Skip (and count) malformed corpus rows instead of stopping.", default=False)
@@ -76,6 +90,18 @@ class CacheBuildConfig:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
         if sum(x is not None for x in (self.layers, self.draft_layers, self.drafter_init)) > 1:
             raise ValueError("give at most one of --layers, --draft-layers, --drafter-init")
+
+    @property
+    def contents(self) -> list[str]:
+        """Array groups the cache stores (storage.format.ARRAY_GROUPS), sorted."""
+        groups = []
+        if self.corpus_topk:
+            groups.append("corpus_topk")
+        if self.rollouts:
+            groups.append("rollouts")
+            if self.rollout_features:  # features of rollout tokens exist only where rollouts run
+                groups.append("rollout_features")
+        return sorted(groups)
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
@@ -131,15 +157,20 @@ def plan_batches(lengths: list[int], *, batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def outputs_to_record(outputs, *, feature_codec: str) -> dict[str, np.ndarray]:
-    """TargetOutputs -> the per-sequence record of storage/format.py (features encoded)."""
+def outputs_to_record(outputs, *, feature_codec: str, contents=ALL_GROUPS) -> dict[str, np.ndarray]:
+    """TargetOutputs -> the per-sequence record of storage/format.py (features encoded), holding
+    the arrays of the array groups `contents` only."""
+    names = set(record_array_names(feature_codec, contents))
     record = {"source_row": np.asarray(outputs.source_row, dtype=np.int64)}
     for name in (
         "input_ids", "loss_mask", "corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "corpus_next_prob",
         "anchor_pos", "rollout_tokens", "rollout_topk_ids", "rollout_topk_probs", "rollout_tail",
     ):
-        record[name] = getattr(outputs, name).numpy()
+        if name in names:
+            record[name] = getattr(outputs, name).numpy()
     for name, scale_name in (("features", "feature_scales"), ("rollout_features", "rollout_feature_scales")):
+        if name not in names:
+            continue
         bits, scales = encode_features(getattr(outputs, name), codec=feature_codec)
         record[name] = bits
         if scales is not None:
@@ -158,6 +189,7 @@ class ShardBuilder:
             top_k=config.top_k,
             anchors_per_sequence=config.anchors,
             seed=config.seed,
+            rollouts=config.rollouts,
         )
         torch.set_num_threads(config.cpus_per_worker)
         device, dtype = target_device_and_dtype(config)
@@ -177,15 +209,17 @@ class ShardBuilder:
                 )
             )
         records = []
+        codec, contents = self.config.feature_codec, self.config.contents
         for batch in plan_batches([len(s.input_ids) for s in sequences], batch_tokens=self.config.batch_tokens):
             outputs = run_target_batch(self.model, [sequences[i] for i in batch], self.run_config)
-            records.extend(outputs_to_record(o, feature_codec=self.config.feature_codec) for o in outputs)
+            records.extend(outputs_to_record(o, feature_codec=codec, contents=contents) for o in outputs)
         return write_shard(
             self.config.out,
             shard_index=shard_index,
             records=records,
             storage_format=self.config.storage_format,
             feature_codec=self.config.feature_codec,
+            contents=self.config.contents,
         )
 
     def pid(self) -> int:

@@ -43,6 +43,9 @@ class TargetRunConfig:
     top_k: int = 8
     anchors_per_sequence: int = 128
     seed: int = 0
+    # False: the corpus pass and the anchor pools only (a cache for corpus-label methods); the
+    # K - 1 rollout forwards are skipped and the rollout outputs are None.
+    rollouts: bool = True
     logits_chunk: int = 2048  # positions per lm_head call, bounds the [chunk, vocab] logits buffer
 
     def __post_init__(self):
@@ -181,7 +184,8 @@ class TargetSequence:
 
 @dataclass(kw_only=True)
 class TargetOutputs:
-    """One sequence's target outputs as float tensors (features not yet encoded)."""
+    """One sequence's target outputs as float tensors (features not yet encoded); the rollout_*
+    fields are None when the run skipped the rollouts."""
 
     source_row: int
     input_ids: torch.Tensor  # [T] int32
@@ -192,11 +196,11 @@ class TargetOutputs:
     corpus_tail: torch.Tensor  # [T]
     corpus_next_prob: torch.Tensor  # [T]
     anchor_pos: torch.Tensor  # [A] int32
-    rollout_tokens: torch.Tensor  # [A, K+1] int32
-    rollout_topk_ids: torch.Tensor  # [A, K, k]
-    rollout_topk_probs: torch.Tensor  # [A, K, k]
-    rollout_tail: torch.Tensor  # [A, K]
-    rollout_features: torch.Tensor  # [A, K-2, F]
+    rollout_tokens: torch.Tensor | None = None  # [A, K+1] int32
+    rollout_topk_ids: torch.Tensor | None = None  # [A, K, k]
+    rollout_topk_probs: torch.Tensor | None = None  # [A, K, k]
+    rollout_tail: torch.Tensor | None = None  # [A, K]
+    rollout_features: torch.Tensor | None = None  # [A, K-2, F]
     extras: dict = field(default_factory=dict)
 
 
@@ -227,7 +231,8 @@ def _next_token_prob(model, hidden: torch.Tensor, next_ids: torch.Tensor, *, chu
 
 @torch.inference_mode()
 def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunConfig) -> list[TargetOutputs]:
-    """Corpus forward + batched greedy rollouts for a batch of sequences (right-padded)."""
+    """Corpus forward + batched greedy rollouts (unless config.rollouts is False) for a batch of
+    sequences (right-padded)."""
     device = next(model.parameters()).device
     batch = len(sequences)
     lengths = [len(s.input_ids) for s in sequences]
@@ -250,7 +255,7 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
         input_ids=input_ids,
         attention_mask=_mask_mapping(model, corpus_mask),
         position_ids=positions[None].expand(batch, -1),
-        use_cache=True,
+        use_cache=config.rollouts,  # the rollouts' shared corpus KV cache
         output_hidden_states=True,
     )
     cache = out.past_key_values
@@ -281,50 +286,59 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
         anchor_pos[b, : len(pool)] = torch.as_tensor(pool, dtype=torch.long)
         anchor_valid[b, : len(pool)] = True
 
-    # Slot 1 of every rollout is the corpus distribution at the anchor itself.
-    roll_ids = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.int32, device=device)
-    roll_probs = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.float32, device=device)
-    roll_tail = torch.zeros((batch, num_anchors, num_slots), dtype=torch.float32, device=device)
-    roll_tokens = torch.zeros((batch, num_anchors, num_slots + 1), dtype=torch.long, device=device)
-    feature_dim = corpus_features.shape[-1]
-    roll_features = corpus_features.new_zeros((batch, num_anchors, num_slots - 2, feature_dim))
-    for b in range(batch):
-        pos = anchor_pos[b, anchor_valid[b]]
-        roll_ids[b, : len(pos), 0] = c_ids[b][pos]
-        roll_probs[b, : len(pos), 0] = c_probs[b][pos]
-        roll_tail[b, : len(pos), 0] = c_tail[b][pos]
-        roll_tokens[b, : len(pos), 0] = input_ids[b, pos]
-        roll_tokens[b, : len(pos), 1] = c_argmax[b][pos]
+    if config.rollouts:
+        # Slot 1 of every rollout is the corpus distribution at the anchor itself.
+        roll_ids = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.int32, device=device)
+        roll_probs = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.float32, device=device)
+        roll_tail = torch.zeros((batch, num_anchors, num_slots), dtype=torch.float32, device=device)
+        roll_tokens = torch.zeros((batch, num_anchors, num_slots + 1), dtype=torch.long, device=device)
+        feature_dim = corpus_features.shape[-1]
+        roll_features = corpus_features.new_zeros((batch, num_anchors, num_slots - 2, feature_dim))
+        for b in range(batch):
+            pos = anchor_pos[b, anchor_valid[b]]
+            roll_ids[b, : len(pos), 0] = c_ids[b][pos]
+            roll_probs[b, : len(pos), 0] = c_probs[b][pos]
+            roll_tail[b, : len(pos), 0] = c_tail[b][pos]
+            roll_tokens[b, : len(pos), 0] = input_ids[b, pos]
+            roll_tokens[b, : len(pos), 1] = c_argmax[b][pos]
 
-    if num_anchors > 0:
-        for step in range(1, depth + 1):
-            step_out = model.model(
-                input_ids=roll_tokens[:, :, step],  # y*[step] for every branch: [B, A]
-                attention_mask=_mask_mapping(
-                    model,
-                    rollout_attention_mask(
-                        anchor_pos=anchor_pos, anchor_valid=anchor_valid, corpus_len=max_len, step=step
+        if num_anchors > 0:
+            for step in range(1, depth + 1):
+                step_out = model.model(
+                    input_ids=roll_tokens[:, :, step],  # y*[step] for every branch: [B, A]
+                    attention_mask=_mask_mapping(
+                        model,
+                        rollout_attention_mask(
+                            anchor_pos=anchor_pos, anchor_valid=anchor_valid, corpus_len=max_len, step=step
+                        ),
                     ),
-                ),
-                position_ids=anchor_pos + step,
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=True,
-            )
-            if step <= num_slots - 2:
-                roll_features[:, :, step - 1] = _tapped(step_out.hidden_states, config.layer_ids)
-            ids, probs, tail, argmax = _lm_head_topk(
-                model, step_out.last_hidden_state.reshape(batch * num_anchors, -1), top_k=top_k, chunk=config.logits_chunk
-            )
-            roll_ids[:, :, step] = ids.view(batch, num_anchors, top_k)
-            roll_probs[:, :, step] = probs.view(batch, num_anchors, top_k)
-            roll_tail[:, :, step] = tail.view(batch, num_anchors)
-            roll_tokens[:, :, step + 1] = argmax.view(batch, num_anchors)
-    del cache
+                    position_ids=anchor_pos + step,
+                    past_key_values=cache,
+                    use_cache=True,
+                    output_hidden_states=True,
+                )
+                if step <= num_slots - 2:
+                    roll_features[:, :, step - 1] = _tapped(step_out.hidden_states, config.layer_ids)
+                step_hidden = step_out.last_hidden_state.reshape(batch * num_anchors, -1)  # [B * A, H]
+                ids, probs, tail, argmax = _lm_head_topk(model, step_hidden, top_k=top_k, chunk=config.logits_chunk)
+                roll_ids[:, :, step] = ids.view(batch, num_anchors, top_k)
+                roll_probs[:, :, step] = probs.view(batch, num_anchors, top_k)
+                roll_tail[:, :, step] = tail.view(batch, num_anchors)
+                roll_tokens[:, :, step + 1] = argmax.view(batch, num_anchors)
+        del cache
 
     results = []
     for b, seq in enumerate(sequences):
         n, a = lengths[b], len(pools[b])
+        rollout = {}
+        if config.rollouts:
+            rollout = dict(
+                rollout_tokens=roll_tokens[b, :a].int().cpu(),
+                rollout_topk_ids=roll_ids[b, :a].cpu(),
+                rollout_topk_probs=roll_probs[b, :a].cpu(),
+                rollout_tail=roll_tail[b, :a].cpu(),
+                rollout_features=roll_features[b, :a].cpu(),
+            )
         results.append(
             TargetOutputs(
                 source_row=int(seq.source_row),
@@ -336,11 +350,7 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
                 corpus_tail=c_tail[b].cpu(),
                 corpus_next_prob=c_next[b].cpu(),
                 anchor_pos=torch.as_tensor(pools[b], dtype=torch.int32),
-                rollout_tokens=roll_tokens[b, :a].int().cpu(),
-                rollout_topk_ids=roll_ids[b, :a].cpu(),
-                rollout_topk_probs=roll_probs[b, :a].cpu(),
-                rollout_tail=roll_tail[b, :a].cpu(),
-                rollout_features=roll_features[b, :a].cpu(),
+                **rollout,
             )
         )
     return results

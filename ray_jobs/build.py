@@ -73,6 +73,7 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
         shard_size=config.shard_size,
         corpus_hash=file_sha256(config.corpus),
         skip_bad_rows=config.skip_bad_rows,
+        contents=config.contents,
     )
 
     previous = _previous_manifest(out, settings, overwrite=config.overwrite)
@@ -265,8 +266,9 @@ def _run_workers(config: CacheBuildConfig, layer_ids, pending: list[ShardSpec], 
 def _summary(manifest: Manifest, *, elapsed: float) -> str:
     stats = manifest.corpus_stats
     dropped = ", ".join(f"{k}={v}" for k, v in sorted(stats.get("dropped", {}).items())) or "none"
+    contents = ", ".join(manifest.settings.contents) or "none"
     return (
         f"cache: {len(manifest.shards)}/{manifest.num_shards_planned} shards, {manifest.num_sequences} sequences, "
-        f"{manifest.num_tokens} tokens, {manifest.num_anchors} anchors; corpus rows {stats.get('rows')}, "
-        f"dropped: {dropped}; {elapsed:.1f}s"
+        f"{manifest.num_tokens} tokens, {manifest.num_anchors} anchors, array groups: {contents}; "
+        f"corpus rows {stats.get('rows')}, dropped: {dropped}; {elapsed:.1f}s"
     )

@@ -32,6 +32,14 @@ F = n_taps * hidden_size:
     rollout_tail        float32 [A, K]
     rollout_features    uint16/uint8 [A, K-2, F]   features of y*[1..K-2]
     rollout_feature_scales float32 [A, K-2]        (codec "fp8" only)
+
+Optional array groups: a cache may leave some out (its manifest's `settings.contents` lists the
+groups it holds; a manifest without the key holds all of them). source_row, input_ids, loss_mask,
+features (+ feature_scales) and anchor_pos are always stored.
+
+    corpus_topk         corpus_topk_ids, corpus_topk_probs, corpus_tail, corpus_next_prob
+    rollouts            rollout_tokens, rollout_topk_ids, rollout_topk_probs, rollout_tail
+    rollout_features    rollout_features (+ rollout_feature_scales); requires "rollouts"
 """
 
 from __future__ import annotations
@@ -87,14 +95,45 @@ ARRAY_DTYPES = {
 FEATURE_DTYPES = {"bf16": "uint16", "fp8": "uint8"}
 
 
-def record_array_names(feature_codec: str) -> tuple[str, ...]:
-    """Every array name a per-sequence record holds under `feature_codec` (source_row included)."""
+# Optional array groups (fp8 scale arrays follow their feature array). Every other array is
+# stored in every cache.
+ARRAY_GROUPS = {
+    "corpus_topk": ("corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "corpus_next_prob"),
+    "rollouts": ("rollout_tokens", "rollout_topk_ids", "rollout_topk_probs", "rollout_tail"),
+    "rollout_features": ("rollout_features",),
+}
+ALL_GROUPS = tuple(sorted(ARRAY_GROUPS))
+# Rollout features are the features of the rollout tokens: meaningless without the rollouts.
+GROUP_REQUIRES = {"rollout_features": "rollouts"}
+
+
+def check_contents(contents) -> tuple[str, ...]:
+    """Validated array groups of a cache, sorted; ValueError naming `contents` otherwise."""
+    if not isinstance(contents, (list, tuple)) or not all(isinstance(g, str) for g in contents):
+        raise ValueError(f"contents must be a list of group names from {ALL_GROUPS}, got {contents!r}")
+    unknown = sorted(set(contents) - set(ALL_GROUPS))
+    if unknown:
+        raise ValueError(f"contents: unknown array group {unknown[0]!r} (groups: {', '.join(ALL_GROUPS)})")
+    if len(set(contents)) != len(contents):
+        raise ValueError(f"contents must not repeat a group, got {list(contents)}")
+    for group, needed in GROUP_REQUIRES.items():
+        if group in contents and needed not in contents:
+            raise ValueError(f"contents: group {group!r} requires group {needed!r}")
+    return tuple(sorted(contents))
+
+
+def record_array_names(feature_codec: str, contents=ALL_GROUPS) -> tuple[str, ...]:
+    """Every array name a per-sequence record holds under `feature_codec` in a cache holding the
+    array groups `contents` (source_row included)."""
     if feature_codec not in FEATURE_CODECS:
         raise ValueError(f"feature_codec must be one of {FEATURE_CODECS}, got {feature_codec!r}")
+    contents = check_contents(contents)
+    left_out = {name for group in ALL_GROUPS if group not in contents for name in ARRAY_GROUPS[group]}
     names = ("source_row",) + TOKEN_ARRAYS + ANCHOR_ARRAYS
     if feature_codec == "fp8":
         names += tuple(FP8_SCALE_ARRAYS.values())
-    return names
+    left_out |= {scale for name, scale in FP8_SCALE_ARRAYS.items() if name in left_out}
+    return tuple(name for name in names if name not in left_out)
 
 
 def shard_name(index: int, storage_format: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from storage.format import (
+    ALL_GROUPS,
     FEATURE_CODECS,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -26,6 +27,7 @@ from storage.format import (
     SHARD_STATUSES,
     STORAGE_FORMATS,
     TARGET_HEAD_FILE,
+    check_contents,
     shard_name,
 )
 
@@ -107,6 +109,9 @@ class CacheSettings:
     shard_size: int  # sequences per shard
     corpus_hash: str  # content hash of the corpus file
     skip_bad_rows: bool  # drop (and count) malformed corpus rows instead of failing
+    # Optional array groups stored (storage.format.ARRAY_GROUPS), sorted. Manifests written
+    # before groups existed lack the key: those caches hold every group.
+    contents: list[str] = field(default_factory=lambda: list(ALL_GROUPS))
 
     def __post_init__(self) -> None:
         _check_str("target_hash", self.target_hash, nonempty=True)
@@ -130,6 +135,9 @@ class CacheSettings:
         _check_str("corpus_hash", self.corpus_hash, nonempty=True)
         if not isinstance(self.skip_bad_rows, bool):
             raise ValueError(f"skip_bad_rows must be a bool, got {self.skip_bad_rows!r}")
+        if not isinstance(self.contents, list):
+            raise ValueError(f"contents must be a list of group names, got {self.contents!r}")
+        self.contents = list(check_contents(self.contents))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

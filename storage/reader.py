@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from storage.codecs import decode_features
-from storage.format import FP8_SCALE_ARRAYS, SHARD_DIR, record_array_names
+from storage.format import ALL_GROUPS, FP8_SCALE_ARRAYS, SHARD_DIR, check_contents, record_array_names
 from storage.manifest import Manifest, ShardRecord, load_manifest
 from storage.shards import WdsShard, ZarrShard, open_shard, shard_bytes
 
@@ -120,14 +120,27 @@ def open_cache(cache_dir: str | os.PathLike) -> CacheReader:
 
 
 def raw_bf16_bytes(
-    *, num_sequences: int, num_tokens: int, num_anchors: int, feature_dim: int, top_k: int, num_slots: int
+    *,
+    num_sequences: int,
+    num_tokens: int,
+    num_anchors: int,
+    feature_dim: int,
+    top_k: int,
+    num_slots: int,
+    contents=ALL_GROUPS,
 ) -> int:
-    """Bytes the record arrays would take uncompressed with features stored as bf16."""
+    """Bytes the record arrays of a cache holding `contents` would take uncompressed with
+    features stored as bf16."""
+    contents = check_contents(contents)
     F, k, K = feature_dim, top_k, num_slots
-    # input_ids, loss_mask, features, corpus_topk_ids/probs, corpus_tail, corpus_next_prob
-    per_token = 4 + 1 + 2 * F + 4 * k + 4 * k + 4 + 4
-    # anchor_pos, rollout_tokens, rollout_topk_ids/probs, rollout_tail, rollout_features
-    per_anchor = 4 + 4 * (K + 1) + 8 * K * k + 4 * K + 2 * (K - 2) * F
+    per_token = 4 + 1 + 2 * F  # input_ids, loss_mask, features
+    per_anchor = 4  # anchor_pos
+    if "corpus_topk" in contents:  # corpus_topk_ids/probs, corpus_tail, corpus_next_prob
+        per_token += 4 * k + 4 * k + 4 + 4
+    if "rollouts" in contents:  # rollout_tokens, rollout_topk_ids/probs, rollout_tail
+        per_anchor += 4 * (K + 1) + 8 * K * k + 4 * K
+    if "rollout_features" in contents:
+        per_anchor += 2 * (K - 2) * F
     per_sequence = 8  # source_row
     return num_tokens * per_token + num_anchors * per_anchor + num_sequences * per_sequence
 
@@ -143,6 +156,7 @@ def cache_stats(reader: CacheReader) -> dict[str, float | int]:
         feature_dim=m.feature_dim,
         top_k=m.settings.top_k,
         num_slots=m.settings.num_slots,
+        contents=m.settings.contents,
     )
     return {
         "sequences": m.num_sequences,
@@ -157,7 +171,7 @@ def cache_stats(reader: CacheReader) -> dict[str, float | int]:
 
 def available_arrays(reader: CacheReader) -> set[str]:
     """Names of the (encoded) record arrays the cache holds, read from its first complete shard;
-    a cache without complete shards reports the names its codec's schema promises."""
+    a cache without complete shards reports the names its codec and contents promise."""
     if not reader.shards:
-        return set(record_array_names(reader.feature_codec))
+        return set(record_array_names(reader.feature_codec, reader.manifest.settings.contents))
     return reader._handle(0).array_names

@@ -11,6 +11,8 @@ into one flat array (token arrays along tokens, anchor arrays along anchors), pl
 
 WebDataset: a tar whose samples are keyed `{source_row:09d}`, one member `{key}.{array}.npy`
 (np.save bytes, no pickle) per record array, arrays sorted by name inside a sample.
+
+Either way a shard holds exactly the arrays of its cache's contents (storage.format.ARRAY_GROUPS).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 import zarr
 
 from storage.format import (
+    ALL_GROUPS,
     ANCHOR_ARRAYS,
     FEATURE_CODECS,
     FEATURE_DTYPES,
@@ -44,6 +47,7 @@ from storage.format import (
     ZARR_INDEX_ARRAYS,
     ZARR_SEQ_OFFSETS,
     ZARR_SOURCE_ROWS,
+    check_contents,
     record_array_names,
     shard_name,
 )
@@ -69,37 +73,35 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class RecordDims:
-    """Sizes of one record: T tokens, A anchors, F feature dim, k = top_k, K slots."""
+    """Sizes of one record: T tokens, A anchors, F feature dim, k = top_k, K slots.
+
+    top_k is None when the record holds no top-k arrays (neither corpus top-k nor rollouts), and
+    num_slots None when it holds no rollouts: nothing in it says what they were."""
 
     num_tokens: int
     num_anchors: int
     feature_dim: int
-    top_k: int
-    num_slots: int
+    top_k: int | None
+    num_slots: int | None
 
 
-def record_shapes(dims: RecordDims, *, feature_codec: str) -> dict[str, tuple[int, ...]]:
-    """Expected shape of every array of a record with sizes `dims`."""
+def record_shapes(dims: RecordDims, *, feature_codec: str, contents=ALL_GROUPS) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every array of a record with sizes `dims` in a cache holding `contents`."""
+    contents = check_contents(contents)
     T, A, F, k, K = dims.num_tokens, dims.num_anchors, dims.feature_dim, dims.top_k, dims.num_slots
-    shapes = {
-        "source_row": (),
-        "input_ids": (T,),
-        "loss_mask": (T,),
-        "features": (T, F),
-        "corpus_topk_ids": (T, k),
-        "corpus_topk_probs": (T, k),
-        "corpus_tail": (T,),
-        "corpus_next_prob": (T,),
-        "anchor_pos": (A,),
-        "rollout_tokens": (A, K + 1),
-        "rollout_topk_ids": (A, K, k),
-        "rollout_topk_probs": (A, K, k),
-        "rollout_tail": (A, K),
-        "rollout_features": (A, K - 2, F),
-    }
+    shapes = {"source_row": (), "input_ids": (T,), "loss_mask": (T,), "features": (T, F), "anchor_pos": (A,)}
+    if "corpus_topk" in contents:
+        shapes.update(corpus_topk_ids=(T, k), corpus_topk_probs=(T, k), corpus_tail=(T,), corpus_next_prob=(T,))
+    if "rollouts" in contents:
+        shapes.update(
+            rollout_tokens=(A, K + 1), rollout_topk_ids=(A, K, k), rollout_topk_probs=(A, K, k), rollout_tail=(A, K)
+        )
+    if "rollout_features" in contents:
+        shapes["rollout_features"] = (A, K - 2, F)
     if feature_codec == "fp8":
         shapes["feature_scales"] = (T,)
-        shapes["rollout_feature_scales"] = (A, K - 2)
+        if "rollout_features" in contents:
+            shapes["rollout_feature_scales"] = (A, K - 2)
     return shapes
 
 
@@ -119,22 +121,25 @@ def _ndim_size(record: dict, name: str, axis: int, ndim: int, where: str) -> int
 
 
 def check_record(
-    record: dict, *, feature_codec: str, where: str, like: RecordDims | None = None
+    record: dict, *, feature_codec: str, where: str, like: RecordDims | None = None, contents=ALL_GROUPS
 ) -> RecordDims:
-    """Validate one record's array names, dtypes and shapes against the schema; return its dims.
+    """Validate one record's array names, dtypes and shapes against the schema of a cache holding
+    the array groups `contents`; return its dims.
 
-    `like`: dims whose F, k and K the record must share (records of one shard, or the manifest's).
-    Raises ValueError naming `where` and the offending array.
+    `like`: dims whose F, k and K the record must share (records of one shard, or the manifest's);
+    a None in either side is not compared. Raises ValueError naming `where` and the offending array.
     """
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a record must be a dict of arrays, got {type(record).__name__}")
-    names = set(record_array_names(feature_codec))
+    contents = check_contents(contents)
+    names = set(record_array_names(feature_codec, contents))
+    schema = f"codec {feature_codec!r}, contents {list(contents)}"
     missing = sorted(names - set(record))
     if missing:
-        raise ValueError(f"{where}: array {missing[0]} is missing (codec {feature_codec!r})")
+        raise ValueError(f"{where}: array {missing[0]} is missing ({schema})")
     extra = sorted(set(record) - names)
     if extra:
-        raise ValueError(f"{where}: array {extra[0]} is not part of the schema (codec {feature_codec!r})")
+        raise ValueError(f"{where}: array {extra[0]} is not part of the schema ({schema})")
     source_row = record["source_row"]
     if not isinstance(source_row, (int, np.integer, np.ndarray)) or isinstance(source_row, bool) or (
         isinstance(source_row, np.ndarray) and (source_row.ndim != 0 or source_row.dtype.kind not in "iu")
@@ -143,23 +148,33 @@ def check_record(
     if int(source_row) < 0:
         raise ValueError(f"{where}: array source_row must be >= 0, got {int(source_row)}")
 
+    # k is read from the corpus top-k, or from the rollout labels when the corpus top-k are left out.
+    top_k = num_slots = topk_source = None
+    if "corpus_topk" in contents:
+        topk_source = "corpus_topk_ids"
+        top_k = _ndim_size(record, topk_source, 1, 2, where)
+    elif "rollouts" in contents:
+        topk_source = "rollout_topk_ids"
+        top_k = _ndim_size(record, topk_source, 2, 3, where)
+    if "rollouts" in contents:
+        num_slots = _ndim_size(record, "rollout_tokens", 1, 2, where) - 1
     dims = RecordDims(
         num_tokens=_ndim_size(record, "input_ids", 0, 1, where),
         num_anchors=_ndim_size(record, "anchor_pos", 0, 1, where),
         feature_dim=_ndim_size(record, "features", 1, 2, where),
-        top_k=_ndim_size(record, "corpus_topk_ids", 1, 2, where),
-        num_slots=_ndim_size(record, "rollout_tokens", 1, 2, where) - 1,
+        top_k=top_k,
+        num_slots=num_slots,
     )
     if dims.num_tokens < 1:
         raise ValueError(f"{where}: array input_ids is empty")
-    if dims.num_slots < 3:
+    if dims.num_slots is not None and dims.num_slots < 3:
         raise ValueError(f"{where}: array rollout_tokens must have K + 1 >= 4 columns, got {dims.num_slots + 1}")
     if like is not None:
-        for field, name in (("feature_dim", "features"), ("top_k", "corpus_topk_ids"), ("num_slots", "rollout_tokens")):
+        for field, name in (("feature_dim", "features"), ("top_k", topk_source), ("num_slots", "rollout_tokens")):
             got, want = getattr(dims, field), getattr(like, field)
-            if got != want:
+            if got is not None and want is not None and got != want:
                 raise ValueError(f"{where}: array {name} implies {field} {got}, expected {want}")
-    for name, shape in record_shapes(dims, feature_codec=feature_codec).items():
+    for name, shape in record_shapes(dims, feature_codec=feature_codec, contents=contents).items():
         if name == "source_row":
             continue
         arr = record[name]
@@ -258,11 +273,14 @@ def write_shard(
     records: list[dict[str, np.ndarray]],
     storage_format: str,
     feature_codec: str,
+    contents=ALL_GROUPS,
 ) -> ShardRecord:
-    """Validate and atomically write one shard of already-encoded records; return its manifest
-    record (status "complete"). A published shard of the same name is replaced."""
+    """Validate and atomically write one shard of already-encoded records holding exactly the
+    array groups `contents`; return its manifest record (status "complete"). A published shard of
+    the same name is replaced."""
     _check_choice("storage_format", storage_format, STORAGE_FORMATS)
     _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
+    contents = check_contents(contents)
     if isinstance(shard_index, bool) or not isinstance(shard_index, int) or shard_index < 0:
         raise ValueError(f"shard_index must be an int >= 0, got {shard_index!r}")
     name = shard_name(shard_index, storage_format)
@@ -271,7 +289,8 @@ def write_shard(
     dims: list[RecordDims] = []
     for i, record in enumerate(records):
         like = dims[0] if dims else None
-        dims.append(check_record(record, feature_codec=feature_codec, where=f"shard {name} record {i}", like=like))
+        where = f"shard {name} record {i}"
+        dims.append(check_record(record, feature_codec=feature_codec, contents=contents, where=where, like=like))
     source_rows = [int(r["source_row"]) for r in records]
     if len(set(source_rows)) != len(source_rows):
         dup = next(row for row in source_rows if source_rows.count(row) > 1)
@@ -282,9 +301,9 @@ def write_shard(
     tmp = shard_dir / f"{PARTIAL_SHARD_PREFIX}{name}-{uuid.uuid4().hex}"
     try:
         if storage_format == "zarr":
-            _write_zarr(tmp, records, dims, feature_codec=feature_codec)
+            _write_zarr(tmp, records, dims, feature_codec=feature_codec, contents=contents)
         else:
-            _write_wds(tmp, records, feature_codec=feature_codec)
+            _write_wds(tmp, records, feature_codec=feature_codec, contents=contents)
         _fsync_tree(tmp)
         final = shard_dir / name
         _remove(final)
@@ -323,7 +342,9 @@ def _rows(pieces: list[np.ndarray], offsets: np.ndarray, start: int, stop: int) 
     return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
 
-def _write_zarr(path: Path, records: list[dict], dims: list[RecordDims], *, feature_codec: str) -> None:
+def _write_zarr(
+    path: Path, records: list[dict], dims: list[RecordDims], *, feature_codec: str, contents: tuple[str, ...]
+) -> None:
     seq_offsets = np.zeros(len(records) + 1, dtype=np.int64)  # [n+1]
     seq_offsets[1:] = np.cumsum([d.num_tokens for d in dims])
     anchor_offsets = np.zeros(len(records) + 1, dtype=np.int64)  # [n+1]
@@ -363,7 +384,7 @@ def _write_zarr(path: Path, records: list[dict], dims: list[RecordDims], *, feat
             stop = min(num_rows, start + step)
             array[start:stop] = _rows(pieces, offsets, start, stop)
 
-    for name in record_array_names(feature_codec):
+    for name in record_array_names(feature_codec, contents):
         if name == "source_row":
             continue
         offsets = anchor_offsets if name in ANCHOR_INDEXED_ARRAYS else seq_offsets
@@ -386,11 +407,11 @@ def sample_key(source_row: int) -> str:
     return f"{source_row:09d}"
 
 
-def _write_wds(path: Path, records: list[dict], *, feature_codec: str) -> None:
+def _write_wds(path: Path, records: list[dict], *, feature_codec: str, contents: tuple[str, ...]) -> None:
     with open(path, "xb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for record in records:
             key = sample_key(int(record["source_row"]))
-            for name in sorted(record_array_names(feature_codec)):
+            for name in sorted(record_array_names(feature_codec, contents)):
                 if name == "source_row":
                     data = _npy_bytes(np.asarray(int(record["source_row"]), dtype=np.int64))
                 else:

@@ -1,7 +1,8 @@
 """Full consistency check of a cache: files, checksums, shapes, offsets and label values.
 
 `verify_cache` reads every byte of every complete shard; each problem is one line naming the shard
-(or file) it concerns. An empty list means the cache is good.
+(or file) it concerns. An empty list means the cache is good. A shard must hold exactly the arrays
+of the manifest's `settings.contents`; array groups left out are not checked.
 """
 
 from __future__ import annotations
@@ -63,32 +64,37 @@ def _feature_nan(bits: np.ndarray) -> bool:
 
 
 def record_value_problems(record: dict[str, np.ndarray], *, vocab_size: int) -> list[str]:
-    """Value-level problems of one encoded, schema-valid record (empty if none)."""
+    """Value-level problems of one encoded, schema-valid record (empty if none); only the array
+    groups the record holds are checked."""
     problems = []
     input_ids = record["input_ids"]
     T = len(input_ids)
     for name in ("input_ids", "corpus_topk_ids", "rollout_tokens", "rollout_topk_ids"):
-        ids = record[name]
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        ids = record.get(name)
+        if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
             problems.append(f"{name} outside [0, vocab_size={vocab_size})")
     if not np.isin(record["loss_mask"], (0, 1)).all():
         problems.append("loss_mask has values other than 0 and 1")
-    problems += _label_problems("corpus", record["corpus_topk_probs"], record["corpus_tail"])
-    problems += _label_problems("rollout", record["rollout_topk_probs"], record["rollout_tail"])
-    next_prob = record["corpus_next_prob"]
-    if not (np.isfinite(next_prob).all() and (next_prob >= 0).all() and (next_prob <= 1).all()):
-        problems.append("corpus_next_prob outside [0, 1]")
-    elif next_prob[-1] != 0:
-        problems.append("corpus_next_prob is not 0 at the last position")
+    if "corpus_topk_probs" in record:
+        problems += _label_problems("corpus", record["corpus_topk_probs"], record["corpus_tail"])
+        next_prob = record["corpus_next_prob"]
+        if not (np.isfinite(next_prob).all() and (next_prob >= 0).all() and (next_prob <= 1).all()):
+            problems.append("corpus_next_prob outside [0, 1]")
+        elif next_prob[-1] != 0:
+            problems.append("corpus_next_prob is not 0 at the last position")
+    if "rollout_topk_probs" in record:
+        problems += _label_problems("rollout", record["rollout_topk_probs"], record["rollout_tail"])
     anchor_pos = record["anchor_pos"]
     if anchor_pos.size:
         if anchor_pos.min() < 0 or anchor_pos.max() >= T - 1:
             problems.append(f"anchor_pos outside [0, T-1={T - 1})")
         elif (np.diff(anchor_pos) <= 0).any():
             problems.append("anchor_pos not sorted and unique")
-        elif (record["rollout_tokens"][:, 0] != input_ids[anchor_pos]).any():
+        elif "rollout_tokens" in record and (record["rollout_tokens"][:, 0] != input_ids[anchor_pos]).any():
             problems.append("rollout_tokens[:, 0] != input_ids[anchor_pos]")
     for name, scale_name in FP8_SCALE_ARRAYS.items():
+        if name not in record:
+            continue
         if _feature_nan(record[name]):
             problems.append(f"{name} contain NaN or infinite values")
         if scale_name in record:
@@ -102,7 +108,7 @@ def _zarr_structure_problems(shard: ZarrShard, manifest: Manifest, record: Shard
     """Flat-array problems of a Zarr shard: offsets, lengths, dtypes, attributes."""
     codec = manifest.settings.feature_codec
     problems = []
-    names = set(record_array_names(codec)) - {"source_row"}
+    names = set(record_array_names(codec, manifest.settings.contents)) - {"source_row"}
     stored = set(shard.arrays) - set(ZARR_INDEX_ARRAYS)
     if stored != names:
         problems.append(f"arrays {sorted(stored ^ names)} missing or unexpected")
@@ -162,7 +168,7 @@ def _shard_problems(cache_dir: Path, manifest: Manifest, record: ShardRecord) ->
             try:
                 seq = shard.read(local)
                 where = f"sequence {local}" + (f" (source row {int(seq['source_row'])})" if "source_row" in seq else "")
-                seq_dims = check_record(seq, feature_codec=codec, where=where, like=dims)
+                seq_dims = check_record(seq, feature_codec=codec, contents=settings.contents, where=where, like=dims)
             except Exception as e:
                 problems.append(f"sequence {local}: {_one_line(e)}" if not isinstance(e, ValueError) else str(e))
                 continue

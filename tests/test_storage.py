@@ -13,9 +13,11 @@ import torch
 
 from storage.codecs import FP8_E4M3FN_TABLE, decode_features, encode_features
 from storage.format import (
+    ALL_GROUPS,
     FORMAT_VERSION,
     MANIFEST_FILE,
     SHARD_DIR,
+    check_contents,
     record_array_names,
     shard_name,
 )
@@ -93,15 +95,19 @@ def make_record(rng: np.random.Generator, *, source_row: int, T: int, A: int, co
     return record, floats
 
 
-def make_shard_records(seed: int, *, first_row: int, num: int, codec: str) -> tuple[list[dict], list[dict]]:
+def make_shard_records(
+    seed: int, *, first_row: int, num: int, codec: str, contents=ALL_GROUPS
+) -> tuple[list[dict], list[dict]]:
+    """Records holding the arrays of `contents` (the same values as a full cache's, minus the rest)."""
     rng = np.random.default_rng(seed)
+    names = set(record_array_names(codec, contents))
     records, floats = [], []
     for i in range(num):
         T = int(rng.integers(20, 60))
         A = 0 if i == 1 else int(rng.integers(1, 6))  # one sequence without anchors
         record, f = make_record(rng, source_row=first_row + 3 * i, T=T, A=A, codec=codec)
-        records.append(record)
-        floats.append(f)
+        records.append({name: value for name, value in record.items() if name in names})
+        floats.append({name: value for name, value in f.items() if name in names})
     return records, floats
 
 
@@ -142,15 +148,20 @@ def make_manifest(settings: CacheSettings, shards: list[ShardRecord], num_shards
     )
 
 
-def build_cache(cache_dir: Path, *, storage_format: str, codec: str, sizes=(4, 3), seed: int = 0):
-    """Cache of len(sizes) shards; returns (records, floats) flattened in global order."""
+def build_cache(cache_dir: Path, *, storage_format: str, codec: str, sizes=(4, 3), seed: int = 0, contents=ALL_GROUPS):
+    """Cache of len(sizes) shards holding `contents`; returns (records, floats) flattened in global order."""
     all_records, all_floats, shards = [], [], []
     for index, num in enumerate(sizes):
-        records, floats = make_shard_records(seed + index, first_row=100 * index, num=num, codec=codec)
-        shards.append(write_shard(cache_dir, shard_index=index, records=records, storage_format=storage_format, feature_codec=codec))
+        records, floats = make_shard_records(seed + index, first_row=100 * index, num=num, codec=codec, contents=contents)
+        shards.append(
+            write_shard(
+                cache_dir, shard_index=index, records=records, storage_format=storage_format, feature_codec=codec,
+                contents=contents,
+            )
+        )  # fmt: skip
         all_records += records
         all_floats += floats
-    settings = make_settings(feature_codec=codec, storage_format=storage_format)
+    settings = make_settings(feature_codec=codec, storage_format=storage_format, contents=list(contents))
     save_manifest(cache_dir, make_manifest(settings, shards))
     head = torch.randn(VOCAB, HIDDEN)
     save_target_head(cache_dir, embed_tokens=head, lm_head=head)  # tied, as in small targets
@@ -387,8 +398,9 @@ def _disk_bytes(path: Path) -> int:
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_cache_stats(tmp_path, codec):
-    records, _ = build_cache(tmp_path, storage_format="zarr", codec=codec, sizes=(6,))
+@pytest.mark.parametrize("contents", [ALL_GROUPS, ("corpus_topk", "rollouts"), ()], ids=["all", "no-rf", "none"])
+def test_cache_stats(tmp_path, codec, contents):
+    records, _ = build_cache(tmp_path, storage_format="zarr", codec=codec, sizes=(6,), contents=contents)
     stats = cache_stats(open_cache(tmp_path))
     tokens = sum(len(r["input_ids"]) for r in records)
     anchors = sum(len(r["anchor_pos"]) for r in records)
@@ -405,7 +417,7 @@ def test_cache_stats(tmp_path, codec):
     assert stats["bytes_on_disk"] == _disk_bytes(tmp_path / SHARD_DIR)
     assert stats["bytes_per_token"] == pytest.approx(stats["bytes_on_disk"] / tokens)
     assert stats["compression_ratio_vs_raw_bf16"] == pytest.approx(raw / stats["bytes_on_disk"])
-    assert stats["compression_ratio_vs_raw_bf16"] > (1.5 if codec == "fp8" else 1.0)
+    assert stats["compression_ratio_vs_raw_bf16"] > (1.5 if codec == "fp8" and "rollout_features" in contents else 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,3 +545,118 @@ def test_verify_catches_bad_values(tmp_path):
         "shard-00000.zarr: sequence 1 (source row 3): corpus_topk_probs + corpus_tail differ from 1 by up to 0.1",
         "shard-00000.zarr: sequence 2 (source row 6): rollout_tokens[:, 0] != input_ids[anchor_pos]",
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Array groups: caches that leave some out
+
+
+PARTIAL_CONTENTS = [("corpus_topk", "rollouts"), ("corpus_topk",), ("rollouts",), ()]
+
+
+def test_record_array_names_follow_contents():
+    assert ALL_GROUPS == ("corpus_topk", "rollout_features", "rollouts")
+    assert record_array_names("fp8") == record_array_names("fp8", ALL_GROUPS)
+    assert record_array_names("bf16", []) == ("source_row", "input_ids", "loss_mask", "features", "anchor_pos")
+    assert record_array_names("fp8", ["corpus_topk"]) == (
+        "source_row", "input_ids", "loss_mask", "features", "corpus_topk_ids", "corpus_topk_probs", "corpus_tail",
+        "corpus_next_prob", "anchor_pos", "feature_scales",
+    )  # fmt: skip
+    full = set(record_array_names("fp8"))
+    no_features = set(record_array_names("fp8", ["rollouts", "corpus_topk"]))
+    assert full - no_features == {"rollout_features", "rollout_feature_scales"}
+    assert check_contents(["rollouts", "rollout_features"]) == ("rollout_features", "rollouts")
+    with pytest.raises(ValueError, match="contents: group 'rollout_features' requires group 'rollouts'"):
+        record_array_names("bf16", ["rollout_features"])
+    with pytest.raises(ValueError, match="unknown array group 'logits'"):
+        check_contents(["corpus_topk", "logits"])
+    with pytest.raises(ValueError, match="must not repeat"):
+        check_contents(["rollouts", "rollouts"])
+    with pytest.raises(ValueError, match="list of group names"):
+        check_contents("rollouts")
+
+
+def test_settings_contents_default_validation_and_diff():
+    # A manifest written before array groups existed holds every group.
+    old = {k: v for k, v in make_settings().to_dict().items() if k != "contents"}
+    assert CacheSettings.from_dict(old).contents == list(ALL_GROUPS)
+    settings = make_settings(contents=["rollouts", "corpus_topk"])
+    assert settings.contents == ["corpus_topk", "rollouts"]  # stored sorted
+    assert CacheSettings.from_dict(settings.to_dict()) == settings
+    assert settings_diff(make_settings(), settings) == [
+        "contents: ['corpus_topk', 'rollout_features', 'rollouts'] -> ['corpus_topk', 'rollouts']"
+    ]
+    with pytest.raises(ValueError, match="contents"):
+        make_settings(contents=["rollout_features"])
+    with pytest.raises(ValueError, match="contents"):
+        make_settings(contents=("rollouts",))
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+@pytest.mark.parametrize("contents", PARTIAL_CONTENTS, ids=lambda c: "+".join(c) or "none")
+def test_partial_cache_round_trip_and_verify(tmp_path, storage_format, contents):
+    full_records, _ = build_cache(tmp_path / "full", storage_format=storage_format, codec="fp8")
+    records, floats = build_cache(tmp_path / "part", storage_format=storage_format, codec="fp8", contents=contents)
+    reader = open_cache(tmp_path / "part")
+    names = set(record_array_names("fp8", contents))
+    assert reader.manifest.settings.contents == list(contents)
+    assert available_arrays(reader) == names
+    for i, (record, full) in enumerate(zip(records, full_records, strict=True)):
+        got = reader.read(i, decode_features=False)
+        assert set(got) == names
+        assert_record_equal(got, {name: full[name] for name in names})  # the same values as the full cache
+        decoded = reader.read(i)
+        assert ("rollout_features" in decoded) == ("rollout_features" in contents)
+        np.testing.assert_allclose(decoded["features"], floats[i]["features"], rtol=2.0**-4, atol=1e-6)
+    assert verify_cache(tmp_path / "part") == []
+    part_bytes = cache_stats(reader)["bytes_on_disk"]
+    assert part_bytes < cache_stats(open_cache(tmp_path / "full"))["bytes_on_disk"]
+
+
+def test_old_manifest_without_contents_opens_as_a_full_cache(tmp_path):
+    build_cache(tmp_path, storage_format="wds", codec="bf16")
+    path = tmp_path / MANIFEST_FILE
+    data = json.loads(path.read_text())
+    del data["settings"]["contents"]
+    path.write_text(json.dumps(data))
+    reader = open_cache(tmp_path)
+    assert reader.manifest.settings.contents == list(ALL_GROUPS)
+    assert available_arrays(reader) == set(record_array_names("bf16"))
+    assert verify_cache(tmp_path) == []
+
+
+def test_write_shard_holds_exactly_the_contents(tmp_path):
+    def write(records, *, codec, contents=ALL_GROUPS, storage_format="zarr"):
+        write_shard(
+            tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec=codec, contents=contents
+        )
+
+    records, _ = make_shard_records(0, first_row=0, num=3, codec="fp8")
+    schema = r"\(codec 'fp8', contents \['corpus_topk'\]\)"
+    with pytest.raises(ValueError, match=rf"record 0: array rollout_feature_scales is not part of the schema {schema}"):
+        write(records, codec="fp8", contents=["corpus_topk"])
+    partial, _ = make_shard_records(0, first_row=0, num=3, codec="fp8", contents=["corpus_topk", "rollouts"])
+    with pytest.raises(ValueError, match=r"record 0: array rollout_feature_scales is missing"):
+        write(partial, codec="fp8", storage_format="wds")
+    with pytest.raises(ValueError, match="requires group 'rollouts'"):
+        write(partial, codec="fp8", contents=["rollout_features"])
+    # Without corpus top-k, k is read from the rollout labels (and still checked across records).
+    rollouts_only, _ = make_shard_records(0, first_row=0, num=3, codec="bf16", contents=["rollouts"])
+    rollouts_only[2]["rollout_topk_ids"] = rollouts_only[2]["rollout_topk_ids"][:, :, :-1]
+    rollouts_only[2]["rollout_topk_probs"] = rollouts_only[2]["rollout_topk_probs"][:, :, :-1]
+    with pytest.raises(ValueError, match=r"record 2: array rollout_topk_ids implies top_k 3, expected 4"):
+        write(rollouts_only, codec="bf16", contents=["rollouts"])
+    assert not (tmp_path / SHARD_DIR).exists() or os.listdir(tmp_path / SHARD_DIR) == []
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+def test_verify_catches_arrays_the_manifest_does_not_list(tmp_path, storage_format):
+    build_cache(tmp_path, storage_format=storage_format, codec="bf16")  # full shards
+    manifest = load_manifest(tmp_path)
+    manifest.settings.contents = ["corpus_topk", "rollouts"]
+    save_manifest(tmp_path, manifest)
+    problems = verify_cache(tmp_path)
+    assert problems and all(p.startswith(("shard-00000", "shard-00001")) for p in problems)
+    assert any("rollout_features" in p for p in problems)
+    if storage_format == "zarr":
+        assert "shard-00000.zarr: arrays ['rollout_features'] missing or unexpected" in problems
