@@ -114,6 +114,7 @@ def cache_info(cache: str, as_json: bool):
         "layer_ids": settings.layer_ids,
         "num_slots": settings.num_slots,
         "top_k": settings.top_k,
+        "contents": ["features", *settings.contents],
         "shards": f"{len(manifest.shards)}/{manifest.num_shards_planned} complete",
         **{k: stats[k] for k in ("sequences", "tokens", "anchors", "bytes_on_disk", "bytes_per_token")},
         "compression_ratio_vs_raw_bf16": stats["compression_ratio_vs_raw_bf16"],
