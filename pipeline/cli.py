@@ -202,3 +202,32 @@ def eval_score(csv_path: str, group: str):
         click.echo(score_table(csv_path, group=group))
     except (KeyError, ValueError) as error:
         raise click.ClickException(f"{csv_path}: {error}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# docs/cli.md is generated from the commands themselves (tests/test_cli.py keeps it in sync).
+
+
+def cli_reference_markdown() -> str:
+    """Every command's --help as one markdown page."""
+    commands = [
+        ("alrira-cache build", cache_build),
+        ("alrira-cache info", cache_info),
+        ("alrira-cache verify", cache_verify),
+        ("alrira-train", train_cli),
+        ("alrira-eval run", eval_run),
+        ("alrira-eval score", eval_score),
+    ]
+    parts = [
+        "# Command reference\n",
+        "Generated from the commands' own help (`python -m pipeline.cli > docs/cli.md`); "
+        "`torchrun ... -m pipeline.train` takes the same flags as `alrira-train`.\n",
+    ]
+    for name, command in commands:
+        with click.Context(command, info_name=name, terminal_width=100, max_content_width=100) as ctx:
+            parts.append(f"## `{name}`\n\n```\n{command.get_help(ctx)}\n```\n")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(cli_reference_markdown(), end="")
