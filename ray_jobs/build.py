@@ -74,6 +74,7 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
         corpus_hash=file_sha256(config.corpus),
         skip_bad_rows=config.skip_bad_rows,
         contents=config.contents,
+        backend=config.backend,
     )
 
     previous = _previous_manifest(out, settings, overwrite=config.overwrite)

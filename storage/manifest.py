@@ -112,6 +112,9 @@ class CacheSettings:
     # Optional array groups stored (storage.format.ARRAY_GROUPS), sorted. Manifests written
     # before groups existed lack the key: those caches hold every group.
     contents: list[str] = field(default_factory=lambda: list(ALL_GROUPS))
+    # Which engine computed the target side ("hf" or "vllm"). They agree within fp32 rounding, not
+    # bit for bit, so one cache is never resumed with the other (older manifests: "hf").
+    backend: str = "hf"
 
     def __post_init__(self) -> None:
         _check_str("target_hash", self.target_hash, nonempty=True)
@@ -138,6 +141,8 @@ class CacheSettings:
         if not isinstance(self.contents, list):
             raise ValueError(f"contents must be a list of group names, got {self.contents!r}")
         self.contents = list(check_contents(self.contents))
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"backend must be hf or vllm, got {self.backend!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
