@@ -1,0 +1,183 @@
+"""Methods benchmark: tau of dflash, kd, erase, alr and alr_ira on the demo world, over seeds, at T = 0 and T = 1.
+
+    .venv/bin/python benchmarks/methods.py [--out results/methods] [--seeds 0,1,2] [--world-seed same|N]
+
+A replicate is one (world seed, drafter seed) pair. By default each drafter seed gets its own world
+(`--world-seed same`: world seed = drafter seed), so the spread covers both the world (chains,
+corpus, prompts, target training) and the drafter's training (init, data order, anchor draws);
+`--world-seed 0` keeps one world and varies only the drafters. For each world it builds the demo
+world (pipeline.demo_world) and one cache with the Ray job, trains every method from that cache
+with the demo's recipe (identical settings except the method) and decodes the held-out prompts at
+each temperature. The table reports the mean and sample SD over replicates of the
+geometric-mean tau (and of the speedup), plus the mean per-prompt-group tau. Every phase is
+skipped when its output exists, so a run resumes. Outputs in --out: methods.json (every
+replicate), methods.md (the tables), tau_by_method.png. See docs/results.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.demo import (
+    DEMO_METHODS,
+    DemoSizes,
+    build_demo_cache,
+    evaluate_method,
+    method_results,
+    plot_taus,
+    train_config,
+    train_method,
+)
+from pipeline.demo_world import build_world
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(replicates: list[dict], *, methods: list[str], temperatures: list[float]) -> dict:
+    """{method: {"T0": {"tau_mean", "tau_sd", "speedup_mean", "speedup_sd", "tau_by_group"}, "train_s_mean"}}."""
+    table = {}
+    for method in methods:
+        rows = [r["methods"][method] for r in replicates]
+        entry = {"train_s_mean": statistics.fmean(r["train_s"] for r in rows)}
+        for t in temperatures:
+            key = f"T{t:g}"
+            tau_mean, tau_sd = mean_sd([r[key]["tau"] for r in rows])
+            speed_mean, speed_sd = mean_sd([r[key]["speedup"] for r in rows])
+            groups = rows[0][key]["tau_by_group"]
+            entry[key] = {
+                "tau_mean": tau_mean, "tau_sd": tau_sd, "speedup_mean": speed_mean, "speedup_sd": speed_sd,
+                "tau_by_group": {g: statistics.fmean(r[key]["tau_by_group"][g] for r in rows) for g in groups},
+                "taus": [r[key]["tau"] for r in rows],
+            }  # fmt: skip
+        table[method] = entry
+    return table
+
+
+def markdown_table(table: dict, *, temperatures: list[float], num_replicates: int) -> str:
+    groups = list(next(iter(table.values()))[f"T{temperatures[0]:g}"]["tau_by_group"])
+    lines = []
+    for t in temperatures:
+        key = f"T{t:g}"
+        lines += [
+            f"T = {t:g} (mean ± SD over {num_replicates} replicates; per-group columns are means)",
+            "",
+            "| method | tau | speedup | " + " | ".join(f"tau {g}" for g in groups) + " | train s |",
+            "|---|---|---|" + "---|" * len(groups) + "---|",
+        ]
+        for method, entry in table.items():
+            e = entry[key]
+            lines.append(
+                f"| {method} | {e['tau_mean']:.3f} ± {e['tau_sd']:.3f} | {e['speedup_mean']:.2f}x ± {e['speedup_sd']:.2f} | "
+                + " | ".join(f"{e['tau_by_group'][g]:.3f}" for g in groups)
+                + f" | {entry['train_s_mean']:.0f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def ordering(table: dict, key: str) -> str:
+    """Methods sorted by mean tau, highest first: 'alr_ira > alr > ...'."""
+    ranked = sorted(table, key=lambda m: -table[m][key]["tau_mean"])
+    return " > ".join(ranked)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/methods", help="Output directory (resumable).")
+    parser.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="Comma-separated drafter training seeds.")
+    parser.add_argument("--world-seed", default="same", help="'same' (a world per drafter seed) or one world seed for all.")
+    parser.add_argument("--temperatures", type=_floats, default=[0.0, 1.0], help="Comma-separated decoding temperatures.")
+    parser.add_argument("--methods", default=",".join(DEMO_METHODS), help="Comma-separated methods.")
+    parser.add_argument("--threads", type=int, default=1, help="Torch threads of this process.")
+    parser.add_argument("--quick", action="store_true", help="The demo's --quick sizes (a smoke run, not a result).")
+    args = parser.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    def log(message: str) -> None:
+        print(f"[{time.time() - started:6.0f}s] {message}", flush=True)
+
+    pairs = [(seed if args.world_seed == "same" else int(args.world_seed), seed) for seed in args.seeds]
+    replicates = []
+    for world_seed, seed in pairs:
+        world_dir = out / f"world-{world_seed}"
+        sizes = DemoSizes.make(seed=world_seed, quick=args.quick)
+        world = build_world(world_dir / "world", sizes.world, log=log)
+        cache = build_demo_cache(world, world_dir / "cache", sizes, log=log)
+        results = {}
+        for method in methods:
+            run = world_dir / f"seed-{seed}" / "runs" / method
+            summary = train_method(train_config(cache=cache, out=run, method=method, seed=seed, sizes=sizes), log=log)
+            evals = {
+                t: evaluate_method(
+                    world=world, drafter=run / "drafter", out=world_dir / f"seed-{seed}" / "evals" / f"{method}-T{t:g}",
+                    temperature=t, seed=seed, sizes=sizes, log=log,
+                )  # fmt: skip
+                for t in args.temperatures
+            }
+            results[method] = method_results(train_summary=summary, evals=evals)
+            taus = ", ".join(f"tau {results[method][f'T{t:g}']['tau']:.3f} (T={t:g})" for t in args.temperatures)
+            log(f"world {world_seed} seed {seed} {method}: {taus}")
+        world_stats = {k: v for k, v in world.stats.items() if k != "config"}
+        replicates.append({"world_seed": world_seed, "seed": seed, "world": world_stats, "methods": results})
+
+    table = summarize(replicates, methods=methods, temperatures=args.temperatures)
+    markdown = markdown_table(table, temperatures=args.temperatures, num_replicates=len(replicates))
+    report = {
+        "command": " ".join(["benchmarks/methods.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, torch {torch.__version__}",
+        "wall_s": time.time() - started,
+        "replicates_world_and_drafter_seed": pairs,
+        "temperatures": args.temperatures,
+        "table": table,
+        "ordering": {f"T{t:g}": ordering(table, f"T{t:g}") for t in args.temperatures},
+        "replicates": replicates,
+    }
+    (out / "methods.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "methods.md").write_text(markdown + "\n")
+    plot_taus(
+        {m: [table[m][f"T{t:g}"]["tau_mean"] for t in args.temperatures] for m in methods}, out / "tau_by_method.png",
+        errors={m: [table[m][f"T{t:g}"]["tau_sd"] for t in args.temperatures] for m in methods},
+        labels=[f"T = {t:g}" for t in args.temperatures],
+        title=f"demo world: tau at T = {', '.join(f'{t:g}' for t in args.temperatures)} (mean ± SD, {len(replicates)} replicates)",
+    )  # fmt: skip
+    print()
+    print(markdown)
+    for key, order in report["ordering"].items():
+        print(f"ordering by mean tau at {key}: {order}")
+    print(f"wall {report['wall_s']:.0f}s; {out / 'methods.json'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
