@@ -10,7 +10,8 @@ Phases (each skipped when its output already exists, so an interrupted demo resu
               settings except the method
   4. eval     pipeline.evaluate at T = 0 (and any other --temperatures) on the held-out prompts
 Then it prints a table (method, tau, speedup, training time) and writes `results.json` and
-`tau_by_method.png` into --out.
+`tau_by_method.png` into --out. 11 min measured on a shared 2-core machine (`--quick`: ~30 s);
+results and what they mean: docs/results.md.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def format_table(results: dict[str, dict], *, temperatures: list[float]) -> str:
         row += [f"{r['train_s']:.0f}", f"{r['final_loss']:.3f}"]
         lines.append(row)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))) for line in lines)
+    cells = [[c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))] for line in lines]
+    return "\n".join("  ".join(row) for row in cells)
 
 
 def plot_taus(
@@ -229,9 +231,10 @@ def run_demo(*, out: Path, seed: int, quick: bool, temperatures: list[float], me
         "wall_s": time.time() - started,
     }
     (out / RESULTS_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    temps = ", ".join(f"{t:g}" for t in temperatures)
     plotted = plot_taus(
         {m: [r[f"T{t:g}"]["tau"] for t in temperatures] for m, r in results.items()}, out / PLOT_FILE,
-        labels=[f"T = {t:g}" for t in temperatures], title=f"demo world seed {seed}: tau at T = {', '.join(f'{t:g}' for t in temperatures)}",
+        labels=[f"T = {t:g}" for t in temperatures], title=f"demo world seed {seed}: tau at T = {temps}",
     )  # fmt: skip
     print()
     print(format_table(results, temperatures=temperatures))

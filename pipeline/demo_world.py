@@ -135,7 +135,9 @@ class MarkovChain:
         return total / max(len(words), 1)
 
 
-def random_chain(num_words: int, *, num_successors: int, top_prob_range: tuple[float, float], rng: np.random.Generator) -> MarkovChain:
+def random_chain(
+    num_words: int, *, num_successors: int, top_prob_range: tuple[float, float], rng: np.random.Generator
+) -> MarkovChain:
     """Each word's mode is its successor in a random cyclic order of all words (so greedy text runs
     through the whole vocabulary before repeating); the other successors are random distinct words
     sharing the remaining mass in decreasing random proportions."""
@@ -186,14 +188,21 @@ def _answer(chain: MarkovChain, words: list[str], rng: np.random.Generator, *, s
 
 
 def make_conversation(
-    chain: MarkovChain, words: list[str], rng: np.random.Generator, *, num_turns: int, response_words: tuple[int, int], question_words: tuple[int, int] = (3, 8)
+    chain: MarkovChain,
+    words: list[str],
+    rng: np.random.Generator,
+    *,
+    num_turns: int,
+    response_words: tuple[int, int],
+    question_words: tuple[int, int] = (3, 8),
 ) -> list[dict[str, str]]:
     """user/assistant exchanges; every answer continues `chain` from its question's last word."""
     messages = []
     for _ in range(num_turns):
         question, last = _question(words, rng, num_words=question_words)
         length = int(rng.integers(response_words[0], response_words[1] + 1))
-        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": _answer(chain, words, rng, start=last, num_words=length)}]
+        answer = _answer(chain, words, rng, start=last, num_words=length)
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return messages
 
 
@@ -285,10 +294,10 @@ def train_target(model, tokenizer, source: MarkovChain, config: WorldConfig, *, 
     model.train()
     losses, started = [], time.time()
     for step in range(steps):
-        conversations = [
-            make_conversation(source, config.words, rng, num_turns=2 if rng.random() < config.two_turn_frac else 1, response_words=config.response_words)
-            for _ in range(config.target_batch_size)
-        ]
+        conversations = []
+        for _ in range(config.target_batch_size):
+            num_turns = 2 if rng.random() < config.two_turn_frac else 1
+            conversations.append(make_conversation(source, config.words, rng, num_turns=num_turns, response_words=config.response_words))
         loss = target_loss(model, tokenize_conversations(tokenizer, conversations))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, total_steps=steps, peak_lr=config.target_lr)
@@ -304,7 +313,9 @@ def train_target(model, tokenizer, source: MarkovChain, config: WorldConfig, *, 
 
 
 @torch.no_grad()
-def score_target(model, tokenizer, conversations: list[list[dict[str, str]]], *, source: MarkovChain, word_ids: dict[int, int]) -> dict:
+def score_target(
+    model, tokenizer, conversations: list[list[dict[str, str]]], *, source: MarkovChain, word_ids: dict[int, int]
+) -> dict:
     """Teacher-forced scores on assistant tokens of `conversations`:
     accuracy        target argmax == the text's next token
     mode_agreement  target argmax == `source`'s most likely successor (answer words after a word)
