@@ -10,7 +10,7 @@ Phases (each skipped when its output already exists, so an interrupted demo resu
               settings except the method
   4. eval     pipeline.evaluate at T = 0 (and any other --temperatures) on the held-out prompts
 Then it prints a table (method, tau, speedup, training time) and writes `results.json` and
-`tau_by_method.png` into --out. 11 min measured on a shared 2-core machine (`--quick`: ~30 s);
+`tau_by_method.png` into --out. 8 min 40 s measured on an idle 2-core machine (`--quick`: ~30 s);
 results and what they mean: docs/results.md.
 """
 
