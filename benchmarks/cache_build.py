@@ -23,7 +23,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse
 import copy
-import json
 import statistics
 import tempfile
 import time
@@ -38,9 +37,10 @@ from transformers.utils import logging as hf_logging
 from pipeline.cache_build import CORPUS_DIR, CacheBuildConfig, ShardBuilder, outputs_to_record, plan_batches
 from pipeline.corpus import CorpusConfig, ingest_corpus, save_tokenized_corpus
 from pipeline.target_runner import TargetRunConfig, TargetSequence, anchor_pool, load_target, run_target_batch
-from pipeline.toy import make_toy_target, toy_chat_rows
 from storage.reader import cache_stats, open_cache
 from storage.shards import write_shard
+
+from _common import empty_workdir, make_bench_target, print_table, write_toy_corpus
 
 RAY_CPUS = 2  # the local Ray cluster the script starts
 NUM_REPEATS = 3
@@ -259,36 +259,12 @@ def ray_build(config: CacheBuildConfig) -> tuple[float, dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        # First column left-aligned (labels), the rest right-aligned (numbers).
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    print(f"\n{title}")
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
-
-
 def prepare(sizes: BenchSizes, work: Path):
     """Toy target + chat corpus on disk; the corpus tokenized exactly as the build will do it."""
-    target = make_toy_target(
-        work / "target",
-        hidden_size=sizes.hidden_size,
-        num_hidden_layers=sizes.num_hidden_layers,
-        num_attention_heads=sizes.num_attention_heads,
-        num_key_value_heads=sizes.num_key_value_heads,
-        head_dim=sizes.head_dim,
-        intermediate_size=sizes.intermediate_size,
-        seed=0,
-        peaked=True,
+    target = make_bench_target(work / "target", sizes)
+    corpus_path = write_toy_corpus(
+        work / "chat.jsonl", num_rows=sizes.num_rows, response_words=sizes.response_words, max_turns=sizes.max_turns
     )
-    corpus_path = work / "chat.jsonl"
-    rows = toy_chat_rows(sizes.num_rows, seed=1, response_words=sizes.response_words, max_turns=sizes.max_turns)
-    corpus_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     start = time.perf_counter()
     corpus = ingest_corpus(
@@ -465,11 +441,7 @@ def main() -> None:
             run(sizes, work=Path(tmp), threads=args.threads)
         print("(temporary workspace removed; pass --out DIR to keep the caches)")
         return
-    work = Path(args.out)
-    work.mkdir(parents=True, exist_ok=True)
-    if any(work.iterdir()):
-        raise SystemExit(f"error: --out {work} is not empty; give a new or empty directory")
-    run(sizes, work=work, threads=args.threads)
+    run(sizes, work=empty_workdir(args.out), threads=args.threads)
 
 
 def run(sizes: BenchSizes, *, work: Path, threads: int) -> None:

@@ -33,7 +33,8 @@ import torch
 
 from pipeline.cache_build import plan_batches
 from pipeline.target_runner import TargetRunConfig, TargetSequence, load_target, run_target_batch
-from pipeline.toy import make_toy_target
+
+from _common import make_bench_target
 
 NUM_THREADS = 2
 
@@ -159,17 +160,7 @@ def main():
 
     torch.set_num_threads(NUM_THREADS)
     work = Path(args.out or tempfile.mkdtemp(prefix="bench-rollout-backends-"))
-    target = make_toy_target(
-        work / "target",
-        hidden_size=sizes.hidden_size,
-        num_hidden_layers=sizes.num_hidden_layers,
-        num_attention_heads=sizes.num_attention_heads,
-        num_key_value_heads=sizes.num_key_value_heads,
-        head_dim=sizes.head_dim,
-        intermediate_size=sizes.intermediate_size,
-        seed=0,
-        peaked=True,
-    )
+    target = make_bench_target(work / "target", sizes)
     model = load_target(target, dtype=torch.float32)
     sequences = make_sequences(sizes, vocab=model.config.vocab_size - 16)
     batches = plan_batches([len(s.input_ids) for s in sequences], batch_tokens=sizes.batch_tokens)

@@ -41,10 +41,11 @@ from pipeline.batching import CacheTrainDataset, StepSampler, TrainBatch, collat
 from pipeline.cli import cache_cli
 from pipeline.labels import METHODS, ROLLOUT_METHODS, ObjectiveConfig
 from pipeline.target_runner import TargetRunConfig, TargetSequence, load_target, run_target_batch
-from pipeline.toy import make_toy_target, toy_chat_rows
 from pipeline.train import TrainConfig, build_drafter, forward_loss
 from storage.manifest import load_target_head
 from storage.reader import open_cache
+
+from _common import empty_workdir, make_bench_target, print_table, write_toy_corpus
 
 NUM_THREADS = 2
 LOADER_WORKERS = (0, 1, 2)
@@ -319,16 +320,6 @@ def bench_loaders(*, reader, sizes: BenchSizes) -> dict[tuple[str, int], dict]:
     }
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    print(f"\n{title}")
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print(line(row))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (< 1 min), to smoke-test the script")
@@ -336,27 +327,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=NUM_THREADS, help="torch threads of the main process")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
-    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="alrira-bench-train-"))
-    work.mkdir(parents=True, exist_ok=True)
-    if any(work.iterdir()):
-        raise SystemExit(f"error: --out {work} is not empty; give a new or empty directory")
+    work = empty_workdir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="alrira-bench-train-"))
     began = time.perf_counter()
     load_before = os.getloadavg()
 
-    target = make_toy_target(
-        work / "target",
-        hidden_size=sizes.hidden_size,
-        num_hidden_layers=sizes.num_hidden_layers,
-        num_attention_heads=sizes.num_attention_heads,
-        num_key_value_heads=sizes.num_key_value_heads,
-        head_dim=sizes.head_dim,
-        intermediate_size=sizes.intermediate_size,
-        seed=0,
-        peaked=True,
+    target = make_bench_target(work / "target", sizes)
+    corpus = write_toy_corpus(
+        work / "chat.jsonl", num_rows=sizes.num_rows, response_words=sizes.response_words, max_turns=sizes.max_turns
     )
-    corpus = work / "chat.jsonl"
-    rows = toy_chat_rows(sizes.num_rows, seed=1, response_words=sizes.response_words, max_turns=sizes.max_turns)
-    corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cache = work / "cache"
     print("building the cache (alrira-cache build, Ray, 1 worker) ...", flush=True)
     build_s = build_benchmark_cache(sizes, target=target, corpus=corpus, out=cache)
