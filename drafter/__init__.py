@@ -3,9 +3,10 @@
 from drafter.checkpoint import check_compatible, load_drafter, save_drafter
 from drafter.config import DFlashConfig, default_target_layer_ids
 from drafter.masks import flex_block_mask, visibility_mask, visibility_mask_mod
-from drafter.model import DFlashDrafter, reference_forward
+from drafter.model import ContextKVCache, DFlashDrafter, reference_forward
 
 __all__ = [
+    "ContextKVCache",
     "DFlashConfig",
     "DFlashDrafter",
     "check_compatible",

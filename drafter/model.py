@@ -30,6 +30,7 @@ Facts checked against the public code so checkpoints are interchangeable (our co
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -105,27 +106,35 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
+    def keys_values(self, kv_in: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Keys (k_norm, then RoPE at each token's own position) and values [B, nkv, T, d] of kv_in [B, T, H]."""
+        batch, num_keys, _ = kv_in.shape
+        d = self.head_dim
+        k = self.k_norm(self.k_proj(kv_in).view(batch, num_keys, self.num_kv_heads, d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(batch, num_keys, self.num_kv_heads, d).transpose(1, 2)
+        return apply_rope(k, *rope), v
+
     def forward(
         self,
         x: Tensor,
-        ctx: Tensor,
+        ctx: Tensor | tuple[Tensor, Tensor],
         *,
         rope_q: tuple[Tensor, Tensor],
         rope_kv: tuple[Tensor, Tensor],
-        attention_mask: Tensor | BlockMask,
+        attention_mask: Tensor | BlockMask | None,
     ) -> Tensor:
+        """ctx: the context hidden states [B, C, H] (training; rope_kv covers context + block), or
+        its precomputed (keys, values) from a ContextKVCache (decoding; rope_kv covers the block)."""
         batch, num_queries, _ = x.shape
-        num_keys = ctx.shape[1] + num_queries
         d = self.head_dim
         q = self.q_proj(x).view(batch, num_queries, self.num_heads, d)
-        q = self.q_norm(q).transpose(1, 2)  # [B, nh, Q, d]
+        q = apply_rope(self.q_norm(q).transpose(1, 2), *rope_q)  # [B, nh, Q, d]
         # Context first, then the block: the layout every public implementation uses.
-        kv_in = torch.cat([ctx, x], dim=1)  # [B, C + Q, H]
-        k = self.k_proj(kv_in).view(batch, num_keys, self.num_kv_heads, d)
-        k = self.k_norm(k).transpose(1, 2)  # [B, nkv, C + Q, d]
-        v = self.v_proj(kv_in).view(batch, num_keys, self.num_kv_heads, d).transpose(1, 2)  # [B, nkv, C + Q, d]
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_kv)
+        if isinstance(ctx, tuple):
+            block_k, block_v = self.keys_values(x, rope_kv)
+            k, v = torch.cat([ctx[0], block_k], dim=2), torch.cat([ctx[1], block_v], dim=2)  # [B, nkv, C + Q, d]
+        else:
+            k, v = self.keys_values(torch.cat([ctx, x], dim=1), rope_kv)  # [B, nkv, C + Q, d]
 
         scale = d**-0.5
         if isinstance(attention_mask, BlockMask):
@@ -164,6 +173,19 @@ class DecoderLayer(nn.Module):
             self.input_layernorm(h), ctx, rope_q=rope_q, rope_kv=rope_kv, attention_mask=attention_mask
         )
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class ContextKVCache:
+    """Per-layer keys and values of the context positions 0..length-1, for decoding: committed
+    context never changes, so each round projects only the newly committed positions."""
+
+    keys: list[Tensor]  # per layer [B, nkv, length, d], k_norm and RoPE applied
+    values: list[Tensor]  # per layer [B, nkv, length, d]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
 
 
 class DFlashDrafter(nn.Module):
@@ -221,6 +243,32 @@ class DFlashDrafter(nn.Module):
         h = block_embeds
         for layer in self.layers:
             h = layer(h, ctx, rope_q=rope_q, rope_kv=rope_kv, attention_mask=attention_mask)
+        return self.norm(h)
+
+    def extend_context_cache(
+        self, cache: ContextKVCache | None, *, context_features: Tensor, context_positions: Tensor
+    ) -> ContextKVCache:
+        """`cache` with the context keys/values of new positions appended: context_features [B, n, n*H]
+        raw target features, context_positions [B, n] (the positions after cache.length)."""
+        cfg = self.config
+        ctx = self.hidden_norm(self.fc(context_features))  # [B, n, H]
+        rope = rope_cos_sin(context_positions, head_dim=cfg.head_dim, theta=cfg.rope_theta, dtype=ctx.dtype)
+        new = [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
+        if cache is None:
+            return ContextKVCache(keys=[k for k, _ in new], values=[v for _, v in new])
+        return ContextKVCache(
+            keys=[torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new, strict=True)],
+            values=[torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new, strict=True)],
+        )
+
+    def forward_cached(self, *, cache: ContextKVCache, block_embeds: Tensor, block_positions: Tensor) -> Tensor:
+        """forward() for blocks that see every cached context position and each other (decoding:
+        one block right after the context, no mask): final-normed hidden states [B, Q, H]."""
+        cfg = self.config
+        rope_q = rope_cos_sin(block_positions, head_dim=cfg.head_dim, theta=cfg.rope_theta, dtype=block_embeds.dtype)
+        h = block_embeds
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
+            h = layer(h, (keys, values), rope_q=rope_q, rope_kv=rope_q, attention_mask=None)
         return self.norm(h)
 
 

@@ -3,7 +3,9 @@
 Round r, with the last committed token (the anchor) at position p:
   1. draft:  the drafter reads the tapped target features of every committed token at positions
              < p (the training visibility rule) and the block [anchor, MASK x K] at positions
-             p .. p + K; its argmax at slots 1..K are the K draft tokens;
+             p .. p + K; its argmax at slots 1..K are the K draft tokens. Committed context never
+             changes, so the drafter keeps its context keys/values (ContextKVCache) and projects
+             only the positions committed since the last round, as the public DFlash decoders do;
   2. verify: ONE target forward over [anchor, draft_1 .. draft_K] on top of the target's KV cache
              (which holds positions < p) gives K + 1 posterior tokens (argmax at T = 0, a sample
              from softmax(logits / T) at T > 0);
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from drafter.masks import SHARED_OWNER, visibility_mask
-from drafter.model import DFlashDrafter
+from drafter.model import ContextKVCache, DFlashDrafter
 
 # draft_fn(context_features [p, F], anchor_token, anchor_pos) -> draft tokens [K] (long)
 DraftFn = Callable[..., Tensor]
@@ -202,6 +204,37 @@ def drafter_draft(
     return lm_head(hidden[0, 1:].to(head_dtype)).argmax(dim=-1)  # [K]
 
 
+def cached_draft_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int) -> DraftFn:
+    """drafter_draft for one decode, with the drafter's context keys/values kept across rounds:
+    each call projects only the context rows added since the previous call. Same drafts as
+    drafter_draft (tests/test_speculative.py), O(new tokens) context work per round instead of O(p)."""
+    block_size = drafter.config.block_size
+    dtype = next(drafter.parameters()).dtype
+    cache: ContextKVCache | None = None
+
+    def draft(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> Tensor:
+        nonlocal cache
+        device = context_features.device
+        assert context_features.shape[0] == anchor_pos, (context_features.shape[0], anchor_pos)
+        cached = 0 if cache is None else cache.length
+        if anchor_pos > cached:
+            cache = drafter.extend_context_cache(
+                cache,
+                context_features=context_features[None, cached:anchor_pos].to(dtype),
+                context_positions=torch.arange(cached, anchor_pos, device=device)[None],
+            )
+        block_ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)  # [1, B]
+        block_ids[0, 0] = anchor_token
+        hidden = drafter.forward_cached(
+            cache=cache,
+            block_embeds=embed_tokens(block_ids).to(dtype),
+            block_positions=torch.arange(anchor_pos, anchor_pos + block_size, device=device)[None],
+        )  # [1, B, H]
+        return lm_head(hidden[0, 1:].to(lm_head.weight.dtype)).argmax(dim=-1)  # [K]
+
+    return draft
+
+
 @torch.inference_mode()
 def speculative_decode(
     target,
@@ -220,18 +253,14 @@ def speculative_decode(
     """Speculative decoding of one prompt (see the module docstring).
 
     `draft_fn(context_features=..., anchor_token=..., anchor_pos=...) -> [K]` replaces the drafter's
-    draft step when given (tests use an oracle); the drafter's config still sets the block size
-    and the tapped layers.
+    draft step (cached_draft_fn) when given (tests use an oracle and the uncached drafter_draft);
+    the drafter's config still sets the block size and the tapped layers.
     """
     from transformers import DynamicCache
 
     _check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
     if draft_fn is None:
-
-        def draft_fn(**kwargs) -> Tensor:
-            return drafter_draft(
-                drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id, **kwargs
-            )
+        draft_fn = cached_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id)
 
     device = next(target.parameters()).device
     layer_ids = list(drafter.config.target_layer_ids)

@@ -511,6 +511,42 @@ def test_forward_rejects_wrong_shapes():
         model(**(inputs | {"context_features": inputs["context_features"][..., :HIDDEN]}))
 
 
+def test_context_kv_cache_matches_full_forward():
+    """Decoding's cached path (context keys/values projected in chunks as tokens are committed, then
+    one block on top) equals forward() over the whole context with the all-visible one-block mask."""
+    model = tiny_model(seed=3)
+    generator = torch.Generator().manual_seed(4)
+    num_context = 13
+    features = torch.randn(1, num_context, 3 * HIDDEN, generator=generator)
+    block_embeds = torch.randn(1, BLOCK, HIDDEN, generator=generator)
+    block_positions = torch.arange(num_context, num_context + BLOCK)[None]
+    with torch.no_grad():
+        cache = None
+        for start, stop in [(0, 6), (6, 7), (7, num_context)]:  # prompt, then rounds of 1 and 6 tokens
+            cache = model.extend_context_cache(
+                cache, context_features=features[:, start:stop], context_positions=torch.arange(start, stop)[None]
+            )
+        assert cache.length == num_context and len(cache.keys) == model.config.num_hidden_layers
+        cached = model.forward_cached(cache=cache, block_embeds=block_embeds, block_positions=block_positions)
+        full = model(
+            context_features=features,
+            context_positions=torch.arange(num_context)[None],
+            block_embeds=block_embeds,
+            block_positions=block_positions,
+            attention_mask=torch.ones((1, 1, BLOCK, num_context + BLOCK), dtype=torch.bool),
+        )
+        # A cache one position short must not give the same answer (the check can fail).
+        short = model.forward_cached(
+            cache=model.extend_context_cache(
+                None, context_features=features[:, :-1], context_positions=torch.arange(num_context - 1)[None]
+            ),
+            block_embeds=block_embeds,
+            block_positions=block_positions,
+        )
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+    assert (short - full).abs().max() > 1e-3
+
+
 # --------------------------------------------------------------------------- parity with HF Qwen3
 
 

@@ -17,6 +17,7 @@ from drafter.model import DFlashDrafter, reference_forward
 from pipeline.speculative import (
     accept_length,
     autoregressive_decode,
+    cached_draft_fn,
     commit_tokens,
     drafter_draft,
     speculative_decode,
@@ -157,6 +158,30 @@ def test_drafter_draft_matches_reference_forward(target, drafter):
         block_size=cfg.block_size,
     )
     assert bool(mask.all())
+
+
+def test_cached_drafts_equal_uncached_drafts_round_by_round(target, drafter):
+    """The decoder's default draft step (context keys/values kept across rounds) proposes exactly
+    what drafter_draft, which recomputes the whole context each round, proposes."""
+    kwargs = dict(embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings(), mask_token_id=drafter.config.mask_token_id)
+    calls = []
+
+    def uncached(**call):
+        draft = drafter_draft(drafter, **kwargs, **call)
+        calls.append((call, draft))
+        return draft
+
+    for prompt in PROMPTS[:2]:
+        calls.clear()
+        reference = spec(target, drafter, prompt, max_new_tokens=48, draft_fn=uncached)
+        result = spec(target, drafter, prompt, max_new_tokens=48)
+        assert result.tokens == reference.tokens
+        assert result.accepted_lengths == reference.accepted_lengths
+        assert len(calls) >= 3
+        cached = cached_draft_fn(drafter, **kwargs)
+        with torch.inference_mode():
+            for call, draft in calls:
+                assert cached(**call).tolist() == draft.tolist(), call["anchor_pos"]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
