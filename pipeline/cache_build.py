@@ -219,8 +219,9 @@ class ShardBuilder:
             self.run_batch = lambda sequences: run_target_batch(model, sequences, self.run_config)
         self.corpus = load_tokenized_corpus(Path(config.out) / CORPUS_DIR, mmap=True)
 
-    def build(self, *, shard_index: int, start: int, stop: int) -> ShardRecord:
-        """Compute sequences [start, stop) of the tokenized corpus and publish them as one shard."""
+    def build(self, *, shard_index: int, start: int, stop: int, owner: str | None = None) -> ShardRecord:
+        """Compute sequences [start, stop) of the tokenized corpus and publish them as one shard
+        (only while the build `owner` still owns the cache, see storage.shards.claim_cache)."""
         sequences = []
         for i in range(start, stop):
             input_ids, loss_mask = self.corpus.sequence(i)
@@ -243,6 +244,7 @@ class ShardBuilder:
             storage_format=self.config.storage_format,
             feature_codec=self.config.feature_codec,
             contents=self.config.contents,
+            owner=owner,
         )
 
     def pid(self) -> int:

@@ -8,6 +8,12 @@ Resume rule: a shard counts as done only if the manifest lists it complete AND i
 still verifies; everything else (missing, corrupt, leftover temp directories) is redone. Shard
 content depends only on the settings and the shard's sequences, so a resumed cache is
 byte-identical to an uninterrupted one.
+
+Ownership: each build claims the directory (storage.shards.claim_cache) before it touches it, and
+its actors publish a shard only while that claim holds. An actor that outlives its killed driver
+(Ray reaps orphans asynchronously) or a second build started on the same directory therefore
+cannot overwrite the shards of the build that claimed it last; temp directories such writers
+leave behind are removed when the build starts and again when it ends.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pipeline.corpus import CorpusConfig, file_sha256, ingest_corpus, load_token
 from pipeline.target_runner import read_target_config, stop_token_ids, target_hash
 from storage.format import MANIFEST_FILE, SHARD_DIR, TARGET_HEAD_FILE, shard_name
 from storage.manifest import CacheSettings, Manifest, ShardRecord, load_manifest, save_manifest, settings_diff
-from storage.shards import clean_partial_shards, shard_checksum
+from storage.shards import CacheOwnershipLost, check_owner, claim_cache, clean_partial_shards, shard_checksum
 
 MAX_SHARD_ATTEMPTS = 3  # a shard whose worker died this many times stops the build
 
@@ -36,6 +42,7 @@ class ShardSpec:
     index: int
     start: int  # sequence range [start, stop) of the tokenized corpus
     stop: int
+    owner: str  # the build's claim on the cache directory (claim_cache)
 
 
 @ray.remote
@@ -46,7 +53,7 @@ class CacheWorker:
         self.builder = ShardBuilder(config, layer_ids=layer_ids)
 
     def build(self, spec: ShardSpec) -> ShardRecord:
-        return self.builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop)
+        return self.builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner)
 
     def pid(self) -> int:
         return self.builder.pid()
@@ -77,8 +84,10 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
         backend=config.backend,
     )
 
-    previous = _previous_manifest(out, settings, overwrite=config.overwrite)
-    out.mkdir(parents=True, exist_ok=True)
+    previous, replace = _previous_manifest(out, settings, overwrite=config.overwrite)
+    owner = claim_cache(out)  # from here on, writers of any earlier build stop before publishing
+    if replace:
+        _clear_cache(out)
     tokenizer = _load_tokenizer(config.target)
     corpus = _tokenized_corpus(config, tokenizer, reuse=previous is not None, progress=progress)
     if len(corpus) == 0:
@@ -92,7 +101,7 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
     _write_target_head(config.target, out)
 
     specs = [
-        ShardSpec(index=i, start=start, stop=min(start + config.shard_size, len(corpus)))
+        ShardSpec(index=i, start=start, stop=min(start + config.shard_size, len(corpus)), owner=owner)
         for i, start in enumerate(range(0, len(corpus), config.shard_size))
     ]
     removed = clean_partial_shards(out)
@@ -121,28 +130,37 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
         log(f"resuming: {len(done)} of {len(specs)} shards verified, {len(pending)} to build")
     if pending:
         _run_workers(config, layer_ids, pending, manifest, progress=progress)
+    # Every writer of this build has finished; a temp directory now is an orphaned writer's.
+    removed = clean_partial_shards(out)
+    if removed:
+        log(f"removed {len(removed)} partial shard(s) left by writers of an earlier build")
     log(_summary(manifest, elapsed=time.time() - started))
     return manifest
 
 
-def _previous_manifest(out: Path, settings: CacheSettings, *, overwrite: bool) -> Manifest | None:
-    """The manifest to resume from, None for a fresh build; refuses a changed setting."""
+def _previous_manifest(out: Path, settings: CacheSettings, *, overwrite: bool) -> tuple[Manifest | None, bool]:
+    """(the manifest to resume from or None, whether the existing cache is to be replaced);
+    refuses a changed setting without --overwrite."""
     if not (out / MANIFEST_FILE).exists():
-        return None
+        return None, False
     previous = load_manifest(out)
     changed = settings_diff(previous.settings, settings)
     if not changed:
-        return previous
+        return previous, False
     if not overwrite:
         raise ValueError(
             f"{out}: existing cache was built with different settings ({'; '.join(changed)}); "
             "use a new --out or pass --overwrite to replace it"
         )
+    return None, True
+
+
+def _clear_cache(out: Path) -> None:
+    """Remove an old cache's shards, tokenized corpus, manifest and head (for --overwrite)."""
     for name in (SHARD_DIR, CORPUS_DIR):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in (MANIFEST_FILE, TARGET_HEAD_FILE):
         (out / name).unlink(missing_ok=True)
-    return None
 
 
 def _load_tokenizer(target: str):
@@ -243,6 +261,11 @@ def _run_workers(config: CacheBuildConfig, layer_ids, pending: list[ShardSpec], 
             worker_index, spec = running.pop(future)
             try:
                 record = ray.get(future)
+            except CacheOwnershipLost:
+                # Ray re-raises the actor's error with its traceback; one line is what the user needs.
+                raise CacheOwnershipLost(
+                    f"{config.out}: another cache build claimed this directory while this one was running; stopped"
+                ) from None
             except ray.exceptions.RayActorError:
                 # The worker died (OOM, preemption, kill): nothing of its shard was published.
                 if attempts[spec.index] >= MAX_SHARD_ATTEMPTS:
@@ -252,6 +275,7 @@ def _run_workers(config: CacheBuildConfig, layer_ids, pending: list[ShardSpec], 
                 submit(worker_index)
                 continue
             manifest.shards = sorted([*manifest.shards, record], key=lambda s: s.index)
+            check_owner(config.out, spec.owner)  # a build that lost the directory must not write its manifest
             save_manifest(config.out, manifest)
             tokens += record.tokens
             bar.update(record.sequences)

@@ -13,18 +13,29 @@ from storage.manifest import (
     settings_diff,
 )
 from storage.reader import CacheReader, available_arrays, cache_stats, open_cache
-from storage.shards import clean_partial_shards, read_shard_records, shard_checksum, write_shard
+from storage.shards import (
+    CacheOwnershipLost,
+    check_owner,
+    claim_cache,
+    clean_partial_shards,
+    read_shard_records,
+    shard_checksum,
+    write_shard,
+)
 from storage.verify import verify_cache
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "CacheOwnershipLost",
     "CacheReader",
     "CacheSettings",
     "Manifest",
     "ShardRecord",
     "available_arrays",
     "cache_stats",
+    "check_owner",
+    "claim_cache",
     "clean_partial_shards",
     "decode_features",
     "encode_features",

@@ -154,3 +154,8 @@ ZARR_INDEX_ARRAYS = (ZARR_SEQ_OFFSETS, ZARR_ANCHOR_OFFSETS, ZARR_SOURCE_ROWS)
 
 # Prefix of a shard being written; it is renamed to its final name once complete.
 PARTIAL_SHARD_PREFIX = ".tmp-"
+
+# The build that currently owns a cache directory writes its id here (storage.shards.claim_cache);
+# a shard writer holding another id (a worker orphaned by a killed driver, a second concurrent
+# build) must not publish into it.
+BUILD_OWNER_FILE = ".build-owner"

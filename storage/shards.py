@@ -33,6 +33,7 @@ import zarr
 from storage.format import (
     ALL_GROUPS,
     ANCHOR_ARRAYS,
+    BUILD_OWNER_FILE,
     FEATURE_CODECS,
     FEATURE_DTYPES,
     FORMAT_NAME,
@@ -251,6 +252,41 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+class CacheOwnershipLost(ValueError):
+    """A shard writer's build no longer owns the cache directory (another build claimed it):
+    a user error (two builds on one --out), reported in one line like every bad input."""
+
+
+def claim_cache(cache_dir: str | os.PathLike) -> str:
+    """Make a new build the owner of `cache_dir` (created if needed); return its owner id.
+
+    From now on write_shard(owner=<an older id>) refuses to publish there: a worker that outlives
+    its killed driver, or a second build started on the same directory, cannot overwrite shards of
+    the build that claimed it last.
+    """
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    owner = uuid.uuid4().hex
+    tmp = cache_dir / f"{BUILD_OWNER_FILE}.{owner}.tmp"
+    tmp.write_text(owner + "\n")
+    os.replace(tmp, cache_dir / BUILD_OWNER_FILE)
+    return owner
+
+
+def check_owner(cache_dir: str | os.PathLike, owner: str) -> None:
+    """Raise CacheOwnershipLost unless `owner` is the build that last claimed `cache_dir`."""
+    path = Path(cache_dir) / BUILD_OWNER_FILE
+    try:
+        current = path.read_text().strip()
+    except FileNotFoundError:
+        current = None
+    if current != owner:
+        raise CacheOwnershipLost(
+            f"{cache_dir}: another cache build has claimed this directory (owner {current}, this writer {owner}); "
+            "this writer stops without publishing"
+        )
+
+
 def clean_partial_shards(cache_dir: str | os.PathLike) -> list[str]:
     """Delete `shards/.tmp-*` leftovers of interrupted writes; return their names (sorted)."""
     shard_dir = Path(cache_dir) / SHARD_DIR
@@ -274,10 +310,12 @@ def write_shard(
     storage_format: str,
     feature_codec: str,
     contents=ALL_GROUPS,
+    owner: str | None = None,
 ) -> ShardRecord:
     """Validate and atomically write one shard of already-encoded records holding exactly the
     array groups `contents`; return its manifest record (status "complete"). A published shard of
-    the same name is replaced."""
+    the same name is replaced. With `owner` (claim_cache's id) the write is refused, before it
+    starts and again just before the rename, once another build has claimed the directory."""
     _check_choice("storage_format", storage_format, STORAGE_FORMATS)
     _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
     contents = check_contents(contents)
@@ -296,6 +334,8 @@ def write_shard(
         dup = next(row for row in source_rows if source_rows.count(row) > 1)
         raise ValueError(f"shard {name}: source_row {dup} appears in more than one record")
 
+    if owner is not None:
+        check_owner(cache_dir, owner)
     shard_dir = Path(cache_dir) / SHARD_DIR
     shard_dir.mkdir(parents=True, exist_ok=True)
     tmp = shard_dir / f"{PARTIAL_SHARD_PREFIX}{name}-{uuid.uuid4().hex}"
@@ -305,6 +345,8 @@ def write_shard(
         else:
             _write_wds(tmp, records, feature_codec=feature_codec, contents=contents)
         _fsync_tree(tmp)
+        if owner is not None:
+            check_owner(cache_dir, owner)  # the write took a while: still ours?
         final = shard_dir / name
         _remove(final)
         os.rename(tmp, final)

@@ -225,3 +225,45 @@ def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, t
     resumed, clean = load_manifest(out), load_manifest(reference)
     assert resumed.is_complete
     assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]
+
+
+def test_a_build_that_loses_the_directory_stops_and_the_claimant_finishes(ray_address, toy_target, toy_corpus, tmp_path):
+    """Another build claiming the directory mid-way (a re-run started while Ray still reaps the
+    actors of a killed driver, or a second build on the same --out) stops this one at its next
+    shard with a one-line error naming the directory; the claimant's resume equals a clean build."""
+    import threading
+
+    from storage.shards import CacheOwnershipLost, claim_cache
+
+    reference = tmp_path / "reference"
+    _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1))
+
+    out = tmp_path / "contested"
+    errors = []
+
+    def run():
+        try:
+            _build(ray_address, _config(toy_target, toy_corpus, out, shard_size=1, workers=1))
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    manifest_path, claimed_at = out / "manifest.json", None
+    deadline = time.time() + 180
+    while time.time() < deadline and claimed_at is None and thread.is_alive():
+        if manifest_path.exists() and len(json.loads(manifest_path.read_text())["shards"]) >= 1:
+            claimed_at = len(json.loads(manifest_path.read_text())["shards"])
+            claim_cache(out)
+        time.sleep(0.02)
+    thread.join(timeout=300)
+    assert claimed_at is not None and claimed_at < load_manifest(reference).num_shards_planned
+    assert len(errors) == 1 and isinstance(errors[0], CacheOwnershipLost), errors
+    assert str(out) in str(errors[0]) and "\n" not in str(errors[0])
+    # At most the shard in flight when the claim landed was recorded; no temp files are left.
+    assert len(load_manifest(out).shards) <= claimed_at + 1
+    assert not [p for p in (out / SHARD_DIR).iterdir() if p.name.startswith(".tmp")]
+
+    resumed, clean = _build(ray_address, _config(toy_target, toy_corpus, out, shard_size=1)), load_manifest(reference)
+    assert resumed.is_complete
+    assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]

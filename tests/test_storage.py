@@ -32,7 +32,14 @@ from storage.manifest import (
     settings_diff,
 )
 from storage.reader import available_arrays, cache_stats, open_cache
-from storage.shards import clean_partial_shards, read_shard_records, shard_checksum, write_shard
+from storage.shards import (
+    CacheOwnershipLost,
+    claim_cache,
+    clean_partial_shards,
+    read_shard_records,
+    shard_checksum,
+    write_shard,
+)
 from storage.verify import verify_cache
 
 F, TOP_K, K = 64, 4, 15
@@ -289,6 +296,38 @@ def test_shards_are_byte_identical_when_rewritten(tmp_path, storage_format):
     records[2]["loss_mask"][0] ^= 1
     c = write_shard(tmp_path / "c", shard_index=2, records=records, storage_format=storage_format, feature_codec="bf16")
     assert c.checksum != a.checksum
+
+
+@pytest.mark.parametrize("storage_format", ["zarr", "wds"])
+def test_a_writer_of_a_superseded_build_cannot_publish(tmp_path, storage_format, monkeypatch):
+    """claim_cache hands the directory to a new build: a writer holding the old id is refused
+    (before writing, and after writing but before the rename), leaves no temp files, and the
+    shard the new owner published stays byte for byte."""
+    records, _ = make_shard_records(0, first_row=0, num=2, codec="bf16")
+    other, _ = make_shard_records(5, first_row=20, num=2, codec="bf16")
+    old_owner = claim_cache(tmp_path)
+    write_shard(tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16", owner=old_owner)
+    new_owner = claim_cache(tmp_path)
+    assert new_owner != old_owner
+    published = write_shard(tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16", owner=new_owner)
+    with pytest.raises(CacheOwnershipLost, match=str(tmp_path)):
+        write_shard(tmp_path, shard_index=0, records=other, storage_format=storage_format, feature_codec="bf16", owner=old_owner)
+
+    # The owner changes while a writer is writing: its rename is refused and its temp removed.
+    import storage.shards as shards
+
+    real_fsync_tree = shards._fsync_tree
+
+    def fsync_then_lose_the_claim(path):
+        real_fsync_tree(path)
+        claim_cache(tmp_path)
+
+    monkeypatch.setattr(shards, "_fsync_tree", fsync_then_lose_the_claim)
+    with pytest.raises(CacheOwnershipLost):
+        write_shard(tmp_path, shard_index=0, records=other, storage_format=storage_format, feature_codec="bf16", owner=new_owner)
+    shard_dir = tmp_path / SHARD_DIR
+    assert sorted(os.listdir(shard_dir)) == [published.name]
+    assert shard_checksum(shard_dir / published.name) == published.checksum
 
 
 @pytest.mark.parametrize("storage_format", FORMATS)
