@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from drafter.config import DFlashConfig
@@ -199,6 +200,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        # Training-time switch, not part of the checkpoint: recompute each layer in backward
+        # instead of keeping its activations (the blocks x slots x hidden activations of a step).
+        self.activation_checkpointing = False
         self.reset_parameters()
 
     @torch.no_grad()
@@ -241,8 +245,12 @@ class DFlashDrafter(nn.Module):
         kv_positions = torch.cat([context_positions, block_positions], dim=1)  # [B, C + Q]
         rope_kv = rope_cos_sin(kv_positions, head_dim=cfg.head_dim, theta=cfg.rope_theta, dtype=dtype)
         h = block_embeds
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            h = layer(h, ctx, rope_q=rope_q, rope_kv=rope_kv, attention_mask=attention_mask)
+            if recompute:
+                h = checkpoint(layer, h, ctx, rope_q=rope_q, rope_kv=rope_kv, attention_mask=attention_mask, use_reentrant=False)
+            else:
+                h = layer(h, ctx, rope_q=rope_q, rope_kv=rope_kv, attention_mask=attention_mask)
         return self.norm(h)
 
     def extend_context_cache(

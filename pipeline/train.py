@@ -73,6 +73,10 @@ class TrainConfig:
     resume: bool = _opt("Continue from the latest checkpoint in --out.", default=False)
     max_steps: int | None = _opt("Stop after this many steps (smoke tests, benchmarks).", default=None)
     loss_chunk: int = _opt("Supervised slots per lm_head chunk (bounds the [chunk, vocab] logits).", default=4096)
+    activation_checkpointing: bool = _opt(
+        "Recompute each drafter layer in backward instead of storing its activations (less memory, ~1 more forward).",
+        default=False,
+    )
     save_dtype: str = _opt("dtype of the exported drafter weights: bfloat16 or float32.", default="bfloat16")
     progress: bool = _opt("Show a progress bar.", default=True)
 
@@ -291,6 +295,7 @@ def train(config: TrainConfig) -> dict:
     embed_tokens = head["embed_tokens.weight"].to(device, torch.float32)  # frozen [V, H]
     lm_head = head["lm_head.weight"].to(device, torch.float32)  # frozen [V, H]
     drafter = build_drafter(config, manifest).to(device)
+    drafter.activation_checkpointing = config.activation_checkpointing
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=0.0)
     start_step = 0
     state = load_latest_checkpoint(run) if config.resume else None

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 from safetensors.torch import load_file, save_file
 
 from drafter import (
@@ -438,6 +439,46 @@ def test_sdpa_forward_matches_reference_values_and_gradients():
         scale = max(1.0, ref_grads[name].abs().max().item())
         torch.testing.assert_close(fast_grads[name], ref_grads[name], atol=1e-5 * scale, rtol=1e-5, msg=name)
     assert fast_grads["context_features"].abs().sum() > 0
+
+
+def saved_activation_bytes(fn) -> tuple[int, object]:
+    """Bytes of the tensors autograd keeps for backward while fn() runs (parameters excluded), and fn()."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if not isinstance(t, nn.Parameter):
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total, out
+
+
+def test_activation_checkpointing_same_gradients_fewer_saved_activations():
+    model = tiny_model(seed=5, num_hidden_layers=3)
+    inputs = forward_inputs(model)
+    weights = torch.randn(2, 3 * BLOCK, HIDDEN, generator=torch.Generator().manual_seed(6))
+
+    def run(checkpointing: bool):
+        model.activation_checkpointing = checkpointing
+        model.zero_grad()
+        saved, out = saved_activation_bytes(lambda: model(**inputs))
+        (out * weights).sum().backward()
+        return saved, out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain_saved, plain_out, plain_grads = run(False)
+    ckpt_saved, ckpt_out, ckpt_grads = run(True)
+    torch.testing.assert_close(ckpt_out, plain_out, atol=0, rtol=0)
+    for name in plain_grads:
+        torch.testing.assert_close(ckpt_grads[name], plain_grads[name], atol=1e-6, rtol=1e-6, msg=name)
+    # Only the layer inputs are kept, not the attention and MLP intermediates of every layer.
+    assert ckpt_saved < plain_saved / 2, (ckpt_saved, plain_saved)
+    # Off in eval / no-grad: decoding never pays the recompute.
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs), plain_out)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
