@@ -96,7 +96,7 @@ def main() -> None:
         ["context p", "recompute context", "cached K/V", "ratio", "cached round 1 (prompt)", "same drafts"],
         rows,
     )
-    print(f"load average now {os.getloadavg()[0]:.2f}")
+    print(f"\nload average now {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""Every benchmark script still runs: each at its --quick size, checked for the numbers it must print.
+
+Timings are not asserted (they belong in docs/benchmarks.md, measured on a quiet machine); what is
+asserted is what a broken script or a broken pipeline would get wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def run_benchmark(script: str, *args: str, timeout: int = 600) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # scripts start their own Ray
+    result = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{script}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def table_rows(output: str, header_start: str) -> list[list[str]]:
+    """Rows of the table whose header line starts with header_start (cells split on 2+ spaces)."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2 :]:  # skip the header and the dashes
+        if not line.strip():
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+def test_draft_step_cached_and_uncached_propose_the_same_drafts():
+    rows = table_rows(run_benchmark("draft_step.py", "--quick", "--threads", "1"), "context p")
+    assert len(rows) == 2
+    for row in rows:
+        same, total = row[-1].split("/")
+        assert same == total, row
+
+
+def test_activation_memory_checkpointing_saves_memory():
+    rows = table_rows(run_benchmark("activation_memory.py", "--quick", "--threads", "1"), "layers")
+    assert [row[0] for row in rows] == ["1", "3", "5"]
+    assert all(float(row[3].rstrip("x")) > 1 for row in rows), rows
+
+
+def test_cache_build_batched_rollouts_match_generate(tmp_path):
+    output = run_benchmark("cache_build.py", "--quick", "--threads", "1", "--out", str(tmp_path / "work"))
+    match = re.search(r"rollout tokens identical: (\d+)/(\d+) anchors", output)
+    assert match and match.group(1) == match.group(2), output[-2000:]
+    sizes = table_rows(output, "format codec")
+    assert {tuple(row[0].split()) for row in sizes} == {("zarr", "bf16"), ("zarr", "fp8"), ("wds", "bf16"), ("wds", "fp8")}
+
+
+def test_train_step_measures_every_row(tmp_path):
+    run_benchmark("train_step.py", "--quick", "--threads", "1", "--out", str(tmp_path / "work"))
+    results = json.loads((tmp_path / "work" / "results.json").read_text())
+    assert [s["method"] for s in results["steps"]] == ["dflash", "alr_ira"]
+    assert all(s["offline_s"] > 0 and s["online_s"] > s["offline_s"] * 0.5 for s in results["steps"])
+    assert results["loaders"]
+
+
+def test_methods_summarises_replicates(tmp_path):
+    out = tmp_path / "methods"
+    run_benchmark("methods.py", "--quick", "--seeds", "0,1", "--temperatures", "0", "--methods", "dflash,alr", "--out", str(out))
+    table = json.loads((out / "methods.json").read_text())
+    assert len(table["replicates"]) == 2
+    for replicate in table["replicates"]:
+        assert all(r["T0"]["lossless_mismatches"] == 0 for r in replicate["methods"].values())
+    markdown = (out / "methods.md").read_text()
+    assert "| dflash |" in markdown and "| alr |" in markdown
