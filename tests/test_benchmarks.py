@@ -81,3 +81,10 @@ def test_methods_summarises_replicates(tmp_path):
         assert all(r["T0"]["lossless_mismatches"] == 0 for r in replicate["methods"].values())
     markdown = (out / "methods.md").read_text()
     assert "| dflash |" in markdown and "| alr |" in markdown
+
+
+def test_rollout_backends_agree():
+    pytest.importorskip("vllm")
+    output = run_benchmark("rollout_backends.py", "--quick", "--repeats", "1")
+    match = re.search(r"rollout tokens identical for (\d+)/(\d+) anchors", output)
+    assert match and match.group(1) == match.group(2), output[-2000:]
