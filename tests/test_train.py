@@ -114,15 +114,10 @@ def test_two_rank_ddp_equals_single_process(cache, tmp_path):
 
 def test_activation_checkpointing_trains_the_same(cache, tmp_path):
     """--activation-checkpointing changes memory, not the math: the same losses step by step."""
-    plain = _losses_of(train(_config(cache, tmp_path / "plain", epochs=2)), tmp_path / "plain")
-    recomputed = _losses_of(train(_config(cache, tmp_path / "ckpt", epochs=2, activation_checkpointing=True)), tmp_path / "ckpt")
+    plain = _losses_of(train, _config(cache, tmp_path / "plain", epochs=2), tmp_path / "plain")
+    recomputed = _losses_of(train, _config(cache, tmp_path / "ckpt", epochs=2, activation_checkpointing=True), tmp_path / "ckpt")
     assert len(plain) == 4
     assert recomputed == pytest.approx(plain, rel=1e-5)
-
-
-def _losses_of(summary: dict, run: Path) -> list[float]:
-    assert summary["steps"] == len(_losses(run))
-    return _losses(run)
 
 
 def test_refuses_bad_settings_before_training(cache, tmp_path):
