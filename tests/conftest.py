@@ -12,6 +12,18 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on 1 thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny
+    models gain nothing from intra-op threads, and spinning threads crawl on a shared CPU."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def ray_address(tmp_path_factory):
     """Start a local 2-CPU Ray cluster once; tests and CLI subprocesses join it by address."""

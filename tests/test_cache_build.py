@@ -191,35 +191,49 @@ def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_co
     assert CliRunner().invoke(cache_cli, ["verify", str(out)]).exit_code == 0
 
 
-def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, toy_target, toy_corpus, tmp_path):
-    """SIGKILL one target actor while it works: the driver starts a new one and redoes its shard."""
+def _build_and_interrupt(config: CacheBuildConfig, interrupt) -> tuple[int | None, list[Exception]]:
+    """Run build_cache in a thread; once its manifest lists a shard, call interrupt() until it
+    returns True. Returns how many shards were listed when it did (None: never) and what the
+    build raised."""
     import threading
 
-    reference = tmp_path / "reference"
-    _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1, workers=2))
+    from ray_jobs.build import build_cache
 
-    out = tmp_path / "killed-worker"
-    logs, errors = [], []
+    errors = []
 
     def run():
         try:
-            from ray_jobs.build import build_cache
-
-            build_cache(_config(toy_target, toy_corpus, out, shard_size=1, workers=2), progress=False, log=logs.append)
-        except Exception as error:  # surfaced by the assertion below
+            build_cache(config, progress=False, log=lambda m: None)
+        except Exception as error:  # surfaced by the caller's assertions
             errors.append(error)
 
     thread = threading.Thread(target=run)
     thread.start()
-    manifest_path, killed_at = out / "manifest.json", None
+    manifest_path, interrupted_at = Path(config.out) / "manifest.json", None
     deadline = time.time() + 180
-    while time.time() < deadline and killed_at is None and thread.is_alive():
-        pids = subprocess.run(["pgrep", "-f", "ray::CacheWorker"], capture_output=True, text=True).stdout.split()
-        if pids and manifest_path.exists() and len(json.loads(manifest_path.read_text())["shards"]) >= 1:
-            killed_at = len(json.loads(manifest_path.read_text())["shards"])
-            os.kill(int(pids[0]), signal.SIGKILL)
+    while time.time() < deadline and interrupted_at is None and thread.is_alive():
+        if manifest_path.exists():
+            listed = len(json.loads(manifest_path.read_text())["shards"])
+            if listed >= 1 and interrupt():
+                interrupted_at = listed
         time.sleep(0.02)
     thread.join(timeout=300)
+    return interrupted_at, errors
+
+
+def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, toy_target, toy_corpus, tmp_path):
+    """SIGKILL one target actor while it works: the driver starts a new one and redoes its shard."""
+    reference = tmp_path / "reference"
+    _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1, workers=2))
+
+    def kill_a_worker() -> bool:
+        pids = subprocess.run(["pgrep", "-f", "ray::CacheWorker"], capture_output=True, text=True).stdout.split()
+        if pids:
+            os.kill(int(pids[0]), signal.SIGKILL)
+        return bool(pids)
+
+    out = tmp_path / "killed-worker"
+    killed_at, errors = _build_and_interrupt(_config(toy_target, toy_corpus, out, shard_size=1, workers=2), kill_a_worker)
     assert not errors, errors
     assert killed_at is not None and killed_at < load_manifest(reference).num_shards_planned
     resumed, clean = load_manifest(out), load_manifest(reference)
@@ -231,32 +245,15 @@ def test_a_build_that_loses_the_directory_stops_and_the_claimant_finishes(ray_ad
     """Another build claiming the directory mid-way (a re-run started while Ray still reaps the
     actors of a killed driver, or a second build on the same --out) stops this one at its next
     shard with a one-line error naming the directory; the claimant's resume equals a clean build."""
-    import threading
-
     from storage.shards import CacheOwnershipLost, claim_cache
 
     reference = tmp_path / "reference"
     _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1))
 
     out = tmp_path / "contested"
-    errors = []
-
-    def run():
-        try:
-            _build(ray_address, _config(toy_target, toy_corpus, out, shard_size=1, workers=1))
-        except Exception as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    manifest_path, claimed_at = out / "manifest.json", None
-    deadline = time.time() + 180
-    while time.time() < deadline and claimed_at is None and thread.is_alive():
-        if manifest_path.exists() and len(json.loads(manifest_path.read_text())["shards"]) >= 1:
-            claimed_at = len(json.loads(manifest_path.read_text())["shards"])
-            claim_cache(out)
-        time.sleep(0.02)
-    thread.join(timeout=300)
+    claimed_at, errors = _build_and_interrupt(
+        _config(toy_target, toy_corpus, out, shard_size=1, workers=1), lambda: bool(claim_cache(out))
+    )
     assert claimed_at is not None and claimed_at < load_manifest(reference).num_shards_planned
     assert len(errors) == 1 and isinstance(errors[0], CacheOwnershipLost), errors
     assert str(out) in str(errors[0]) and "\n" not in str(errors[0])

@@ -25,6 +25,8 @@ from pipeline.evaluate import (
 )
 from tests.conftest import write_jsonl
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROWS = [
     {"benchmark": "alpha", "prompt": "tell me a story about the river ."},
     {
@@ -37,15 +39,6 @@ ROWS = [
     {"group": "beta", "messages": [{"role": "system", "content": "be good ."}, {"role": "user", "content": "how do people learn ?"}]},
     {"group": "beta", "prompt": "write about the house , the door and the light ."},
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and spinning threads crawl on a shared CPU.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -25,16 +25,9 @@ from pipeline.speculative import (
 from pipeline.target_runner import load_target
 from pipeline.toy import make_toy_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [[3, 17, 42, 8, 99, 5], [120, 7, 7, 64, 30, 31, 2, 150, 11, 90, 4], [55]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and spinning threads crawl on a shared CPU.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
