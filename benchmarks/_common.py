@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.toy import make_toy_target, toy_chat_rows
+from pipeline.demo.toy import make_toy_target, toy_chat_rows
 
 
 def make_bench_target(path: Path, sizes) -> Path:

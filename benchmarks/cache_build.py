@@ -34,9 +34,12 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from pipeline.cache_build import CORPUS_DIR, CacheBuildConfig, ShardBuilder, outputs_to_record, plan_batches
-from pipeline.corpus import CorpusConfig, ingest_corpus, save_tokenized_corpus
-from pipeline.target_runner import TargetRunConfig, TargetSequence, anchor_pool, load_target, run_target_batch
+from storage.format import CORPUS_DIR
+from pipeline.build.config import CacheBuildConfig
+from pipeline.build.shard_builder import ShardBuilder, outputs_to_record, plan_batches
+from pipeline.build.corpus import CorpusConfig, ingest_corpus, save_tokenized_corpus
+from pipeline.build.rollouts import TargetRunConfig, TargetSequence, anchor_pool, run_target_batch
+from pipeline.target import load_target
 from storage.reader import cache_stats, open_cache
 from storage.shards import write_shard
 
@@ -240,7 +243,7 @@ def build_config(
         feature_codec="bf16",
         storage_format="zarr",
     )
-    return CacheBuildConfig(**{**settings, **overrides})
+    return CacheBuildConfig.from_flags(**{**settings, **overrides})
 
 
 def ray_build(config: CacheBuildConfig) -> tuple[float, dict]:
@@ -286,7 +289,7 @@ def bench_in_process_build(
     threads = torch.get_num_threads()
     config = build_config(sizes, target=target, corpus=work / "chat.jsonl", out=work / "shard-builder", threads=threads)
     save_tokenized_corpus(corpus, work / "shard-builder" / CORPUS_DIR)
-    builder = ShardBuilder(config, layer_ids=sizes.layer_ids)  # its own copy of the target
+    builder = ShardBuilder(config.with_taps(sizes.layer_ids))  # its own copy of the target
 
     def build_all() -> None:
         for index, first in enumerate(range(0, len(sequences), sizes.shard_size)):
@@ -315,7 +318,7 @@ def time_worker_start(config: CacheBuildConfig, *, layer_ids: list[int]) -> floa
     from ray_jobs.build import CacheWorker
 
     start = time.perf_counter()
-    worker = CacheWorker.options(num_cpus=config.cpus_per_worker, num_gpus=0).remote(config, layer_ids)
+    worker = CacheWorker.options(num_cpus=config.compute.cpus_per_worker, num_gpus=0).remote(config.with_taps(layer_ids))
     ray.get(worker.pid.remote())
     seconds = time.perf_counter() - start
     ray.kill(worker)

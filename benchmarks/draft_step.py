@@ -23,7 +23,7 @@ from torch import nn
 from _common import print_table
 from drafter.config import DFlashConfig
 from drafter.model import DFlashDrafter
-from pipeline.speculative import cached_draft_fn, drafter_draft
+from pipeline.eval.speculative import cached_draft_fn, drafter_draft
 
 FULL = dict(hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, vocab=4096, lengths=(256, 1024, 4096))
 QUICK = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, vocab=512, lengths=(64, 256))

@@ -6,7 +6,7 @@ A replicate is one (world seed, drafter seed) pair. By default each drafter seed
 (`--world-seed same`: world seed = drafter seed), so the spread covers both the world (chains,
 corpus, prompts, target training) and the drafter's training (init, data order, anchor draws);
 `--world-seed 0` keeps one world and varies only the drafters. For each world it builds the demo
-world (pipeline.demo_world) and one cache with the Ray job, trains every method from that cache
+world (pipeline.demo.world) and one cache with the Ray job, trains every method from that cache
 with the demo's recipe (identical settings except the method) and decodes the held-out prompts at
 each temperature. The table reports the mean and sample SD over replicates of the
 geometric-mean tau (and of the speedup), plus the mean per-prompt-group tau. Every phase is
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.demo import (
+from pipeline.demo.run import (
     DEMO_METHODS,
     DemoSizes,
     build_demo_cache,
@@ -41,7 +41,7 @@ from pipeline.demo import (
     train_config,
     train_method,
 )
-from pipeline.demo_world import build_world
+from pipeline.demo.world import build_world
 
 
 def _ints(text: str) -> list[int]:

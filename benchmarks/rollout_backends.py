@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.cache_build import plan_batches
-from pipeline.target_runner import TargetRunConfig, TargetSequence, load_target, run_target_batch
+from pipeline.build.shard_builder import plan_batches
+from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.target import load_target
 
 from _common import make_bench_target
 
@@ -168,7 +169,7 @@ def main():
         layer_ids=sizes.layer_ids, num_slots=sizes.num_slots, top_k=sizes.top_k, anchors_per_sequence=sizes.anchors
     )
 
-    from pipeline.vllm_runner import VllmTargetRunner
+    from pipeline.build.vllm_runner import VllmTargetRunner
 
     start = time.perf_counter()
     runner = VllmTargetRunner(

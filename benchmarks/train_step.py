@@ -37,11 +37,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.batching import CacheTrainDataset, StepSampler, TrainBatch, collate
-from pipeline.cli import cache_cli
-from pipeline.labels import METHODS, ROLLOUT_METHODS, ObjectiveConfig
-from pipeline.target_runner import TargetRunConfig, TargetSequence, load_target, run_target_batch
-from pipeline.train import TrainConfig, build_drafter, forward_loss
+from pipeline.train.batching import CacheTrainDataset, StepSampler, TrainBatch, collate
+from ray_jobs.cli import cache_cli
+from pipeline.train.methods import METHODS, ROLLOUT_METHODS
+from pipeline.train.labels import ObjectiveConfig
+from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.target import load_target
+from pipeline.train.config import TrainConfig
+from pipeline.train.loop import build_drafter, forward_loss
 from storage.manifest import load_target_head
 from storage.reader import open_cache
 
@@ -140,16 +143,9 @@ def build_benchmark_cache(sizes: BenchSizes, *, target: Path, corpus: Path, out:
 
 def objective_for(method: str, manifest) -> ObjectiveConfig:
     """The trainer's defaults (pool anchors, whole pool per step, R = K - 1) for `method`."""
-    defaults = TrainConfig(cache="-", out="-", method=method)
+    num_slots = manifest.settings.num_slots
     return ObjectiveConfig(
-        method=method,
-        num_slots=manifest.settings.num_slots,
-        gamma=defaults.gamma,
-        dflash_gamma=defaults.dflash_gamma,
-        rollout_depth=manifest.settings.num_slots - 1,
-        anchors_per_step=None,
-        anchor_source="pool",
-        mask_token_id=manifest.mask_token_id,
+        method=method, rollout_depth=num_slots - 1, num_slots=num_slots, mask_token_id=manifest.mask_token_id,
         stop_token_ids=tuple(manifest.stop_token_ids),
     )
 
@@ -164,13 +160,13 @@ class DrafterStep:
     """The body of the train loop for one rank, one micro-batch, fp32 on CPU."""
 
     def __init__(self, method: str, *, cache: str, manifest, head: dict, grad_clip: float = 1.0):
-        config = TrainConfig(cache=cache, out="-", method=method, seed=0)
+        config = TrainConfig.from_flags(cache=cache, out="-", method=method, seed=0)
         self.drafter = build_drafter(config, manifest)
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.optim.lr, weight_decay=0.0)
         self.embed_tokens = head["embed_tokens.weight"].float()  # frozen [V, H]
         self.lm_head = head["lm_head.weight"].float()  # frozen [V, H]
         self.block_size = manifest.settings.num_slots + 1
-        self.loss_chunk = config.loss_chunk
+        self.loss_chunk = config.optim.loss_chunk
         self.grad_clip = grad_clip
 
     def __call__(self, batch: TrainBatch) -> float:
@@ -349,7 +345,7 @@ def main() -> None:
         raise SystemExit(f"error: the cache holds {len(reader)} sequences, fewer than 2 steps of {sizes.batch_size}")
     lengths = [len(reader.read(i, decode_features=False)["input_ids"]) for i in range(len(reader))]
     num_target_params = sum(p.numel() for p in target_model.parameters())
-    num_drafter_params = sum(p.numel() for p in build_drafter(TrainConfig(cache=str(cache), out="-"), manifest).parameters())
+    num_drafter_params = sum(p.numel() for p in build_drafter(TrainConfig.from_flags(cache=str(cache), out="-"), manifest).parameters())
     print(
         f"target: Qwen3 {num_target_params / 1e6:.2f}M params (hidden {sizes.hidden_size}, {sizes.num_hidden_layers} layers, "
         f"{sizes.num_attention_heads}x{sizes.head_dim} heads), taps {sizes.layer_ids}; drafter: {len(sizes.layer_ids)} layers, "

@@ -1,4 +1,4 @@
-"""DFlash block drafter: config, model, visibility masks, checkpoint I/O (SPEC section 1)."""
+"""DFlash block drafter: config, model, visibility masks, checkpoint I/O (docs/design.md, "The drafter")."""
 
 from drafter.checkpoint import check_compatible, load_drafter, save_drafter
 from drafter.config import DFlashConfig, default_target_layer_ids

@@ -1,4 +1,4 @@
-"""Drafter checkpoints in the public DFlash layout: config.json + model.safetensors (SPEC section 1).
+"""Drafter checkpoints in the public DFlash layout: config.json + model.safetensors (docs/design.md, "The drafter").
 
 Tensor names carry no `model.` prefix and there is no embedding or lm_head; the same directory
 loads in the public DFlash code, SGLang and vLLM, and a public release loads here.

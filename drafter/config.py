@@ -1,4 +1,4 @@
-"""DFlashConfig: the drafter's shape, and its HF `config.json` form (SPEC section 1).
+"""DFlashConfig: the drafter's shape, and its HF `config.json` form (docs/design.md, "The drafter").
 
 The checkpoint config is a Qwen3 config (`model_type: "qwen3"`) with the DFlash extras: top-level
 `block_size` and `num_target_layers`, and `dflash_config: {mask_token_id, target_layer_ids}`. Every
@@ -39,7 +39,7 @@ HARMLESS_HF_KEYS = frozenset(
 
 
 def default_target_layer_ids(*, num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """SPEC rule: n == 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1)) for i in 0..n-1."""
+    """The tap rule (docs/design.md, "The drafter"): n == 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1)) for i in 0..n-1."""
     if num_target_layers < 1:
         raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
     if num_draft_layers < 1:
@@ -170,7 +170,7 @@ class DFlashConfig:
         )
 
     def to_hf_dict(self) -> dict:
-        """The checkpoint's config.json (SPEC section 1), every Qwen3 key explicit."""
+        """The checkpoint's config.json (docs/design.md, "The drafter"), every Qwen3 key explicit."""
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",

@@ -1,4 +1,4 @@
-"""Who may attend to whom in a batch of DFlash blocks (SPEC sections 1 and 3).
+"""Who may attend to whom in a batch of DFlash blocks (docs/design.md, "The drafter" and "IRA").
 
 Keys are ordered context first, then block tokens: key j < C is context token j, key C + t is
 block token t (block t // block_size). A query in block b sees

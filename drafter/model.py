@@ -1,4 +1,4 @@
-"""The DFlash block drafter in plain torch (SPEC section 1).
+"""The DFlash block drafter in plain torch (docs/design.md, "The drafter").
 
 Facts checked against the public code so checkpoints are interchangeable (our code, their math):
 - z-lab/dflash (`model/dflash.py`, `dflash/model.py`, class DFlashDraftModel): the context is

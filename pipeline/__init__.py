@@ -1,3 +1,4 @@
-"""Stage-1 and stage-2 logic: corpus ingestion, target runner, objectives, trainer, evaluation, CLI."""
+"""alrira's stages: `build/` (stage 1, the cache), `train/` (stage 2, the drafter), `eval/`
+(speculative decoding), `demo/`; `target.py` and `chat.py` are shared by build and eval."""
 
 __version__ = "0.1.0"

@@ -1,1 +1,2 @@
-"""Ray orchestration of the stage-1 cache build (imported only by the CLI)."""
+"""The Ray side of stage 1: the actor pool of the cache build and the `alrira-cache` commands.
+Nothing imports this package; the console script and `python -m ray_jobs` point here."""

@@ -50,6 +50,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 SHARD_DIR = "shards"
+CORPUS_DIR = "corpus"  # the tokenized corpus (pipeline/build/corpus.py), kept for resumes
 
 STORAGE_FORMATS = ("zarr", "wds")
 FEATURE_CODECS = ("bf16", "fp8")
@@ -136,6 +137,18 @@ def record_array_names(feature_codec: str, contents=ALL_GROUPS) -> tuple[str, ..
     return tuple(name for name in names if name not in left_out)
 
 
+# K, predicted slots per block. Rollouts have depth K - 1 and store the features of y*[1..K-2];
+# IRA offsets j ~ U{2..K-1} need K >= 3 (docs/design.md, "Anchors and blocks").
+MIN_NUM_SLOTS = 3
+
+
+def check_num_slots(num_slots, *, name: str = "num_slots") -> int:
+    """The one validation of K; ValueError naming `name` (a field or a flag) otherwise."""
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < MIN_NUM_SLOTS:
+        raise ValueError(f"{name} must be an int >= {MIN_NUM_SLOTS}, got {num_slots!r}")
+    return num_slots
+
+
 def shard_name(index: int, storage_format: str) -> str:
     """File name of shard `index` under `shards/`."""
     suffix = {"zarr": "zarr", "wds": "tar"}[storage_format]
@@ -155,7 +168,7 @@ ZARR_INDEX_ARRAYS = (ZARR_SEQ_OFFSETS, ZARR_ANCHOR_OFFSETS, ZARR_SOURCE_ROWS)
 # Prefix of a shard being written; it is renamed to its final name once complete.
 PARTIAL_SHARD_PREFIX = ".tmp-"
 
-# The build that currently owns a cache directory writes its id here (storage.shards.claim_cache);
+# The build that currently owns a cache directory writes its id here (storage.ownership.claim_cache);
 # a shard writer holding another id (a worker orphaned by a killed driver, a second concurrent
 # build) must not publish into it.
 BUILD_OWNER_FILE = ".build-owner"

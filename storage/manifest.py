@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from storage.atomic import atomic_write, atomic_write_bytes
 from storage.format import (
     ALL_GROUPS,
     FEATURE_CODECS,
@@ -28,6 +28,7 @@ from storage.format import (
     STORAGE_FORMATS,
     TARGET_HEAD_FILE,
     check_contents,
+    check_num_slots,
     shard_name,
 )
 
@@ -124,7 +125,7 @@ class CacheSettings:
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise ValueError(f"layer_ids must be unique, got {self.layer_ids}")
         # K - 2 rollout features are stored per anchor, so a block needs at least 3 slots.
-        _check_int("num_slots", self.num_slots, minimum=3)
+        check_num_slots(self.num_slots)
         _check_int("top_k", self.top_k, minimum=1)
         _check_int("anchors_per_sequence", self.anchors_per_sequence, minimum=1)
         _check_int("seed", self.seed, minimum=0)
@@ -305,41 +306,6 @@ class Manifest:
             "shards": [ShardRecord.from_dict(s) for s in data["shards"]],
         }
         return cls(**fields)
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic file writes
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Create `path` atomically: `write(tmp_path)` fills a temp file in the same directory, which
-    is fsynced and renamed over `path`, so readers see either the old file or the whole new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Atomically write `data` to `path` (see atomic_write)."""
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import shutil
 import tarfile
 import uuid
 from collections.abc import Iterator
@@ -33,7 +32,6 @@ import zarr
 from storage.format import (
     ALL_GROUPS,
     ANCHOR_ARRAYS,
-    BUILD_OWNER_FILE,
     FEATURE_CODECS,
     FEATURE_DTYPES,
     FORMAT_NAME,
@@ -52,7 +50,9 @@ from storage.format import (
     record_array_names,
     shard_name,
 )
+from storage.atomic import fsync_path, fsync_tree, remove_path
 from storage.manifest import ShardRecord
+from storage.ownership import check_owner
 
 # Record arrays by the axis they are concatenated along in a Zarr shard (fp8 scales included).
 TOKEN_INDEXED_ARRAYS = TOKEN_ARRAYS + ("feature_scales",)
@@ -227,66 +227,6 @@ def shard_checksum(path: str | os.PathLike) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    if path.is_file():
-        _fsync_path(path)
-        return
-    for root, dirs, names in os.walk(path, topdown=False):
-        for name in names:
-            _fsync_path(Path(root) / name)
-        _fsync_path(Path(root))
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-class CacheOwnershipLost(ValueError):
-    """A shard writer's build no longer owns the cache directory (another build claimed it):
-    a user error (two builds on one --out), reported in one line like every bad input."""
-
-
-def claim_cache(cache_dir: str | os.PathLike) -> str:
-    """Make a new build the owner of `cache_dir` (created if needed); return its owner id.
-
-    From now on write_shard(owner=<an older id>) refuses to publish there: a worker that outlives
-    its killed driver, or a second build started on the same directory, cannot overwrite shards of
-    the build that claimed it last.
-    """
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    owner = uuid.uuid4().hex
-    tmp = cache_dir / f"{BUILD_OWNER_FILE}.{owner}.tmp"
-    tmp.write_text(owner + "\n")
-    os.replace(tmp, cache_dir / BUILD_OWNER_FILE)
-    return owner
-
-
-def check_owner(cache_dir: str | os.PathLike, owner: str) -> None:
-    """Raise CacheOwnershipLost unless `owner` is the build that last claimed `cache_dir`."""
-    path = Path(cache_dir) / BUILD_OWNER_FILE
-    try:
-        current = path.read_text().strip()
-    except FileNotFoundError:
-        current = None
-    if current != owner:
-        raise CacheOwnershipLost(
-            f"{cache_dir}: another cache build has claimed this directory (owner {current}, this writer {owner}); "
-            "this writer stops without publishing"
-        )
-
-
 def clean_partial_shards(cache_dir: str | os.PathLike) -> list[str]:
     """Delete `shards/.tmp-*` leftovers of interrupted writes; return their names (sorted)."""
     shard_dir = Path(cache_dir) / SHARD_DIR
@@ -294,7 +234,7 @@ def clean_partial_shards(cache_dir: str | os.PathLike) -> list[str]:
         return []
     removed = sorted(p.name for p in shard_dir.iterdir() if p.name.startswith(PARTIAL_SHARD_PREFIX))
     for name in removed:
-        _remove(shard_dir / name)
+        remove_path(shard_dir / name)
     return removed
 
 
@@ -344,15 +284,15 @@ def write_shard(
             _write_zarr(tmp, records, dims, feature_codec=feature_codec, contents=contents)
         else:
             _write_wds(tmp, records, feature_codec=feature_codec, contents=contents)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if owner is not None:
             check_owner(cache_dir, owner)  # the write took a while: still ours?
         final = shard_dir / name
-        _remove(final)
+        remove_path(final)
         os.rename(tmp, final)
-        _fsync_path(shard_dir)
+        fsync_path(shard_dir)
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
     return ShardRecord(
         name=name,

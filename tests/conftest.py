@@ -44,7 +44,7 @@ def ray_address(tmp_path_factory):
 @pytest.fixture(scope="session")
 def toy_target(tmp_path_factory) -> Path:
     """A tiny random Qwen3 (head_dim 32) with a word-level chat tokenizer, saved as an HF directory."""
-    from pipeline.toy import make_toy_target
+    from pipeline.demo.toy import make_toy_target
 
     return make_toy_target(tmp_path_factory.mktemp("target") / "toy-qwen3", seed=0, peaked=True)
 
@@ -59,7 +59,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 @pytest.fixture(scope="session")
 def toy_corpus(tmp_path_factory) -> Path:
-    from pipeline.toy import toy_chat_rows
+    from pipeline.demo.toy import toy_chat_rows
 
     rows = toy_chat_rows(10, seed=1, response_words=(30, 60))
     return write_jsonl(tmp_path_factory.mktemp("corpus") / "chat.jsonl", rows)

@@ -36,16 +36,56 @@ def test_drafter_imports_neither_ray_nor_storage_nor_pipeline():
     assert not _roots(_imported_modules("drafter")) & {"ray", "storage", "pipeline", "ray_jobs", "transformers"}
 
 
-def test_only_the_cli_imports_ray_jobs():
-    offenders = []
-    for path in (ROOT / "pipeline").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            module = node.module if isinstance(node, ast.ImportFrom) else None
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module or ""]
-            if any(n.split(".")[0] == "ray_jobs" for n in names) and path.name != "cli.py":
-                offenders.append(path.name)
-    assert offenders == []
+PACKAGES = ("pipeline", "drafter", "storage", "ray_jobs")
+
+
+def test_nothing_imports_ray_jobs():
+    """ray_jobs is the top of the arrows: the console script and `python -m ray_jobs` point there."""
+    for package in ("pipeline", "drafter", "storage"):
+        assert "ray_jobs" not in _roots(_imported_modules(package)), package
+
+
+def test_training_never_imports_the_build_or_the_target():
+    imported = _imported_modules("pipeline/train")
+    assert not {m for m in imported if m.startswith(("pipeline.build", "pipeline.target", "pipeline.eval", "pipeline.demo", "ray_jobs"))}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Project module -> project modules it imports (explicitly, lazy imports included)."""
+    paths = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in paths.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in paths)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in paths:
+                named = {f"{node.module}.{a.name}" for a in node.names} & set(paths)
+                edges.update(named or {node.module})
+        graph[module] = edges - {module}
+    return graph
+
+
+def test_no_import_cycles():
+    graph, state, cycles = _module_graph(), {}, []
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
 
 
 def test_ray_jobs_imports_no_drafter_model():
@@ -58,9 +98,22 @@ def test_ray_jobs_imports_no_drafter_model():
         ("drafter", {"ray", "storage", "transformers"}),
         ("storage", {"ray", "transformers"}),
         ("pipeline.train", {"ray", "transformers"}),  # the trainer never loads the target
+        ("pipeline.train", {"pipeline.build", "pipeline.target", "ray_jobs"}),
     ],
 )
 def test_runtime_imports(module, forbidden):
-    code = f"import sys, {module}; print(sorted(set({sorted(forbidden)!r}) & set(m.split('.')[0] for m in sys.modules)))"
+    prefixes = "set(m.split('.')[0] for m in sys.modules) | set('.'.join(m.split('.')[:2]) for m in sys.modules)"
+    code = f"import sys, {module}; print(sorted(set({sorted(forbidden)!r}) & ({prefixes})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_function_is_over_100_lines():
+    """A function a newcomer can read in one screen or two (docs/design.md, "Packages and arrows")."""
+    long = []
+    for package in PACKAGES + ("benchmarks",):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert long == []

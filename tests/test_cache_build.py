@@ -15,10 +15,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.cache_build import CacheBuildConfig
-from pipeline.cli import cache_cli
-from pipeline.corpus import load_tokenized_corpus
-from pipeline.target_runner import TargetRunConfig, TargetSequence, load_target, run_target_batch
+from pipeline.build.config import CacheBuildConfig
+from ray_jobs.cli import cache_cli
+from pipeline.build.corpus import load_tokenized_corpus
+from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.target import load_target
 from storage.format import SHARD_DIR
 from storage.manifest import load_manifest
 from storage.reader import open_cache
@@ -30,7 +31,7 @@ SMALL = dict(layers=[0, 2], anchors=6, top_k=4, max_length=128, shard_size=3, ba
 
 
 def _config(target, corpus, out, **overrides) -> CacheBuildConfig:
-    return CacheBuildConfig(target=str(target), corpus=str(corpus), out=str(out), **{**SMALL, **overrides})
+    return CacheBuildConfig.from_flags(target=str(target), corpus=str(corpus), out=str(out), **{**SMALL, **overrides})
 
 
 def _build(ray_address, config: CacheBuildConfig):
@@ -168,7 +169,7 @@ def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_co
     args = _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from pipeline.cli import cache_cli; cache_cli()", *args],
+        [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.time() + 180
@@ -245,7 +246,7 @@ def test_a_build_that_loses_the_directory_stops_and_the_claimant_finishes(ray_ad
     """Another build claiming the directory mid-way (a re-run started while Ray still reaps the
     actors of a killed driver, or a second build on the same --out) stops this one at its next
     shard with a one-line error naming the directory; the claimant's resume equals a clean build."""
-    from storage.shards import CacheOwnershipLost, claim_cache
+    from storage.ownership import CacheOwnershipLost, claim_cache
 
     reference = tmp_path / "reference"
     _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1))

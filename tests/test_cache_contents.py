@@ -13,10 +13,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.cache_build import CacheBuildConfig, ShardBuilder
-from pipeline.cli import cache_cli
-from pipeline.target_runner import TargetRunConfig, TargetSequence, load_target, run_target_batch
-from pipeline.train import TrainConfig, train
+from pipeline.build.config import CacheBuildConfig
+from pipeline.build.shard_builder import ShardBuilder
+from ray_jobs.cli import cache_cli
+from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.target import load_target
+from pipeline.train.config import TrainConfig
+from pipeline.train.loop import train
 from storage.format import ALL_GROUPS, MANIFEST_FILE, SHARD_DIR, record_array_names
 from storage.manifest import load_manifest
 from storage.reader import available_arrays, open_cache
@@ -31,7 +34,7 @@ CORPUS_TOPK_ARRAYS = {"corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "co
 
 
 def _config(target, corpus, out, **overrides) -> CacheBuildConfig:
-    return CacheBuildConfig(target=str(target), corpus=str(corpus), out=str(out), **{**SMALL, **overrides})
+    return CacheBuildConfig.from_flags(target=str(target), corpus=str(corpus), out=str(out), **{**SMALL, **overrides})
 
 
 def _build(config: CacheBuildConfig):
@@ -58,31 +61,31 @@ def full_shards(caches, toy_target, toy_corpus, tmp_path_factory) -> tuple[int, 
     out = tmp_path_factory.mktemp("contents-full") / "full"
     shutil.copytree(partial / "corpus", out / "corpus")  # the tokenized corpus shards are cut from
     config = _config(toy_target, toy_corpus, out)
-    builder = ShardBuilder(config, layer_ids=config.layers)
+    builder = ShardBuilder(config.with_taps(config.taps.layers))
     manifest = load_manifest(partial)
     num_bytes, records = 0, []
     for index in range(manifest.num_shards_planned):
-        start = index * config.shard_size
-        stop = min(start + config.shard_size, manifest.num_sequences)
+        start = index * config.storage.shard_size
+        stop = min(start + config.storage.shard_size, manifest.num_sequences)
         shard = builder.build(shard_index=index, start=start, stop=stop)
         num_bytes += shard.bytes
-        records += read_shard_records(out / SHARD_DIR / shard.name, storage_format=config.storage_format)
+        records += read_shard_records(out / SHARD_DIR / shard.name, storage_format=config.storage.storage_format)
     return num_bytes, records
 
 
 def _train_config(cache: Path, out: Path, method: str) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig.from_flags(
         cache=str(cache), out=str(out), method=method, epochs=1, max_steps=1, batch_size=2, num_workers=0, progress=False
     )
 
 
 def test_config_contents():
     base = dict(target="t", corpus="c", out="o")
-    assert CacheBuildConfig(**base).contents == list(ALL_GROUPS)
-    assert CacheBuildConfig(**base, rollout_features=False).contents == ["corpus_topk", "rollouts"]
+    assert CacheBuildConfig.from_flags(**base).contents == list(ALL_GROUPS)
+    assert CacheBuildConfig.from_flags(**base, rollout_features=False).contents == ["corpus_topk", "rollouts"]
     # --no-rollouts implies no rollout features, whatever --rollout-features says.
-    assert CacheBuildConfig(**base, rollouts=False).contents == ["corpus_topk"]
-    assert CacheBuildConfig(**base, rollouts=False, corpus_topk=False).contents == []
+    assert CacheBuildConfig.from_flags(**base, rollouts=False).contents == ["corpus_topk"]
+    assert CacheBuildConfig.from_flags(**base, rollouts=False, corpus_topk=False).contents == []
     help_text = CliRunner().invoke(cache_cli, ["build", "--help"], terminal_width=200).output
     for flag in ("rollouts", "rollout-features", "corpus-topk"):
         assert f"--{flag} / --no-{flag}" in help_text

@@ -8,14 +8,15 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from pipeline.cli import cache_cli, cli_reference_markdown, train_cli
+from ray_jobs.cli import cache_cli, cli_reference_markdown
+from pipeline.cli import train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_docs_cli_reference_is_generated_from_the_commands():
     expected = cli_reference_markdown()
-    assert (ROOT / "docs" / "cli.md").read_text() == expected, "regenerate: python -m pipeline.cli > docs/cli.md"
+    assert (ROOT / "docs" / "cli.md").read_text() == expected, "regenerate: python -m ray_jobs.cli > docs/cli.md"
 
 
 def test_console_scripts_are_installed():

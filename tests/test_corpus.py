@@ -9,19 +9,17 @@ import datasets
 import numpy as np
 import pytest
 
-from pipeline.corpus import (
+from pipeline.build.corpus import (
     CorpusConfig,
-    CorpusError,
     TokenizedCorpus,
     file_sha256,
     ingest_corpus,
-    iter_corpus_rows,
     load_tokenized_corpus,
-    normalize_messages,
     render_sequence,
     save_tokenized_corpus,
 )
-from pipeline.toy import TOY_CHAT_TEMPLATE, make_toy_tokenizer, toy_chat_rows
+from pipeline.chat import CorpusError, iter_corpus_rows, normalize_messages
+from pipeline.demo.toy import TOY_CHAT_TEMPLATE, make_toy_tokenizer, toy_chat_rows
 
 # A copy of Qwen3-4B's chat template (tokenizer_config.json), to check the masks on the real one.
 QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}

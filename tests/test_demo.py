@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from pipeline.demo import DEMO_METHODS, PLOT_FILE, RESULTS_FILE
+from pipeline.demo.run import DEMO_METHODS, PLOT_FILE, RESULTS_FILE
 
 
 def _run_demo(out, ray_address):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.corpus import CorpusConfig, ingest_corpus
-from pipeline.demo_world import (
+from pipeline.build.corpus import CorpusConfig, ingest_corpus
+from pipeline.demo.world import (
     PROMPT_GROUPS,
     WorldConfig,
     corpus_rows,
@@ -21,7 +21,7 @@ from pipeline.demo_world import (
     train_target,
     write_jsonl,
 )
-from pipeline.toy import make_toy_tokenizer
+from pipeline.demo.toy import make_toy_tokenizer
 
 SMALL = dict(num_words=32, num_corpus_rows=24, prompts_per_group=3, response_words=(32, 48))  # >= 2 * 16 supervised
 
@@ -81,7 +81,7 @@ def test_corpus_and_prompts_are_valid_inputs(tmp_path):
     unk = tokenizer.convert_tokens_to_ids("<unk>")
     assert not np.any(corpus.input_ids == unk)  # every word is in the vocabulary
 
-    from pipeline.evaluate import load_prompts
+    from pipeline.eval.evaluate import load_prompts
 
     prompts_path = tmp_path / "prompts.jsonl"
     write_jsonl(prompts_path, prompt_rows(config, source_a))
@@ -94,7 +94,7 @@ def test_corpus_and_prompts_are_valid_inputs(tmp_path):
 def test_a_few_target_steps_lower_the_loss_on_source_a(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.toy import make_toy_target
+    from pipeline.demo.toy import make_toy_target
 
     config = WorldConfig(seed=0, num_words=24, response_words=(20, 30), target_batch_size=8, target_lr=1e-2, target_threads=1)
     source_a, _ = make_sources(config)

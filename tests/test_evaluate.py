@@ -14,15 +14,15 @@ from transformers import AutoTokenizer
 from drafter.checkpoint import save_drafter
 from drafter.config import DFlashConfig
 from drafter.model import DFlashDrafter
-from pipeline.evaluate import (
+from pipeline.eval.evaluate import (
     RESULT_COLUMNS,
     EvalConfig,
     load_prompts,
-    prompt_messages,
     render_prompt,
     run_eval,
     score_table,
 )
+from pipeline.chat import prompt_messages
 from tests.conftest import write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")

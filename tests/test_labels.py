@@ -5,14 +5,8 @@ import math
 import pytest
 import torch
 
-from pipeline.labels import (
-    METHODS,
-    ROLLOUT_METHODS,
-    ObjectiveConfig,
-    build_block_targets,
-    compose_slot_weights,
-    required_arrays,
-)
+from pipeline.train.methods import METHODS, ROLLOUT_METHODS, required_arrays
+from pipeline.train.labels import ObjectiveConfig, build_block_targets, compose_slot_weights
 
 K = 15
 TOP_K = 3
@@ -78,7 +72,7 @@ def build(record, method, seed=0, **overrides):
     return build_block_targets(record, config=config(method, **overrides), generator=generator)
 
 
-# Slot-by-slot references, written as loops straight from SPEC section 3.
+# Slot-by-slot references, written as loops straight from docs/design.md, "The method".
 
 
 def ref_base_factor(record, a, k):

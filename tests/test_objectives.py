@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.objectives import (
+from pipeline.train.objectives import (
     IraSplit,
     alive_mask,
     base_weights,

@@ -14,7 +14,7 @@ import torch
 from drafter.config import DFlashConfig
 from drafter.masks import visibility_mask
 from drafter.model import DFlashDrafter, reference_forward
-from pipeline.speculative import (
+from pipeline.eval.speculative import (
     accept_length,
     autoregressive_decode,
     cached_draft_fn,
@@ -22,8 +22,8 @@ from pipeline.speculative import (
     drafter_draft,
     speculative_decode,
 )
-from pipeline.target_runner import load_target
-from pipeline.toy import make_toy_tokenizer
+from pipeline.target import load_target
+from pipeline.demo.toy import make_toy_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

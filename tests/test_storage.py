@@ -32,14 +32,8 @@ from storage.manifest import (
     settings_diff,
 )
 from storage.reader import available_arrays, cache_stats, open_cache
-from storage.shards import (
-    CacheOwnershipLost,
-    claim_cache,
-    clean_partial_shards,
-    read_shard_records,
-    shard_checksum,
-    write_shard,
-)
+from storage.ownership import CacheOwnershipLost, claim_cache
+from storage.shards import clean_partial_shards, read_shard_records, shard_checksum, write_shard
 from storage.verify import verify_cache
 
 F, TOP_K, K = 64, 4, 15
@@ -316,13 +310,13 @@ def test_a_writer_of_a_superseded_build_cannot_publish(tmp_path, storage_format,
     # The owner changes while a writer is writing: its rename is refused and its temp removed.
     import storage.shards as shards
 
-    real_fsync_tree = shards._fsync_tree
+    real_fsync_tree = shards.fsync_tree
 
     def fsync_then_lose_the_claim(path):
         real_fsync_tree(path)
         claim_cache(tmp_path)
 
-    monkeypatch.setattr(shards, "_fsync_tree", fsync_then_lose_the_claim)
+    monkeypatch.setattr(shards, "fsync_tree", fsync_then_lose_the_claim)
     with pytest.raises(CacheOwnershipLost):
         write_shard(tmp_path, shard_index=0, records=other, storage_format=storage_format, feature_codec="bf16", owner=new_owner)
     shard_dir = tmp_path / SHARD_DIR

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.target_runner import (
+from pipeline.build.rollouts import (
     TargetRunConfig,
     TargetSequence,
     anchor_pool,
-    load_target,
     reference_rollout,
     rollout_attention_mask,
     run_target_batch,
     topk_with_tail,
 )
+from pipeline.target import load_target
 
 LAYERS = [0, 2]
 

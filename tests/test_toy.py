@@ -8,7 +8,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.toy import DEFAULT_WORDS, make_toy_target, make_toy_tokenizer, toy_chat_rows
+from pipeline.demo.toy import DEFAULT_WORDS, make_toy_target, make_toy_tokenizer, toy_chat_rows
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from drafter.checkpoint import load_drafter
-from pipeline.batching import steps_per_epoch
-from pipeline.cache_build import CacheBuildConfig
-from pipeline.labels import METHODS
-from pipeline.train import TrainConfig, lr_at, train
+from pipeline.train.batching import steps_per_epoch
+from pipeline.build.config import CacheBuildConfig
+from pipeline.train.methods import METHODS
+from pipeline.train.config import TrainConfig
+from pipeline.train.loop import lr_at, train
 
 GOLDEN = Path(__file__).parent / "golden" / "loss_trace.json"
 
@@ -26,7 +27,7 @@ def cache(ray_address, toy_target, toy_corpus, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("train-cache") / "cache"
     build_cache(
-        CacheBuildConfig(
+        CacheBuildConfig.from_flags(
             target=str(toy_target), corpus=str(toy_corpus), out=str(out), layers=[0, 2], anchors=8, top_k=4,
             max_length=128, shard_size=4, workers=2,
         ),  # fmt: skip
@@ -38,7 +39,7 @@ def cache(ray_address, toy_target, toy_corpus, tmp_path_factory) -> Path:
 
 def _config(cache: Path, out: Path, **overrides) -> TrainConfig:
     base = dict(cache=str(cache), out=str(out), method="alr_ira", epochs=1, batch_size=4, num_workers=0, progress=False)
-    return TrainConfig(**{**base, **overrides})
+    return TrainConfig.from_flags(**{**base, **overrides})
 
 
 def _losses(run: Path) -> list[float]:

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.corpus import render_sequence
-from pipeline.toy import DEFAULT_WORDS, make_toy_target
+from pipeline.build.corpus import render_sequence
+from pipeline.demo.toy import DEFAULT_WORDS, make_toy_target
 
 WORLD_FILE = "world.json"
 TARGET_DIR = "target"
@@ -46,7 +46,7 @@ class WorldConfig:
     """Sizes of the demo world. The defaults fit the whole demo in ~10 minutes on 2 CPU cores."""
 
     seed: int = 0
-    num_words: int = 64  # chain vocabulary: the first num_words of pipeline.toy.DEFAULT_WORDS
+    num_words: int = 64  # chain vocabulary: the first num_words of pipeline.demo.toy.DEFAULT_WORDS
     num_successors: int = 4  # successors per word in each chain (the mode plus 3 others)
     top_prob_range: tuple[float, float] = (0.55, 0.8)  # probability of each word's mode
     corpus_mix: float = 0.5  # share of source A in source B's transitions
@@ -251,7 +251,7 @@ class TokenBatch:
 
 
 def tokenize_conversations(tokenizer, conversations: list[list[dict[str, str]]]) -> TokenBatch:
-    """Render with the chat template (pipeline.corpus, the same loss masks stage 1 uses) and pad."""
+    """Render with the chat template (pipeline.build.corpus, the same loss masks stage 1 uses) and pad."""
     sequences = [render_sequence(tokenizer, messages, max_length=4096) for messages in conversations]
     length = max(len(ids) for ids, _ in sequences)
     input_ids = torch.full((len(sequences), length), tokenizer.pad_token_id, dtype=torch.long)  # [B, S]

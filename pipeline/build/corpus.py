@@ -1,7 +1,5 @@
-"""Corpus ingestion: chat rows -> token ids and loss masks, rendered with the target's chat template.
-
-Rows come from JSONL (ShareGPT `conversations: [{from, value}]` or OpenAI `messages: [{role,
-content}]`), parquet, arrow, or a `Dataset.save_to_disk` directory. Each conversation is rendered
+"""Corpus ingestion: chat rows (pipeline/chat.py) -> token ids and loss masks, rendered with the
+target's chat template, saved once per cache as the tokenized corpus. Each conversation is rendered
 once with the tokenizer's chat template (thinking disabled), tokenized with offsets, and the tokens
 that fall inside an assistant turn's content or its end-of-turn token get loss mask 1. The turn
 spans come from rendering prefixes of the conversation, so no template is special-cased beyond the
@@ -14,27 +12,17 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "model": "assistant",
-    "system": "system",
-}
-OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
-JSONL_SUFFIXES = (".jsonl", ".json")
+from pipeline.chat import CorpusError, iter_corpus_rows, normalize_messages, row_locator
+from pipeline.config import opt
+from storage.atomic import atomic_write_dir
+
 
 # Qwen3 renders a non-thinking answer as "<think>\n\n</think>\n\n" + content: template, not response.
 EMPTY_THINK_BLOCK = re.compile(r"<think>\s*</think>\s*")
@@ -44,25 +32,14 @@ ARRAY_DTYPES = {"source_rows": "int64", "offsets": "int64", "input_ids": "int32"
 STATS_FILE = "stats.json"
 
 
-class CorpusError(ValueError):
-    """A bad corpus row. The message is one line, "path:line: reason" (JSONL) or "path:row N:
-    reason" (parquet/arrow); `reason` is the key it is counted under when bad rows are skipped."""
-
-    def __init__(self, message: str, reason: str = "bad_row"):
-        super().__init__(message)
-        self.reason = reason
-
-
 @dataclass(kw_only=True)
 class CorpusConfig:
-    path: str
-    """Corpus: JSONL (ShareGPT or OpenAI rows), parquet, arrow, or a save_to_disk directory."""
-    max_length: int = 1024
-    """Sequences are truncated to this many tokens."""
-    min_supervised_tokens: int = 32
-    """Sequences with fewer supervised (assistant) tokens are dropped (2 * block size)."""
-    skip_bad_rows: bool = False
-    """Skip and count malformed rows instead of stopping at the first one."""
+    """Which corpus, and which of its conversations become training sequences."""
+
+    path: str = opt("Corpus: JSONL (ShareGPT or OpenAI rows), parquet, arrow, or a save_to_disk directory.", flag="corpus")
+    max_length: int = opt("Truncate rendered conversations to this many tokens.", default=1024)
+    min_supervised_tokens: int = opt("Drop sequences with fewer supervised tokens (2 * block size).", default=32)
+    skip_bad_rows: bool = opt("Skip (and count) malformed corpus rows instead of stopping.", default=False)
 
     def __post_init__(self):
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -112,138 +89,6 @@ class TokenizedCorpus:
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.input_ids[start:stop], self.loss_mask[start:stop]
 
-
-# ---------------------------------------------------------------------------------------------
-# Reading rows
-
-
-def _is_jsonl(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() in JSONL_SUFFIXES
-
-
-def row_locator(path: str | os.PathLike) -> Callable[[int], str]:
-    """row_index -> where the row is, for error messages: "path:line" (1-based) for JSONL,
-    "path:row N" (0-based) for parquet/arrow."""
-    path = Path(path)
-    if _is_jsonl(path):
-        return lambda row_index: f"{path}:{row_index + 1}"
-    return lambda row_index: f"{path}:row {row_index}"
-
-
-def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
-    """Yield (row_index, row) for every row of the corpus, row_index 0-based in the file (for JSONL
-    the line index; blank lines are skipped but counted). A row that cannot be parsed is yielded as
-    a CorpusError instead of a row, so the caller decides whether to stop or skip."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"{path}: corpus not found")
-    if path.is_dir():
-        import datasets
-
-        dataset = datasets.load_from_disk(str(path))
-        if isinstance(dataset, datasets.DatasetDict):
-            raise ValueError(f"{path}: holds a DatasetDict (splits {list(dataset)}); point at one split's directory")
-        return _iter_arrow_batches(dataset.with_format("arrow").iter(batch_size=1024))
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return _iter_jsonl(path)
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        # Streamed batch by batch: a parquet corpus is never copied into the datasets cache.
-        return _iter_arrow_batches(pq.ParquetFile(path).iter_batches(batch_size=1024))
-    if suffix == ".arrow":
-        import datasets
-
-        return _iter_arrow_batches(datasets.Dataset.from_file(str(path)).with_format("arrow").iter(batch_size=1024))
-    raise ValueError(
-        f"{path}: unsupported corpus file type {suffix!r} (expected .jsonl, .json, .parquet, .arrow or a directory)"
-    )
-
-
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
-    with open(path, "rb") as f:
-        for line_index, raw in enumerate(f):
-            where = f"{path}:{line_index + 1}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield line_index, CorpusError(f"{where}: bad JSON: not UTF-8 at byte {error.start}", "bad_json")
-                continue
-            if line_index == 0:
-                text = text.lstrip("\ufeff")
-            if not text.strip():
-                continue
-            try:
-                yield line_index, json.loads(text)
-            except json.JSONDecodeError as error:
-                yield line_index, CorpusError(f"{where}: bad JSON: {error.msg} at column {error.colno}", "bad_json")
-
-
-def _iter_arrow_batches(batches) -> Iterator[tuple[int, object]]:
-    row_index = 0
-    for batch in batches:
-        for row in batch.to_pylist():
-            yield row_index, row
-            row_index += 1
-
-
-def _short(value: object, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def normalize_messages(row: object, *, where: str) -> list[dict[str, str]]:
-    """A corpus row -> [{"role": system|user|assistant, "content": str}, ...]. Raises CorpusError
-    (message "{where}: reason") for a row that is not a usable conversation."""
-    if not isinstance(row, dict):
-        raise CorpusError(f"{where}: row is a {type(row).__name__}, not an object", "bad_row")
-    conversations, messages = row.get("conversations"), row.get("messages")
-    if conversations is not None and messages is not None:
-        raise CorpusError(f"{where}: row has both 'conversations' and 'messages'", "bad_row")
-    if conversations is not None:
-        turns, role_key, content_key, roles = conversations, "from", "value", SHAREGPT_ROLES
-        list_key = "conversations"
-    elif messages is not None:
-        turns, role_key, content_key, roles = messages, "role", "content", OPENAI_ROLES
-        list_key = "messages"
-    else:
-        raise CorpusError(f"{where}: row has no 'conversations' or 'messages' list", "bad_row")
-    if not isinstance(turns, list):
-        raise CorpusError(f"{where}: '{list_key}' is a {type(turns).__name__}, not a list", "bad_row")
-    if not turns:
-        raise CorpusError(f"{where}: empty conversation", "empty_conversation")
-
-    normalized = []
-    for j, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise CorpusError(f"{where}: message {j} is a {type(turn).__name__}, not an object", "bad_row")
-        role = turn.get(role_key)
-        if role is None:
-            raise CorpusError(f"{where}: message {j} has no '{role_key}'", "missing_role")
-        if not isinstance(role, str) or role.strip().lower() not in roles:
-            raise CorpusError(
-                f"{where}: message {j} has unknown role {_short(role)} (expected one of {sorted(roles)})",
-                "unknown_role",
-            )
-        content = turn.get(content_key)
-        if not isinstance(content, str):
-            raise CorpusError(
-                f"{where}: message {j} '{content_key}' is {type(content).__name__}, not a string", "bad_content"
-            )
-        normalized.append({"role": roles[role.strip().lower()], "content": content})
-
-    # Some ShareGPT exports keep the system prompt beside the turns.
-    system = row.get("system")
-    if isinstance(system, str) and system.strip() and normalized[0]["role"] != "system":
-        normalized.insert(0, {"role": "system", "content": system})
-    if not any(m["role"] == "assistant" for m in normalized):
-        raise CorpusError(f"{where}: conversation has no assistant turn", "no_assistant_turn")
-    return normalized
-
-
-# ---------------------------------------------------------------------------------------------
-# Rendering and loss masks
 
 
 def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: bool, where: str) -> str:
@@ -393,45 +238,17 @@ def ingest_corpus(config: CorpusConfig, tokenizer, *, progress: bool = True) -> 
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_tokenized_corpus(corpus: TokenizedCorpus, out_dir: str | os.PathLike) -> None:
-    """Write `corpus` to `out_dir` as {source_rows,offsets,input_ids,loss_mask}.npy + stats.json.
-    Written into a temporary sibling directory and renamed into place, so a reader sees either the
-    old directory or the complete new one."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
-    tmp_dir.mkdir()
-    try:
+    """Write `corpus` to `out_dir` as {source_rows,offsets,input_ids,loss_mask}.npy + stats.json,
+    atomically (storage.atomic.atomic_write_dir): a reader sees the old directory or the new one."""
+
+    def write(tmp_dir: Path) -> None:
         for name, dtype in ARRAY_DTYPES.items():
             with open(tmp_dir / f"{name}.npy", "wb") as f:
                 np.save(f, np.ascontiguousarray(getattr(corpus, name), dtype=dtype))
-                f.flush()
-                os.fsync(f.fileno())
-        with open(tmp_dir / STATS_FILE, "w") as f:
-            json.dump(corpus.stats, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp_dir)
-        if out_dir.exists():
-            old_dir = out_dir.parent / f".{out_dir.name}.old-{tag}"
-            os.replace(out_dir, old_dir)
-            os.replace(tmp_dir, out_dir)
-            shutil.rmtree(old_dir)
-        else:
-            os.replace(tmp_dir, out_dir)
-        _fsync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+        (tmp_dir / STATS_FILE).write_text(json.dumps(corpus.stats, indent=2, sort_keys=True))
+
+    atomic_write_dir(out_dir, write)
 
 
 def load_tokenized_corpus(out_dir: str | os.PathLike, *, mmap: bool = True) -> TokenizedCorpus:

@@ -3,12 +3,12 @@
     python -m pipeline.demo [--out demo_out] [--quick] [--seed 0]
 
 Phases (each skipped when its output already exists, so an interrupted demo resumes):
-  1. world    pipeline.demo_world: a tiny Qwen3 target trained on source A, an off-policy chat
+  1. world    pipeline.demo.world: a tiny Qwen3 target trained on source A, an off-policy chat
               corpus written by source B, held-out prompts in three groups
   2. cache    `alrira-cache build` (the Ray job, 2 workers) over the corpus
   3. train    one drafter per method (dflash, kd, erase, alr, alr_ira) from that cache, identical
               settings except the method
-  4. eval     pipeline.evaluate at T = 0 (and any other --temperatures) on the held-out prompts
+  4. eval     pipeline.eval.evaluate at T = 0 (and any other --temperatures) on the held-out prompts
 Then it prints a table (method, tau, speedup, training time) and writes `results.json` and
 `tau_by_method.png` into --out. 8 min 40 s measured on an idle 2-core machine (`--quick`: ~30 s);
 results and what they mean: docs/results.md.
@@ -27,9 +27,10 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline.demo_world import World, WorldConfig, build_world
-from pipeline.evaluate import EvalConfig, run_eval
-from pipeline.train import TrainConfig, train
+from pipeline.demo.world import World, WorldConfig, build_world
+from pipeline.eval.evaluate import EvalConfig, run_eval
+from pipeline.train.config import TrainConfig
+from pipeline.train.loop import train
 from storage.manifest import load_manifest
 
 DEMO_METHODS = ("dflash", "kd", "erase", "alr", "alr_ira")
@@ -82,15 +83,15 @@ def build_demo_cache(world: World, out: Path, sizes: DemoSizes, *, log) -> Path:
         "--workers", str(sizes.workers), "--cpus-per-worker", "1", "--no-progress",
     ]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "TOKENIZERS_PARALLELISM": "false"}
-    code = "import sys; from pipeline.cli import cache_cli; cache_cli.main(args=sys.argv[1:], prog_name='alrira-cache')"
+
     log(f"cache: alrira-cache {' '.join(args)}")
-    subprocess.run([sys.executable, "-c", code, *args], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "ray_jobs", *args], check=True, env=env)
     return out
 
 
 def train_config(*, cache: Path, out: Path, method: str, seed: int, sizes: DemoSizes) -> TrainConfig:
     """The one training recipe every method gets; only `method` differs."""
-    return TrainConfig(
+    return TrainConfig.from_flags(
         cache=str(cache), out=str(out), method=method, epochs=sizes.epochs, batch_size=sizes.batch_size, lr=sizes.lr,
         anchors_per_step=sizes.anchors_per_step,
         gamma=2.0, dflash_gamma=2.0,  # the text recipe: one slot envelope for every method
@@ -102,12 +103,13 @@ def train_method(config: TrainConfig, *, log) -> dict:
     """Train (or reuse a finished run); the run's summary.json."""
     run = Path(config.out)
     if (run / "summary.json").is_file() and (run / "drafter" / "config.json").is_file():
-        log(f"train {config.method}: reusing {run}")
+        log(f"train {config.objective.method}: reusing {run}")
         return json.loads((run / "summary.json").read_text())
-    log(f"train {config.method}: {config.epochs} epochs, batch {config.batch_size}, lr {config.lr}, seed {config.seed}")
+    optim = config.optim
+    log(f"train {config.objective.method}: {optim.epochs} epochs, batch {optim.batch_size}, lr {optim.lr}, seed {config.seed}")
     summary = train(config)
     acc = " ".join(f"{a:.2f}" for a in summary["slot_acc_last_10pct"][:8])
-    log(f"train {config.method}: {summary['elapsed_s']:.0f}s, loss {summary['final_loss']:.3f}, slot acc {acc} ...")
+    log(f"train {config.objective.method}: {summary['elapsed_s']:.0f}s, loss {summary['final_loss']:.3f}, slot acc {acc} ...")
     return summary
 
 
@@ -268,6 +270,3 @@ def main(out: str, quick: bool, seed: int, temperatures: str, threads: int):
     hf_logging.disable_progress_bar()
     run_demo(out=Path(out), seed=seed, quick=quick, temperatures=temps)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The training objectives as pure tensor functions (SPEC sections 2-3).
+"""The training objectives as pure tensor functions (docs/design.md, "The method").
 
 Notation: K = num_slots predicted slots. A block has K + 1 slots; slot 0 holds the anchor token and is
 never trained, so per-slot tensors here are [..., K + 1] and column k is slot k. A sequence has T

@@ -3,7 +3,7 @@
 vLLM's `ExampleHiddenStatesConnector` (with the `extract_hidden_states` speculative method) keeps
 the tapped layers' hidden states of every token in a cache-only KV group and, when a request
 finishes, copies that request's slots to a safetensors file. Its copy uses CUDA streams, CUDA events
-and pinned memory, which fail on a CPU build after the first request (SPEC section 7). This
+and pinned memory, which fail on a CPU build after the first request (docs/vllm.md). This
 subclass replaces only that copy: it gathers the slots and writes the file synchronously (temp file
 + os.replace, so a file that exists is complete), and it honours one extra request parameter,
 `kv_transfer_params["save_from"]`: the first token position to save. A rollout needs the states of

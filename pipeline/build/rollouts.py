@@ -1,7 +1,7 @@
 """The target side of stage 1: one corpus forward plus batched greedy rollouts per batch.
 
 For a batch of corpus sequences this computes everything the trainer will ever need from the
-target (SPEC section 5): tapped features, top-k + tail distributions at every position, an anchor
+target (docs/design.md, "The cache contract"): tapped features, top-k + tail distributions at every position, an anchor
 pool per sequence, and for every pool anchor a greedy rollout of depth K - 1 with its
 distributions and the tapped features of the rollout tokens.
 
@@ -15,103 +15,46 @@ the tests (and the benchmark) compare against.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-# Files that define what a target computes; their bytes make the target hash.
-_TARGET_IDENTITY_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
+from pipeline.config import opt
+from pipeline.target import tapped_features
+from storage.format import check_num_slots
+
+LOGITS_CHUNK = 2048  # positions per lm_head call, bounds the [chunk, vocab] logits buffer
 
 
 @dataclass(kw_only=True)
 class TargetRunConfig:
     """What the target computes per sequence; every field changes cache content."""
 
-    layer_ids: list[int]
-    num_slots: int = 15  # K: slots per block; rollouts have depth K - 1
-    top_k: int = 8
-    anchors_per_sequence: int = 128
-    seed: int = 0
-    # False: the corpus pass and the anchor pools only (a cache for corpus-label methods); the
-    # K - 1 rollout forwards are skipped and the rollout outputs are None.
-    rollouts: bool = True
-    logits_chunk: int = 2048  # positions per lm_head call, bounds the [chunk, vocab] logits buffer
+    num_slots: int = opt("K: predicted slots per block; rollouts have depth K - 1.", default=15)
+    top_k: int = opt("Top-k probabilities kept per distribution (plus the tail mass).", default=8)
+    anchors_per_sequence: int = opt("Anchor pool size per sequence (drawn from eligible positions).", flag="anchors", default=128)
+    seed: int = opt("Seed of the anchor pools.", default=0)
+    rollouts: bool = opt(
+        "Run greedy rollouts from the anchor pool (needed by alr, alr_gate, alr_ira, slot_control); "
+        "--no-rollouts also leaves out the rollout features. The anchor pool is stored either way.",
+        default=True,
+    )
+    # Resolved from the taps settings by the build (pipeline/build/driver.py), not a flag.
+    layer_ids: list[int] | None = field(default=None, metadata={"cli": False})
 
     def __post_init__(self):
-        if not self.layer_ids:
+        if self.layer_ids is not None and not self.layer_ids:
             raise ValueError("layer_ids: at least one tapped layer is required")
-        if self.num_slots < 3:
-            raise ValueError(f"num_slots must be >= 3, got {self.num_slots}")
+        check_num_slots(self.num_slots, name="--num-slots")
         if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+            raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.anchors_per_sequence < 1:
-            raise ValueError(f"anchors_per_sequence must be >= 1, got {self.anchors_per_sequence}")
+            raise ValueError(f"--anchors must be >= 1, got {self.anchors_per_sequence}")
 
     @property
     def rollout_depth(self) -> int:
         return self.num_slots - 1
-
-
-# ----------------------------------------------------------------------------------------------
-# Target identity and loading
-
-
-def target_hash(target_dir: str | Path) -> str:
-    """Content hash of the files that define the target's config and tokenizer."""
-    target_dir = Path(target_dir)
-    digest = hashlib.sha256()
-    for name in _TARGET_IDENTITY_FILES:
-        path = target_dir / name
-        if path.is_file():
-            digest.update(name.encode())
-            digest.update(path.read_bytes())
-    return "sha256:" + digest.hexdigest()
-
-
-def read_target_config(target_dir: str | Path) -> dict:
-    path = Path(target_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{path}: no config.json; --target must be a local HF model directory")
-    config = json.loads(path.read_text())
-    # Multimodal targets (Qwen3-VL) keep the language model's keys under text_config.
-    return config.get("text_config", config)
-
-
-def load_target(target_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """Load a local HF causal LM for feature extraction (eval mode, SDPA attention)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(target_dir), dtype=dtype, attn_implementation="sdpa"
-    )
-    if getattr(model.config, "use_sliding_window", False):
-        raise ValueError(f"{target_dir}: sliding-window targets are not supported")
-    return model.to(device).eval()
-
-
-def stop_token_ids(tokenizer, generation_config: dict | None = None) -> list[int]:
-    """eos / end-of-turn ids: a rollout slot after one of these is not trained."""
-    ids = set()
-    for token in (tokenizer.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        if token is None:
-            continue
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-            ids.add(token_id)
-    eos = (generation_config or {}).get("eos_token_id")
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return sorted(ids)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,12 +147,6 @@ class TargetOutputs:
     extras: dict = field(default_factory=dict)
 
 
-def _tapped(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    # hidden_states[0] is the embedding output, hidden_states[id + 1] the residual stream after
-    # decoder layer id (before the final norm as long as id < L - 1).
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
 def _lm_head_topk(model, hidden: torch.Tensor, *, top_k: int, chunk: int):
     """hidden [N, H] (after the final norm) -> topk_with_tail outputs, lm_head applied in chunks."""
     outs = [topk_with_tail(model.lm_head(hidden[i : i + chunk]), top_k=top_k) for i in range(0, len(hidden), chunk)]
@@ -237,7 +174,7 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
     batch = len(sequences)
     lengths = [len(s.input_ids) for s in sequences]
     max_len = max(lengths)
-    num_slots, depth, top_k = config.num_slots, config.rollout_depth, config.top_k
+    top_k = config.top_k
 
     input_ids = torch.zeros((batch, max_len), dtype=torch.long, device=device)  # [B, S]
     token_valid = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
@@ -258,16 +195,15 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
         use_cache=config.rollouts,  # the rollouts' shared corpus KV cache
         output_hidden_states=True,
     )
-    cache = out.past_key_values
-    corpus_features = _tapped(out.hidden_states, config.layer_ids)  # [B, S, F]
+    corpus_features = tapped_features(out.hidden_states, config.layer_ids)  # [B, S, F]
     final_hidden = out.last_hidden_state  # [B, S, H], after the final norm
 
     flat_hidden = final_hidden[token_valid]  # [sum T, H]
-    c_ids, c_probs, c_tail, c_argmax = _lm_head_topk(model, flat_hidden, top_k=top_k, chunk=config.logits_chunk)
+    c_ids, c_probs, c_tail, c_argmax = _lm_head_topk(model, flat_hidden, top_k=top_k, chunk=LOGITS_CHUNK)
     # p_T(x[t+1] | x[<=t]); the last position of each sequence has no next token.
     next_ids = torch.zeros((batch, max_len), dtype=torch.long, device=device)
     next_ids[:, :-1] = input_ids[:, 1:]
-    c_next = _next_token_prob(model, flat_hidden, next_ids[token_valid], chunk=config.logits_chunk)
+    c_next = _next_token_prob(model, flat_hidden, next_ids[token_valid], chunk=LOGITS_CHUNK)
     is_last = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
     is_last[torch.arange(batch), torch.as_tensor(lengths, device=device) - 1] = True
     c_next = c_next.masked_fill(is_last[token_valid], 0.0)
@@ -286,59 +222,18 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
         anchor_pos[b, : len(pool)] = torch.as_tensor(pool, dtype=torch.long)
         anchor_valid[b, : len(pool)] = True
 
+    rollout = None
     if config.rollouts:
-        # Slot 1 of every rollout is the corpus distribution at the anchor itself.
-        roll_ids = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.int32, device=device)
-        roll_probs = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.float32, device=device)
-        roll_tail = torch.zeros((batch, num_anchors, num_slots), dtype=torch.float32, device=device)
-        roll_tokens = torch.zeros((batch, num_anchors, num_slots + 1), dtype=torch.long, device=device)
-        feature_dim = corpus_features.shape[-1]
-        roll_features = corpus_features.new_zeros((batch, num_anchors, num_slots - 2, feature_dim))
-        for b in range(batch):
-            pos = anchor_pos[b, anchor_valid[b]]
-            roll_ids[b, : len(pos), 0] = c_ids[b][pos]
-            roll_probs[b, : len(pos), 0] = c_probs[b][pos]
-            roll_tail[b, : len(pos), 0] = c_tail[b][pos]
-            roll_tokens[b, : len(pos), 0] = input_ids[b, pos]
-            roll_tokens[b, : len(pos), 1] = c_argmax[b][pos]
-
-        if num_anchors > 0:
-            for step in range(1, depth + 1):
-                step_out = model.model(
-                    input_ids=roll_tokens[:, :, step],  # y*[step] for every branch: [B, A]
-                    attention_mask=_mask_mapping(
-                        model,
-                        rollout_attention_mask(
-                            anchor_pos=anchor_pos, anchor_valid=anchor_valid, corpus_len=max_len, step=step
-                        ),
-                    ),
-                    position_ids=anchor_pos + step,
-                    past_key_values=cache,
-                    use_cache=True,
-                    output_hidden_states=True,
-                )
-                if step <= num_slots - 2:
-                    roll_features[:, :, step - 1] = _tapped(step_out.hidden_states, config.layer_ids)
-                step_hidden = step_out.last_hidden_state.reshape(batch * num_anchors, -1)  # [B * A, H]
-                ids, probs, tail, argmax = _lm_head_topk(model, step_hidden, top_k=top_k, chunk=config.logits_chunk)
-                roll_ids[:, :, step] = ids.view(batch, num_anchors, top_k)
-                roll_probs[:, :, step] = probs.view(batch, num_anchors, top_k)
-                roll_tail[:, :, step] = tail.view(batch, num_anchors)
-                roll_tokens[:, :, step + 1] = argmax.view(batch, num_anchors)
-        del cache
+        rollout = _batched_rollouts(
+            model, out.past_key_values, config=config, input_ids=input_ids, anchor_pos=anchor_pos,
+            anchor_valid=anchor_valid, corpus_topk=(c_ids, c_probs, c_tail, c_argmax),
+            feature_dim=corpus_features.shape[-1], feature_dtype=corpus_features.dtype,
+        )  # fmt: skip
 
     results = []
     for b, seq in enumerate(sequences):
         n, a = lengths[b], len(pools[b])
-        rollout = {}
-        if config.rollouts:
-            rollout = dict(
-                rollout_tokens=roll_tokens[b, :a].int().cpu(),
-                rollout_topk_ids=roll_ids[b, :a].cpu(),
-                rollout_topk_probs=roll_probs[b, :a].cpu(),
-                rollout_tail=roll_tail[b, :a].cpu(),
-                rollout_features=roll_features[b, :a].cpu(),
-            )
+        mine = {} if rollout is None else {name: t[b, :a].cpu() for name, t in rollout.items()}
         results.append(
             TargetOutputs(
                 source_row=int(seq.source_row),
@@ -350,10 +245,68 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
                 corpus_tail=c_tail[b].cpu(),
                 corpus_next_prob=c_next[b].cpu(),
                 anchor_pos=torch.as_tensor(pools[b], dtype=torch.int32),
-                **rollout,
+                **mine,
             )
         )
     return results
+
+
+def _batched_rollouts(
+    model, cache, *, config: TargetRunConfig, input_ids: torch.Tensor, anchor_pos: torch.Tensor,
+    anchor_valid: torch.Tensor, corpus_topk: tuple, feature_dim: int, feature_dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Greedy rollouts of depth K - 1 from every pool anchor of the batch at once, sharing the
+    corpus KV `cache`: one target forward of [B, A] tokens per rollout step. Returns the rollout_*
+    arrays padded to [B, A, ...] (storage/format.py shapes per sequence after slicing)."""
+    c_ids, c_probs, c_tail, c_argmax = corpus_topk  # per sequence: [T, k], [T, k], [T], [T]
+    batch, num_anchors = anchor_pos.shape
+    num_slots, top_k, device = config.num_slots, config.top_k, input_ids.device
+    max_len = input_ids.shape[1]
+    # Slot 1 of every rollout is the corpus distribution at the anchor itself.
+    roll_ids = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.int32, device=device)
+    roll_probs = torch.zeros((batch, num_anchors, num_slots, top_k), dtype=torch.float32, device=device)
+    roll_tail = torch.zeros((batch, num_anchors, num_slots), dtype=torch.float32, device=device)
+    roll_tokens = torch.zeros((batch, num_anchors, num_slots + 1), dtype=torch.long, device=device)
+    roll_features = torch.zeros((batch, num_anchors, num_slots - 2, feature_dim), dtype=feature_dtype, device=device)
+    for b in range(batch):
+        pos = anchor_pos[b, anchor_valid[b]]
+        roll_ids[b, : len(pos), 0] = c_ids[b][pos]
+        roll_probs[b, : len(pos), 0] = c_probs[b][pos]
+        roll_tail[b, : len(pos), 0] = c_tail[b][pos]
+        roll_tokens[b, : len(pos), 0] = input_ids[b, pos]
+        roll_tokens[b, : len(pos), 1] = c_argmax[b][pos]
+
+    if num_anchors > 0:
+        for step in range(1, config.rollout_depth + 1):
+            step_out = model.model(
+                input_ids=roll_tokens[:, :, step],  # y*[step] for every branch: [B, A]
+                attention_mask=_mask_mapping(
+                    model,
+                    rollout_attention_mask(
+                        anchor_pos=anchor_pos, anchor_valid=anchor_valid, corpus_len=max_len, step=step
+                    ),
+                ),
+                position_ids=anchor_pos + step,
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+            )
+            if step <= num_slots - 2:
+                roll_features[:, :, step - 1] = tapped_features(step_out.hidden_states, config.layer_ids)
+            step_hidden = step_out.last_hidden_state.reshape(batch * num_anchors, -1)  # [B * A, H]
+            ids, probs, tail, argmax = _lm_head_topk(model, step_hidden, top_k=top_k, chunk=LOGITS_CHUNK)
+            roll_ids[:, :, step] = ids.view(batch, num_anchors, top_k)
+            roll_probs[:, :, step] = probs.view(batch, num_anchors, top_k)
+            roll_tail[:, :, step] = tail.view(batch, num_anchors)
+            roll_tokens[:, :, step + 1] = argmax.view(batch, num_anchors)
+
+    return {
+        "rollout_tokens": roll_tokens.int(),
+        "rollout_topk_ids": roll_ids,
+        "rollout_topk_probs": roll_probs,
+        "rollout_tail": roll_tail,
+        "rollout_features": roll_features,
+    }
 
 
 def _mask_mapping(model, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -378,7 +331,7 @@ def reference_rollout(model, input_ids: np.ndarray, *, anchor: int, config: Targ
         probs.append(k_probs[0])
         tails.append(k_tail[0])
         if slot >= 2:  # features of y*[slot - 1], the token fed last
-            features.append(_tapped(out.hidden_states, config.layer_ids)[0, -1])
+            features.append(tapped_features(out.hidden_states, config.layer_ids)[0, -1])
         tokens.append(int(argmax[0]))
         prefix = torch.cat([prefix, argmax.view(1, 1)], dim=1)
     return {

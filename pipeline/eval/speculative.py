@@ -1,4 +1,4 @@
-"""Speculative decoding with a HF target and a DFlash block drafter (SPEC section 6), batch size 1.
+"""Speculative decoding with a HF target and a DFlash block drafter (docs/design.md, "Evaluation"), batch size 1.
 
 Round r, with the last committed token (the anchor) at position p:
   1. draft:  the drafter reads the tapped target features of every committed token at positions
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from drafter.masks import SHARED_OWNER, visibility_mask
 from drafter.model import ContextKVCache, DFlashDrafter
+from pipeline.target import tapped_features
 
 # draft_fn(context_features [p, F], anchor_token, anchor_pos) -> draft tokens [K] (long)
 DraftFn = Callable[..., Tensor]
@@ -82,11 +83,6 @@ def commit_tokens(
         if token in stop_token_ids:
             return kept, True
     return kept, num_generated + len(kept) >= max_new_tokens
-
-
-def tapped_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
-    """Residual stream after each tapped decoder layer (HF hidden_states[id + 1]), concatenated: [..., n*H]."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 def crop_cache(cache, length: int) -> None:

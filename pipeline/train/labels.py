@@ -1,18 +1,21 @@
-"""Labels and slot weights of one sequence's draft blocks, for every objective (SPEC section 3).
+"""Labels and slot weights of one sequence's draft blocks, for every objective (docs/design.md,
+"The method").
 
-`build_block_targets` is the single place where the objectives differ: the train loop draws blocks
-through it and feeds the result to the drafter and `objectives.topk_tail_loss` the same way for every
-method.
+`build_block_targets` is the single place where the objectives differ: it follows the method's
+recipe (pipeline/train/methods.py), and the train loop feeds its result to the drafter and
+`objectives.topk_tail_loss` the same way for every method.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from pipeline.objectives import (
+from pipeline.config import opt
+from pipeline.train.methods import LABEL_SOURCES, METHODS, ROLLOUT_METHODS, recipe
+from pipeline.train.objectives import (
     alive_mask,
     base_factors,
     cap_mask,
@@ -29,42 +32,32 @@ from pipeline.objectives import (
     soft_gate,
 )
 
-METHODS = ("dflash", "kd", "erase", "erase_hard", "alr", "alr_gate", "alr_ira", "slot_control")
-CORPUS_METHODS = ("dflash", "kd", "erase", "erase_hard")  # labels from the corpus pass only
-ROLLOUT_METHODS = ("alr", "alr_gate", "alr_ira", "slot_control")  # labels from greedy rollouts
 ANCHOR_SOURCES = ("pool", "all")
-LABEL_SOURCES = ("corpus", "rollout")
 
 
 @dataclass(kw_only=True)
 class ObjectiveConfig:
     """How draft blocks are labelled and weighted."""
 
-    method: str
-    """Objective: one of dflash, kd, erase, erase_hard, alr, alr_gate, alr_ira, slot_control."""
-    num_slots: int = 15
+    method: str = opt(f"Objective: {', '.join(METHODS)}.", default="alr_ira")
+    gamma: float = opt("Slot envelope decay for the distillation family (kd, erase, alr, ira).", default=2.0)
+    dflash_gamma: float = opt("Slot envelope decay for the DFlash cross-entropy baseline (7 vision, 2 text).", default=7.0)
+    rollout_depth: int = opt("R: rollout tokens used for labels (R + 1 slots trained); alr_ira needs K - 1.", default=14)
+    anchors_per_step: int | None = opt("Anchors per sequence per step (default: the whole cached pool).", default=None)
+    anchor_source: str = opt("pool (the cached anchors) or all (every eligible position; corpus-only methods).", default="pool")
+    # What the cache fixes (not flags): the trainer binds them from the manifest (`for_cache`).
+    num_slots: int = field(default=15, metadata={"cli": False})
     """K, predicted slots per block (block size K + 1); must match the cache."""
-    gamma: float = 2.0
-    """Slot envelope decay exp(-(k - 1) / gamma) of the distillation methods."""
-    dflash_gamma: float = 7.0
-    """Slot envelope decay of the DFlash cross-entropy baseline (7.0 vision recipe, 2.0 text)."""
-    rollout_depth: int = 14
-    """R, greedy rollout steps whose labels are trained: slots 1..R+1 (rollout methods)."""
-    anchors_per_step: int | None = None
-    """Anchors drawn per sequence and step; None takes the whole source."""
-    anchor_source: str = "pool"
-    """Where anchors come from: the cached pool, or all eligible positions (corpus methods only)."""
-    mask_token_id: int
+    mask_token_id: int | None = field(default=None, metadata={"cli": False})
     """Token id of the block's MASK slots."""
-    stop_token_ids: tuple[int, ...]
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata={"cli": False})
     """Stop token ids (eos / end of turn): rollout slots after one are not trained."""
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        recipe(self.method)  # a ValueError naming the methods for an unknown one
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
-        if self.method in ("alr_ira", "slot_control") and self.num_slots < 3:
+        if recipe(self.method).ira is not None and self.num_slots < 3:
             raise ValueError(f"num_slots must be >= 3 for {self.method} (offsets j ~ U{{2..K-1}})")
         if not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
@@ -76,7 +69,7 @@ class ObjectiveConfig:
             raise ValueError(
                 f"rollout_depth must be <= num_slots - 1 = {self.num_slots - 1}, got {self.rollout_depth}"
             )
-        if self.method == "alr_ira" and self.rollout_depth != self.num_slots - 1:
+        if recipe(self.method).ira == "secondaries" and self.rollout_depth != self.num_slots - 1:
             raise ValueError(
                 f"rollout_depth must be num_slots - 1 = {self.num_slots - 1} for alr_ira "
                 f"(secondaries sit at offsets up to K - 1), got {self.rollout_depth}"
@@ -90,25 +83,13 @@ class ObjectiveConfig:
                 f"anchor_source 'all' needs rollouts at every position; {self.method} has them only "
                 "for the cached pool (use anchor_source 'pool')"
             )
-        if self.mask_token_id < 0:
+        if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
         self.stop_token_ids = tuple(int(token) for token in self.stop_token_ids)
 
-
-def required_arrays(method: str) -> set[str]:
-    """Cache arrays training with `method` reads (fp8 scale arrays follow their feature arrays)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    arrays = {"input_ids", "loss_mask", "features", "anchor_pos"}
-    if method in ("kd", "erase", "erase_hard"):
-        arrays |= {"corpus_topk_ids", "corpus_topk_probs"}
-    if method == "erase":
-        arrays.add("corpus_next_prob")
-    if method in ROLLOUT_METHODS:
-        arrays |= {"rollout_tokens", "rollout_topk_ids", "rollout_topk_probs"}
-    if method == "alr_ira":
-        arrays.add("rollout_features")
-    return arrays
+    def for_cache(self, *, num_slots: int, mask_token_id: int, stop_token_ids) -> ObjectiveConfig:
+        """This objective bound to a cache's K, mask token and stop tokens (validated again)."""
+        return replace(self, num_slots=num_slots, mask_token_id=mask_token_id, stop_token_ids=tuple(stop_token_ids))
 
 
 @dataclass(kw_only=True)
@@ -187,7 +168,7 @@ def _corpus_labels(
     slots = torch.arange(1, config.num_slots + 1, device=anchor_pos.device)
     positions = anchor_pos[:, None] + slots  # [N, K]: a + k, the token slot k predicts
     in_seq = (positions < seq_len)[:, :, None]
-    if config.method == "dflash":
+    if recipe(config.method).one_hot_labels:
         tokens = input_ids[positions.clamp(max=seq_len - 1)][:, :, None]
         label_ids = torch.where(in_seq, tokens, 0)  # [N, K, 1]
         return label_ids, torch.ones(label_ids.shape, dtype=torch.float32, device=label_ids.device)
@@ -202,15 +183,16 @@ def _corpus_targets(
     record: dict[str, Tensor], *, anchor_pos: Tensor, config: ObjectiveConfig
 ) -> BlockTargets:
     num_slots = config.num_slots
-    gamma = config.dflash_gamma if config.method == "dflash" else config.gamma
+    method = recipe(config.method)
+    gamma = config.dflash_gamma if method.dflash_envelope else config.gamma
     envelope = slot_envelope(num_slots=num_slots, gamma=gamma)
     in_seq = base_factors(anchor_pos=anchor_pos, loss_mask=record["loss_mask"], num_slots=num_slots)
     corpus_gate = None
-    if config.method == "erase":
+    if method.corpus_gate == "soft":
         corpus_gate = soft_gate(
             anchor_pos=anchor_pos, corpus_next_prob=record["corpus_next_prob"], num_slots=num_slots
         )
-    elif config.method == "erase_hard":
+    elif method.corpus_gate == "hard":
         corpus_gate = hard_gate(
             anchor_pos=anchor_pos,
             input_ids=record["input_ids"],
@@ -244,11 +226,12 @@ def _rollout_targets(
     alive = alive_mask(rollout_tokens=rollout_tokens, stop_token_ids=stop_token_ids)  # [N, K + 1]
     depth = depth_mask(num_slots=num_slots, rollout_depth=config.rollout_depth)  # [K + 1]
     split = cap = gate = None
-    if config.method in ("alr_ira", "slot_control"):
+    method = recipe(config.method)
+    if method.ira is not None:
         split = ira_split(num_blocks=num_blocks, num_slots=num_slots, generator=generator)
-    if config.method == "slot_control":
+    if method.ira == "caps":
         cap = cap_mask(slot_control_caps(split=split, num_blocks=num_blocks, num_slots=num_slots), num_slots)
-    if config.method == "alr_gate":
+    if method.rollout_gate:
         gate = rollout_gate(rollout_topk_probs=label_probs, num_slots=num_slots)
     weights = compose_slot_weights(
         base=in_seq * envelope, label_source="rollout", alive=alive, depth=depth, cap=cap, rollout_gate=gate
@@ -257,7 +240,7 @@ def _rollout_targets(
         record, anchor_pos=anchor_pos, label_ids=label_ids, label_probs=label_probs, weights=weights,
         config=config,
     )
-    if config.method != "alr_ira":
+    if method.ira != "secondaries":
         return targets
 
     # Secondaries take over the blocks drawn at their indices: each is anchored on y*[j] of its
@@ -299,7 +282,9 @@ def build_block_targets(
         candidates = eligible_anchor_positions(record["loss_mask"])
     drawn = draw_anchors(candidates, num_anchors=config.anchors_per_step, generator=generator)  # [N]
     anchor_pos = candidates[drawn]  # [N]
-    if config.method in CORPUS_METHODS:
+    if config.mask_token_id is None:
+        raise ValueError("the objective is not bound to a cache (ObjectiveConfig.for_cache)")
+    if recipe(config.method).label_source == "corpus":
         return _corpus_targets(record, anchor_pos=anchor_pos, config=config)
     return _rollout_targets(
         record, anchor_pos=anchor_pos, pool_index=drawn, config=config, generator=generator

@@ -14,13 +14,11 @@ import torch
 from torch import Tensor
 
 from drafter.masks import SHARED_OWNER
-from pipeline.labels import BlockTargets, ObjectiveConfig, build_block_targets
+from pipeline.train.labels import BlockTargets, ObjectiveConfig, build_block_targets
+from storage.format import ANCHOR_ARRAYS, TOKEN_ARRAYS
 
-# Record arrays the label builder reads (features are handled separately).
-_LABEL_ARRAYS = (
-    "input_ids", "loss_mask", "corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "corpus_next_prob",
-    "anchor_pos", "rollout_tokens", "rollout_topk_ids", "rollout_topk_probs", "rollout_tail",
-)  # fmt: skip
+# Record arrays the label builder reads (features are handled separately, below).
+_LABEL_ARRAYS = tuple(name for name in TOKEN_ARRAYS + ANCHOR_ARRAYS if name not in ("features", "rollout_features"))
 
 
 def _derived_seed(*parts: int) -> int:

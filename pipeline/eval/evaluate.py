@@ -16,16 +16,17 @@ import csv
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from drafter.checkpoint import check_compatible, load_drafter
-from pipeline.corpus import OPENAI_ROLES, SHAREGPT_ROLES, CorpusError, iter_corpus_rows, row_locator
-from pipeline.speculative import DecodeResult, autoregressive_decode, speculative_decode
-from pipeline.target_runner import load_target, stop_token_ids
+from pipeline.chat import CorpusError, iter_corpus_rows, prompt_messages, row_locator
+from pipeline.config import opt
+from pipeline.eval.speculative import DecodeResult, autoregressive_decode, speculative_decode
+from pipeline.target import load_target, load_tokenizer, stop_token_ids
 
 RESULT_COLUMNS = (
     "prompt_id",
@@ -44,28 +45,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 WARMUP_TOKENS = 32  # new tokens of the untimed warm-up run of each decoder
 
 
-def _opt(help: str, **kwargs):
-    return field(metadata={"help": help}, **kwargs)
-
-
 @dataclass(kw_only=True)
 class EvalConfig:
     """`alrira-eval`: speculative decoding of a prompt set with a target and a DFlash drafter."""
 
-    target: str = _opt("Local HF directory of the target model.")
-    drafter: str = _opt("DFlash drafter checkpoint directory (ours or a public release).")
-    prompts: str = _opt(
+    target: str = opt("Local HF directory of the target model.")
+    drafter: str = opt("DFlash drafter checkpoint directory (ours or a public release).")
+    prompts: str = opt(
         "JSONL prompts: ShareGPT/OpenAI rows (the final assistant turn is dropped) or rows with a "
         "'prompt' string; an optional 'benchmark' or 'group' key names the group (default: the file stem)."
     )
-    out: str = _opt("Output directory (results.csv, summary.json, accept_hist.json/.png).")
-    temperature: float = _opt("Sampling temperature (0 = greedy, checked lossless against AR).", default=0.0)
-    max_new_tokens: int = _opt("Generated tokens per prompt (fewer when a stop token comes first).", default=256)
-    max_prompts: int | None = _opt("Evaluate only the first N prompts.", default=None)
-    seed: int = _opt("Seed of the samplers at T > 0 (prompt i uses seed + i).", default=0)
-    dtype: str = _opt("Compute dtype of target and drafter: float32, bfloat16 or float16.", default="float32")
-    device: str = _opt("auto (cuda if available, else cpu), cpu, cuda or cuda:N.", default="auto")
-    progress: bool = _opt("Show a progress bar.", default=True)
+    out: str = opt("Output directory (results.csv, summary.json, accept_hist.json/.png).")
+    temperature: float = opt("Sampling temperature (0 = greedy, checked lossless against AR).", default=0.0)
+    max_new_tokens: int = opt("Generated tokens per prompt (fewer when a stop token comes first).", default=256)
+    max_prompts: int | None = opt("Evaluate only the first N prompts.", default=None)
+    seed: int = opt("Seed of the samplers at T > 0 (prompt i uses seed + i).", default=0)
+    dtype: str = opt("Compute dtype of target and drafter: float32, bfloat16 or float16.", default="float32")
+    device: str = opt("auto (cuda if available, else cpu), cpu, cuda or cuda:N.", default="auto")
+    progress: bool = opt("Show a progress bar.", default=True)
 
     def __post_init__(self):
         for name in ("target", "drafter", "prompts", "out"):
@@ -97,38 +94,6 @@ class EvalPrompt:
     prompt_id: int  # 0-based row of the prompts file
     benchmark: str
     input_ids: list[int]
-
-
-def prompt_messages(row: object, *, where: str) -> list[dict[str, str]]:
-    """A prompts row -> the chat messages to answer: a 'prompt' string becomes one user turn; a
-    ShareGPT/OpenAI conversation loses its trailing assistant turn(s) and must then end with a user turn."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: row is a {type(row).__name__}, not an object")
-    if isinstance(row.get("prompt"), str):
-        return [{"role": "user", "content": row["prompt"]}]
-    if "conversations" in row:
-        turns, role_key, content_key, roles = row["conversations"], "from", "value", SHAREGPT_ROLES
-    elif "messages" in row:
-        turns, role_key, content_key, roles = row["messages"], "role", "content", OPENAI_ROLES
-    else:
-        raise ValueError(f"{where}: row has no 'prompt' string, 'conversations' or 'messages' list")
-    if not isinstance(turns, list):
-        raise ValueError(f"{where}: the conversation is a {type(turns).__name__}, not a list")
-    messages = []
-    for j, turn in enumerate(turns):
-        role = turn.get(role_key) if isinstance(turn, dict) else None
-        content = turn.get(content_key) if isinstance(turn, dict) else None
-        if not isinstance(role, str) or role.strip().lower() not in roles or not isinstance(content, str):
-            raise ValueError(f"{where}: message {j} needs a known '{role_key}' and a string '{content_key}'")
-        messages.append({"role": roles[role.strip().lower()], "content": content})
-    system = row.get("system")
-    if isinstance(system, str) and system.strip() and (not messages or messages[0]["role"] != "system"):
-        messages.insert(0, {"role": "system", "content": system})
-    while messages and messages[-1]["role"] == "assistant":
-        messages.pop()
-    if not messages or messages[-1]["role"] != "user":
-        raise ValueError(f"{where}: the conversation has no user turn to answer")
-    return messages
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -306,16 +271,13 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def run_eval(config: EvalConfig) -> dict:
-    """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return the summary."""
-    from transformers import AutoTokenizer
-
-    device = _resolve_device(config.device)
+def load_models(config: EvalConfig, device: torch.device):
+    """(target, tokenizer, drafter, stop ids), checked to belong together."""
     dtype = DTYPES[config.dtype]
     target = load_target(config.target, device=str(device), dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(config.target)
+    tokenizer = load_tokenizer(config.target)
     drafter = load_drafter(config.drafter, dtype=dtype, device=device).eval()
-    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    embed_tokens = target.get_input_embeddings()
     draft_config = drafter.config
     num_target_layers = target.config.get_text_config().num_hidden_layers
     if draft_config.num_target_layers != num_target_layers:
@@ -330,6 +292,36 @@ def run_eval(config: EvalConfig) -> dict:
         block_size=draft_config.block_size,
     )
     stops = stop_token_ids(tokenizer, {"eos_token_id": target.generation_config.eos_token_id})
+    return target, tokenizer, drafter, stops
+
+
+def _write_rows_and_histogram(out: Path, rows: list[dict], accepted_by_group: dict[str, list[int]], *, num_draft: int) -> bool:
+    """results.csv, accept_hist.json and (if matplotlib is there) accept_hist.png; True if plotted."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(v) for k, v in row.items()})
+
+    all_accepted = [n for lengths in accepted_by_group.values() for n in lengths]
+    hist = {
+        "num_draft_tokens": num_draft,
+        "all": accept_histogram(all_accepted, num_draft=num_draft),
+        "groups": {g: accept_histogram(v, num_draft=num_draft) for g, v in accepted_by_group.items()},
+    }
+    _write_json(out / "accept_hist.json", hist)
+    plotted = _plot_histogram(hist, out / "accept_hist.png")
+
+    return plotted
+
+
+def run_eval(config: EvalConfig) -> dict:
+    """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return the summary."""
+    device = _resolve_device(config.device)
+    target, tokenizer, drafter, stops = load_models(config, device)
+    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    draft_config = drafter.config
     prompts = load_prompts(config.prompts, tokenizer, max_prompts=config.max_prompts)
     num_draft = draft_config.block_size - 1
 
@@ -381,22 +373,7 @@ def run_eval(config: EvalConfig) -> dict:
         bar.set_postfix(tau=running["tau_geomean"], speedup=running["speedup_geomean"])
 
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _csv_value(v) for k, v in row.items()})
-
-    all_accepted = [n for lengths in accepted_by_group.values() for n in lengths]
-    hist = {
-        "num_draft_tokens": num_draft,
-        "all": accept_histogram(all_accepted, num_draft=num_draft),
-        "groups": {g: accept_histogram(v, num_draft=num_draft) for g, v in accepted_by_group.items()},
-    }
-    _write_json(out / "accept_hist.json", hist)
-    plotted = _plot_histogram(hist, out / "accept_hist.png")
-
+    plotted = _write_rows_and_histogram(out, rows, accepted_by_group, num_draft=num_draft)
     summary = {
         "target": str(Path(config.target).resolve()),
         "drafter": str(Path(config.drafter).resolve()),

@@ -1,0 +1,118 @@
+"""The work of one shard: load the target once, then compute whole shards of the tokenized corpus.
+
+`ray_jobs.build` runs `ShardBuilder.build` on a pool of Ray actors; `pipeline.build.driver`
+plans the shards. Everything here also runs in a plain process (tests, benchmarks, one shard).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.build.config import CacheBuildConfig
+from pipeline.build.corpus import load_tokenized_corpus
+from pipeline.build.rollouts import TargetSequence, run_target_batch
+from pipeline.target import load_target
+from storage.codecs import encode_features
+from storage.format import ALL_GROUPS, CORPUS_DIR, record_array_names
+from storage.manifest import ShardRecord
+from storage.shards import write_shard
+
+
+def plan_batches(lengths: list[int], *, batch_tokens: int) -> list[list[int]]:
+    """Split sequence indices (in order) into batches whose padded size stays within batch_tokens.
+
+    Deterministic in the lengths alone, so a shard is always computed with the same batches
+    (padding changes floating-point rounding, and a resumed build must match an uninterrupted one).
+    """
+    batches, current, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def outputs_to_record(outputs, *, feature_codec: str, contents=ALL_GROUPS) -> dict[str, np.ndarray]:
+    """TargetOutputs -> the per-sequence record of storage/format.py (features encoded), holding
+    the arrays of the array groups `contents` only."""
+    names = set(record_array_names(feature_codec, contents))
+    record = {"source_row": np.asarray(outputs.source_row, dtype=np.int64)}
+    for name in (
+        "input_ids", "loss_mask", "corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "corpus_next_prob",
+        "anchor_pos", "rollout_tokens", "rollout_topk_ids", "rollout_topk_probs", "rollout_tail",
+    ):
+        if name in names:
+            record[name] = getattr(outputs, name).numpy()
+    for name, scale_name in (("features", "feature_scales"), ("rollout_features", "rollout_feature_scales")):
+        if name not in names:
+            continue
+        bits, scales = encode_features(getattr(outputs, name), codec=feature_codec)
+        record[name] = bits
+        if scales is not None:
+            record[scale_name] = scales
+    return record
+
+
+class ShardBuilder:
+    """Loads the target once; builds whole shards of the tokenized corpus on request."""
+
+    def __init__(self, config: CacheBuildConfig):
+        if config.run.layer_ids is None:
+            raise ValueError("ShardBuilder needs resolved taps (pipeline.build.driver.resolve_layer_ids)")
+        self.config = config
+        torch.set_num_threads(config.compute.cpus_per_worker)
+        device, dtype = config.compute.device_and_dtype()
+        if config.compute.backend == "vllm":
+            from pipeline.build.vllm_runner import VllmTargetRunner
+
+            runner = VllmTargetRunner(
+                config.target,
+                run_config=config.run,
+                tensor_parallel_size=config.compute.tensor_parallel_size,
+                dtype=str(dtype).removeprefix("torch."),
+            )
+            self.run_batch = runner.run
+        else:
+            model = load_target(config.target, device=device, dtype=dtype)
+            self.run_batch = lambda sequences: run_target_batch(model, sequences, config.run)
+        self.corpus = load_tokenized_corpus(Path(config.out) / CORPUS_DIR, mmap=True)
+
+    def build(self, *, shard_index: int, start: int, stop: int, owner: str | None = None) -> ShardRecord:
+        """Compute sequences [start, stop) of the tokenized corpus and publish them as one shard
+        (only while the build `owner` still owns the cache, see storage.shards.claim_cache)."""
+        sequences = []
+        for i in range(start, stop):
+            input_ids, loss_mask = self.corpus.sequence(i)
+            sequences.append(
+                TargetSequence(
+                    source_row=int(self.corpus.source_rows[i]),
+                    input_ids=np.asarray(input_ids),
+                    loss_mask=np.asarray(loss_mask),
+                )
+            )
+        records = []
+        storage, contents = self.config.storage, self.config.contents
+        codec = storage.feature_codec
+        for batch in plan_batches([len(s.input_ids) for s in sequences], batch_tokens=self.config.compute.batch_tokens):
+            outputs = self.run_batch([sequences[i] for i in batch])
+            records.extend(outputs_to_record(o, feature_codec=codec, contents=contents) for o in outputs)
+        return write_shard(
+            self.config.out,
+            shard_index=shard_index,
+            records=records,
+            storage_format=storage.storage_format,
+            feature_codec=codec,
+            contents=contents,
+            owner=owner,
+        )
+
+    def pid(self) -> int:
+        return os.getpid()

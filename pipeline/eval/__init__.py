@@ -1,0 +1,1 @@
+"""Evaluation by real speculative decoding: the decoders and `alrira-eval`."""

@@ -1,0 +1,106 @@
+"""The target model, as stage 1 and evaluation see it: identity hash, config, loading, taps,
+stop tokens, and the frozen embedding / lm_head the trainer reuses (docs/design.md, "The target").
+
+Training never imports this module: it reads everything it needs of the target from the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+# Files that define what a target computes; their bytes make the target hash.
+_TARGET_IDENTITY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def target_hash(target_dir: str | Path) -> str:
+    """Content hash of the files that define the target's config and tokenizer."""
+    target_dir = Path(target_dir)
+    digest = hashlib.sha256()
+    for name in _TARGET_IDENTITY_FILES:
+        path = target_dir / name
+        if path.is_file():
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def read_target_config(target_dir: str | Path) -> dict:
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no config.json; --target must be a local HF model directory")
+    config = json.loads(path.read_text())
+    # Multimodal targets (Qwen3-VL) keep the language model's keys under text_config.
+    return config.get("text_config", config)
+
+
+def read_generation_config(target_dir: str | Path) -> dict | None:
+    path = Path(target_dir) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_target(target_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a local HF causal LM for feature extraction (eval mode, SDPA attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, attn_implementation="sdpa")
+    if getattr(model.config, "use_sliding_window", False):
+        raise ValueError(f"{target_dir}: sliding-window targets are not supported")
+    return model.to(device).eval()
+
+
+def load_tokenizer(target_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target_dir))
+
+
+def stop_token_ids(tokenizer, generation_config: dict | None = None) -> list[int]:
+    """eos / end-of-turn ids: a rollout slot after one of these is not trained, a decode stops."""
+    ids = set()
+    for token in (tokenizer.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        if token is None:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    eos = (generation_config or {}).get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+def tapped_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Residual stream after each tapped decoder layer, concatenated: [..., len(layer_ids) * H].
+
+    HF's hidden_states[0] is the embedding output and hidden_states[id + 1] the output of decoder
+    layer id (before the final norm as long as id < L - 1; hidden_states[-1] is after it).
+    """
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def read_target_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens [V, H], lm_head [V, H]) read straight from the target's safetensors files,
+    without building the model; a tied target gives its embedding twice."""
+    from safetensors import safe_open
+
+    embed = lm_head = None
+    for path in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight") and "visual" not in key and embed is None:
+                    embed = f.get_tensor(key)
+                elif key.endswith("lm_head.weight") and lm_head is None:
+                    lm_head = f.get_tensor(key)
+    if embed is None:
+        raise ValueError(f"{target_dir}: no embed_tokens.weight in its *.safetensors files")
+    return embed, (lm_head if lm_head is not None else embed)

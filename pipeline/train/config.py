@@ -1,0 +1,94 @@
+"""`alrira-train`'s settings: one typed config per component, nested; the CLI flattens them
+(pipeline/config.py), so every flag's help is written once, here or beside its component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import from_flags, group, opt
+from pipeline.train.labels import ObjectiveConfig
+
+PRECISIONS = ("auto", "bf16", "fp32")
+SAVE_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(kw_only=True)
+class DrafterInit:
+    """Where the drafter's weights start."""
+
+    drafter_init: str | None = opt("Initialise from this DFlash checkpoint directory (public release or ours).", default=None)
+    draft_layers: int | None = opt("Fresh drafter with this many layers (default: one per tapped target layer).", default=None)
+    activation_checkpointing: bool = opt(
+        "Recompute each drafter layer in backward instead of storing its activations (less memory, ~1 more forward).",
+        default=False,
+    )
+
+    def __post_init__(self):
+        if self.drafter_init is not None and self.draft_layers is not None:
+            raise ValueError("give at most one of --drafter-init and --draft-layers")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW, the schedule (a function of the step), batching and precision."""
+
+    epochs: int = opt("Passes over the cache.", default=3)
+    batch_size: int = opt("Global batch in sequences per optimizer step (all ranks, all micro-batches).", default=24)
+    grad_accum: int = opt("Micro-batches per step on each rank.", default=1)
+    lr: float = opt("Peak learning rate (AdamW, weight decay 0).", default=1.47e-3)
+    warmup_frac: float = opt("Fraction of steps of linear warm-up before the cosine decay to 0.", default=0.04)
+    grad_clip: float = opt("Gradient-norm clip.", default=1.0)
+    precision: str = opt("auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32; master weights stay fp32.", default="auto")
+    loss_chunk: int = opt("Supervised slots per lm_head chunk (bounds the [chunk, vocab] logits).", default=4096)
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size", "grad_accum", "loss_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or not 0 <= self.warmup_frac < 1 or self.grad_clip <= 0:
+            raise ValueError("--lr and --grad-clip must be > 0 and --warmup-frac in [0, 1)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    """DataLoader workers that read the cache and build labels."""
+
+    num_workers: int = opt("DataLoader worker processes reading the cache.", default=2)
+    prefetch: int = opt("Batches each worker prepares ahead.", default=2)
+
+    def __post_init__(self):
+        if self.num_workers < 0:
+            raise ValueError("--num-workers must be >= 0")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save_every: int = opt("Checkpoint every N steps (0: only at the end of each epoch).", default=0)
+    resume: bool = opt("Continue from the latest checkpoint in --out.", default=False)
+    save_dtype: str = opt("dtype of the exported drafter weights: bfloat16 or float32.", default="bfloat16")
+
+    def __post_init__(self):
+        if self.save_every < 0:
+            raise ValueError("--save-every must be >= 0")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"--save-dtype must be bfloat16 or float32, got {self.save_dtype!r}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """`alrira-train`: train a DFlash drafter from a cache."""
+
+    cache: str = opt("Stage-1 cache directory.")
+    out: str = opt("Run directory (checkpoints, metrics.jsonl, the final drafter/).")
+    objective: ObjectiveConfig = group(ObjectiveConfig)
+    drafter: DrafterInit = group(DrafterInit)
+    optim: OptimConfig = group(OptimConfig)
+    loader: LoaderConfig = group(LoaderConfig)
+    checkpoint: CheckpointConfig = group(CheckpointConfig)
+    seed: int = opt("Seed of anchors, IRA splits and offsets, data order and fresh init.", default=0)
+    max_steps: int | None = opt("Stop after this many steps (smoke tests, benchmarks).", default=None)
+    progress: bool = opt("Show a progress bar.", default=True)
+
+    from_flags = classmethod(from_flags)

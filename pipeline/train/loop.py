@@ -1,0 +1,381 @@
+"""`alrira-train`: train a DFlash drafter from a stage-1 cache, never loading the target.
+
+Every method (dflash, kd, erase, erase_hard, alr, alr_gate, alr_ira, slot_control) runs the same
+loop; what differs is only `pipeline.train.labels.build_block_targets`, called in the data workers.
+Data parallel under torchrun (gloo on CPU, nccl on GPU):
+
+    torchrun --nproc-per-node 8 -m pipeline.train --cache CACHE --method alr_ira --out runs/x
+
+The step loss is one weighted mean over every supervised slot of the global batch,
+sum(w * l) / (sum(w) + 1e-6), so the weight total is all-reduced BEFORE the backward passes and
+each micro-batch contributes its weighted sum divided by that total: the result is the same for
+any number of ranks and micro-batches (docs/design.md, "A training step").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
+
+from drafter.checkpoint import check_compatible, load_drafter, save_drafter
+from drafter.config import DFlashConfig
+from drafter.masks import flex_block_mask, visibility_mask
+from drafter.model import DFlashDrafter
+from pipeline.config import to_flags
+from pipeline.train.batching import CacheTrainDataset, StepSampler, TrainBatch, collate, steps_per_epoch
+from pipeline.train.checkpoints import check_resume_settings, load_latest_checkpoint, save_checkpoint
+from pipeline.train.config import TrainConfig
+from pipeline.train.methods import check_cache_serves
+from pipeline.train.objectives import topk_tail_loss
+from storage.manifest import load_target_head
+from storage.reader import available_arrays, open_cache
+
+
+def lr_at(step: int, *, total_steps: int, peak_lr: float, warmup_frac: float) -> float:
+    """Linear warm-up over ceil(warmup_frac * total) steps, then cosine from peak to 0."""
+    warmup = math.ceil(warmup_frac * total_steps)
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return peak_lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss of one micro-batch
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    """Sums over the supervised slots of a micro-batch (or, added up, of a step on every rank)."""
+
+    loss_sum: torch.Tensor  # [] weighted loss sum (carries the graph until detached)
+    weight_sum: torch.Tensor  # [] sum of slot weights
+    slot_correct: torch.Tensor  # [K] supervised slots where draft argmax == label argmax
+    slot_count: torch.Tensor  # [K] supervised slots
+
+    def detached(self) -> StepStats:
+        return StepStats(**{name: value.detach().double() for name, value in vars(self).items()})
+
+    def __add__(self, other: StepStats) -> StepStats:
+        return StepStats(**{name: value + getattr(other, name) for name, value in vars(self).items()})
+
+    def all_reduced(self, world_size: int) -> StepStats:
+        """Summed over ranks (one collective; the tensors stay on the training device)."""
+        if world_size == 1:
+            return self
+        flat = torch.cat([self.loss_sum[None], self.weight_sum[None], self.slot_correct, self.slot_count])
+        dist.all_reduce(flat)
+        num_slots = self.slot_count.numel()
+        return StepStats(loss_sum=flat[0], weight_sum=flat[1], slot_correct=flat[2 : 2 + num_slots], slot_count=flat[2 + num_slots :])
+
+
+def forward_loss(model, batch: TrainBatch, *, embed_tokens, lm_head, block_size: int, loss_chunk: int, autocast) -> StepStats:
+    """Draft every block of the batch and score the supervised slots against their labels."""
+    mask_inputs = dict(
+        context_positions=batch.context_positions,
+        context_owner=batch.context_owner,
+        context_valid=batch.context_valid,
+        block_corpus_limit=batch.block_corpus_limit,
+        block_valid=batch.block_valid,
+        block_size=block_size,
+    )
+    if batch.block_tokens.is_cuda:
+        attention_mask = flex_block_mask(**mask_inputs, compile=True)
+    else:
+        attention_mask = visibility_mask(**mask_inputs)  # [B, 1, Q, C + Q]
+    with autocast:
+        hidden = model(
+            context_features=batch.context_features,
+            context_positions=batch.context_positions,
+            block_embeds=F.embedding(batch.block_tokens, embed_tokens),
+            block_positions=batch.block_positions,
+            attention_mask=attention_mask,
+        )  # [B, Q, H]
+    num_batch, num_blocks, num_slots = batch.slot_weights.shape
+    hidden = hidden.view(num_batch, num_blocks, block_size, -1)[:, :, 1:]  # slots 1..K: [B, N, K, H]
+    supervised = batch.slot_weights > 0
+    slot_index = torch.arange(num_slots, device=hidden.device).expand_as(batch.slot_weights)[supervised]  # [M]
+    hidden, weights = hidden[supervised], batch.slot_weights[supervised]  # [M, H], [M]
+    label_ids, label_probs = batch.label_ids[supervised], batch.label_probs[supervised]  # [M, k]
+
+    def chunk_loss(h, ids, probs, w):
+        logits = F.linear(h.float(), lm_head.float())  # [chunk, V] in fp32
+        loss_sum, _ = topk_tail_loss(draft_logits=logits, label_ids=ids, label_probs=probs, weights=w)
+        return loss_sum, (logits.argmax(-1) == ids[:, 0])
+
+    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(len(slot_index), dtype=torch.bool, device=hidden.device)
+    for i in range(0, len(weights), loss_chunk):
+        part = slice(i, i + loss_chunk)
+        # Recompute the [chunk, vocab] logits in backward instead of keeping them.
+        chunk_sum, chunk_correct = checkpoint(
+            chunk_loss, hidden[part], label_ids[part], label_probs[part], weights[part], use_reentrant=False
+        )
+        loss_sum = loss_sum + chunk_sum
+        correct[part] = chunk_correct
+    slot_correct = torch.zeros(num_slots, device=hidden.device).index_add_(0, slot_index, correct.float())
+    slot_count = torch.zeros(num_slots, device=hidden.device).index_add_(0, slot_index, torch.ones_like(weights))
+    return StepStats(loss_sum=loss_sum, weight_sum=weights.sum(), slot_correct=slot_correct, slot_count=slot_count)
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up
+
+
+def _distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device); initialises the process group under torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return (dist.get_rank() if world_size > 1 else 0), world_size, device
+
+
+def _all_reduce(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def build_drafter(config: TrainConfig, manifest) -> DFlashDrafter:
+    """The drafter to train: loaded from --drafter-init, or fresh from the cache's target config."""
+    settings, init = manifest.settings, config.drafter
+    if init.drafter_init is not None:
+        drafter = load_drafter(init.drafter_init, dtype=torch.float32)
+    else:
+        torch.manual_seed(config.seed)
+        drafter_config = DFlashConfig.from_target_config(
+            manifest.target_config,
+            num_draft_layers=init.draft_layers or len(settings.layer_ids),
+            mask_token_id=manifest.mask_token_id,
+            target_layer_ids=settings.layer_ids,
+            block_size=settings.num_slots + 1,
+        )
+        drafter = DFlashDrafter(drafter_config).float()
+    check_compatible(
+        drafter.config,
+        target_layer_ids=settings.layer_ids,
+        hidden_size=manifest.hidden_size,
+        vocab_size=manifest.vocab_size,
+        block_size=settings.num_slots + 1,
+    )
+    drafter.activation_checkpointing = init.activation_checkpointing
+    return drafter
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """Everything the loop works with, built once by `setup`."""
+
+    run: Path
+    rank: int
+    world_size: int
+    device: torch.device
+    num_slots: int
+    drafter: DFlashDrafter
+    model: torch.nn.Module  # the drafter, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+    embed_tokens: torch.Tensor  # frozen [V, H]
+    lm_head: torch.Tensor  # frozen [V, H]
+    autocast: contextlib.AbstractContextManager
+    batches: object  # iterator over this rank's micro-batches, from start_step on
+    start_step: int
+    steps_per_epoch: int
+    total_steps: int
+    last_step: int
+
+
+def setup(config: TrainConfig) -> TrainState:
+    rank, world_size, device = _distributed()
+    run, optim = Path(config.out), config.optim
+    reader = open_cache(config.cache)
+    manifest = reader.manifest
+    settings = manifest.settings
+    check_cache_serves(config.objective.method, available_arrays(reader), config.cache)
+    if optim.batch_size % (world_size * optim.grad_accum):
+        raise ValueError(f"--batch-size {optim.batch_size} must be a multiple of ranks x --grad-accum ({world_size * optim.grad_accum})")
+    if len(reader) < optim.batch_size:
+        raise ValueError(f"--batch-size {optim.batch_size} is larger than the cache ({len(reader)} sequences)")
+    objective = config.objective.for_cache(
+        num_slots=settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids
+    )
+
+    head = load_target_head(config.cache)
+    drafter = build_drafter(config, manifest).to(device)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=0.0)
+    start_step = 0
+    state = load_latest_checkpoint(run) if config.checkpoint.resume else None
+    if state is not None:
+        check_resume_settings(state["config"], to_flags(config), run=run)
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        start_step = state["step"]
+    use_bf16 = optim.precision == "bf16" or (optim.precision == "auto" and device.type == "cuda")
+
+    per_epoch = steps_per_epoch(len(reader), batch_size=optim.batch_size)
+    total_steps = per_epoch * optim.epochs
+    sampler = StepSampler(
+        len(reader), batch_size=optim.batch_size, grad_accum=optim.grad_accum, epochs=optim.epochs,
+        seed=config.seed, rank=rank, world_size=world_size, start_step=start_step,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        CacheTrainDataset(reader, objective=objective, seed=config.seed),
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=config.loader.num_workers,
+        prefetch_factor=config.loader.prefetch if config.loader.num_workers else None,
+        pin_memory=device.type == "cuda",
+        worker_init_fn=_single_threaded_worker,
+    )
+    return TrainState(
+        run=run, rank=rank, world_size=world_size, device=device, num_slots=settings.num_slots,
+        drafter=drafter,
+        model=torch.nn.parallel.DistributedDataParallel(drafter) if world_size > 1 else drafter,
+        optimizer=optimizer,
+        embed_tokens=head["embed_tokens.weight"].to(device, torch.float32),
+        lm_head=head["lm_head.weight"].to(device, torch.float32),
+        autocast=torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext(),
+        batches=iter(loader),
+        start_step=start_step,
+        steps_per_epoch=per_epoch,
+        total_steps=total_steps,
+        last_step=min(total_steps, config.max_steps) if config.max_steps else total_steps,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+
+def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
+    """One optimizer step over this rank's micro-batches; returns the step's metrics record."""
+    step_start = time.time()
+    micro_batches = [next(s.batches).to(s.device) for _ in range(config.optim.grad_accum)]
+    weight_total = _all_reduce(sum(b.slot_weights.sum() for b in micro_batches).double(), s.world_size)
+    lr = lr_at(step, total_steps=s.total_steps, peak_lr=config.optim.lr, warmup_frac=config.optim.warmup_frac)
+    for param_group in s.optimizer.param_groups:
+        param_group["lr"] = lr
+    totals = None
+    for i, batch in enumerate(micro_batches):
+        sync = s.world_size == 1 or i == len(micro_batches) - 1
+        with contextlib.nullcontext() if sync else s.model.no_sync():
+            stats = forward_loss(
+                s.model, batch, embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=s.num_slots + 1,
+                loss_chunk=config.optim.loss_chunk, autocast=s.autocast,
+            )  # fmt: skip
+            # DDP averages gradients over ranks; scaling by world_size makes that the global mean.
+            (stats.loss_sum * (s.world_size / (weight_total.float() + 1e-6))).backward()
+        totals = stats.detached() if totals is None else totals + stats.detached()
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), config.optim.grad_clip)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+
+    totals = totals.all_reduced(s.world_size)
+    num_tokens = torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=s.device)
+    num_tokens = _all_reduce(num_tokens, s.world_size).item()
+    slot_acc = (totals.slot_correct / totals.slot_count.clamp_min(1)).tolist()
+    return {
+        "step": step + 1,
+        "epoch": step // s.steps_per_epoch,
+        "loss": (totals.loss_sum / (totals.weight_sum + 1e-6)).item(),
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "slot_acc": [round(a, 5) for a in slot_acc],
+        "supervised_slots": int(totals.slot_count.sum()),
+        "tokens_per_s": num_tokens / max(time.time() - step_start, 1e-9),
+    }
+
+
+def train(config: TrainConfig) -> dict:
+    s = setup(config)
+    settings = to_flags(config)
+    if s.rank == 0:
+        s.run.mkdir(parents=True, exist_ok=True)
+        (s.run / "train_config.json").write_text(json.dumps(settings, indent=2))
+    metrics_file = open(s.run / "metrics.jsonl", "a") if s.rank == 0 else None
+    writer = _tensorboard(s.run) if s.rank == 0 else None
+    method = config.objective.method
+    bar = tqdm(total=s.last_step, initial=s.start_step, unit="step", desc=method, disable=s.rank != 0 or not config.progress)
+    history, started = [], time.time()
+    for step in range(s.start_step, s.last_step):
+        record = train_step(s, config, step)
+        history.append(record)
+        if s.rank != 0:
+            continue
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        if writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                writer.add_scalar(f"train/{key}", record[key], step + 1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", acc1=f"{record['slot_acc'][0]:.3f}")
+        bar.update(1)
+        end_of_epoch = (step + 1) % s.steps_per_epoch == 0
+        if end_of_epoch or (config.checkpoint.save_every and (step + 1) % config.checkpoint.save_every == 0):
+            save_checkpoint(s.run, step=step + 1, model=s.drafter, optimizer=s.optimizer, settings=settings)
+    bar.close()
+    if metrics_file is not None:
+        metrics_file.close()
+    if writer is not None:
+        writer.close()
+
+    summary = {"run": str(s.run), "method": method, "steps": s.last_step, "elapsed_s": time.time() - started}
+    if s.rank == 0:
+        save_drafter(s.drafter, s.run / "drafter", dtype=getattr(torch, config.checkpoint.save_dtype))
+        summary.update(_summarize(history, num_slots=s.num_slots))
+        (s.run / "summary.json").write_text(json.dumps(summary, indent=2))
+    if s.world_size > 1:
+        dist.barrier()
+    return summary
+
+
+def _single_threaded_worker(worker_id: int) -> None:
+    # Data workers build labels with small tensor ops; several multi-threaded workers next to the
+    # training process would oversubscribe the cores and stall the training step.
+    torch.set_num_threads(1)
+
+
+def _tensorboard(run: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(run / "tensorboard"))
+
+
+def _summarize(history: list[dict], *, num_slots: int) -> dict:
+    if not history:
+        return {}
+    tail = history[-max(1, len(history) // 10) :]
+    return {
+        "final_loss": history[-1]["loss"],
+        "mean_loss_last_10pct": sum(h["loss"] for h in tail) / len(tail),
+        "slot_acc_last_10pct": [round(sum(h["slot_acc"][k] for h in tail) / len(tail), 4) for k in range(num_slots)],
+        "mean_tokens_per_s": sum(h["tokens_per_s"] for h in history) / len(history),
+    }
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"run        {summary['run']}", f"method     {summary['method']}", f"steps      {summary['steps']}  ({summary['elapsed_s']:.1f}s)"]
+    if "final_loss" in summary:
+        lines += [
+            f"loss       final {summary['final_loss']:.4f}, mean of last 10% {summary['mean_loss_last_10pct']:.4f}",
+            f"tokens/s   {summary['mean_tokens_per_s']:.0f}",
+            "slot acc   " + " ".join(f"{a:.2f}" for a in summary["slot_acc_last_10pct"]),
+            f"drafter    {Path(summary['run']) / 'drafter'}",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""`alrira-cache`: build (on Ray), inspect and verify a stage-1 cache; and docs/cli.md, generated
+from every command's own help."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from pipeline.build.config import CacheBuildConfig
+from pipeline.cli import config_from_flags, config_options, eval_run, eval_score, train_cli
+
+# ----------------------------------------------------------------------------------------------
+# alrira-cache
+
+
+@click.group(help="Stage 1: build and inspect the target cache.")
+def cache_cli():
+    pass
+
+
+@cache_cli.command("build")
+@config_options(CacheBuildConfig)
+@click.option("--progress/--no-progress", default=True, help="Show progress bars.")
+def cache_build(progress: bool, **kwargs):
+    """Run the target over a corpus on a Ray cluster and write the cache (resumable)."""
+    from ray_jobs.build import build_cache  # Ray is imported only by the command that needs it
+
+    config = config_from_flags(CacheBuildConfig, kwargs)
+    try:
+        build_cache(config, progress=progress, log=lambda m: click.echo(m, err=True))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@cache_cli.command("info")
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def cache_info(cache: str, as_json: bool):
+    """Sequences, tokens, anchors, bytes per token, compression, and which objectives the cache serves."""
+    from pipeline.train.methods import METHODS, required_arrays
+    from storage.reader import available_arrays, cache_stats, open_cache
+
+    try:
+        reader = open_cache(cache)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    manifest = reader.manifest
+    stats = cache_stats(reader)
+    arrays = available_arrays(reader)
+    trainable = [m for m in METHODS if required_arrays(m) <= arrays]
+    settings = manifest.settings
+    info = {
+        "cache": str(Path(cache).resolve()),
+        "format": f"{manifest.format} v{manifest.format_version} ({settings.storage_format}, {settings.feature_codec} features)",
+        "target": manifest.target_path,
+        "layer_ids": settings.layer_ids,
+        "num_slots": settings.num_slots,
+        "top_k": settings.top_k,
+        "contents": ["features", *settings.contents],
+        "shards": f"{len(manifest.shards)}/{manifest.num_shards_planned} complete",
+        **{k: stats[k] for k in ("sequences", "tokens", "anchors", "bytes_on_disk", "bytes_per_token")},
+        "compression_ratio_vs_raw_bf16": stats["compression_ratio_vs_raw_bf16"],
+        "corpus": manifest.corpus_stats,
+        "trainable_methods": trainable,
+    }
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if isinstance(value, float):
+            value = f"{value:,.3f}"
+        elif isinstance(value, int):
+            value = f"{value:,}"
+        click.echo(f"{key.ljust(width)}  {value}")
+
+
+@cache_cli.command("verify")
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+def cache_verify(cache: str):
+    """Check every shard's checksum, shapes and probability sums; non-zero exit names bad shards."""
+    from storage.verify import verify_cache
+
+    try:
+        problems = verify_cache(cache)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    for problem in problems:
+        click.echo(problem, err=True)
+    if problems:
+        sys.exit(1)
+    click.echo(f"{cache}: OK")
+
+
+# ----------------------------------------------------------------------------------------------
+# docs/cli.md is generated from the commands themselves (tests/test_cli.py keeps it in sync).
+
+
+def cli_reference_markdown() -> str:
+    """Every command's --help as one markdown page."""
+    commands = [
+        ("alrira-cache build", cache_build),
+        ("alrira-cache info", cache_info),
+        ("alrira-cache verify", cache_verify),
+        ("alrira-train", train_cli),
+        ("alrira-eval run", eval_run),
+        ("alrira-eval score", eval_score),
+    ]
+    parts = [
+        "# Command reference\n",
+        "Generated from the commands' own help (`python -m ray_jobs.cli > docs/cli.md`); "
+        "`torchrun ... -m pipeline.train` takes the same flags as `alrira-train`.\n",
+    ]
+    for name, command in commands:
+        with click.Context(command, info_name=name, terminal_width=100, max_content_width=100) as ctx:
+            parts.append(f"## `{name}`\n\n```\n{command.get_help(ctx)}\n```\n")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(cli_reference_markdown(), end="")
