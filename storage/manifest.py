@@ -33,6 +33,7 @@ from storage.format import (
 )
 
 TARGET_HEAD_KEYS = ("embed_tokens.weight", "lm_head.weight")
+TARGET_HEAD_HASH_KEY = "alrira_target_hash"  # safetensors metadata key of the head file
 
 
 def package_version() -> str:
@@ -343,8 +344,11 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
 # Target head
 
 
-def save_target_head(cache_dir: str | os.PathLike, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
-    """Atomically write the target's input embedding and LM head ([V, H] each)."""
+def save_target_head(
+    cache_dir: str | os.PathLike, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor, target_hash: str | None = None
+) -> None:
+    """Atomically write the target's input embedding and LM head ([V, H] each), tagged with the
+    target hash of the build that wrote them (so a head can never pass for another target's)."""
     from safetensors.torch import save_file
 
     if embed_tokens.ndim != 2 or lm_head.ndim != 2:
@@ -358,13 +362,27 @@ def save_target_head(cache_dir: str | os.PathLike, *, embed_tokens: torch.Tensor
         "embed_tokens.weight": embed_tokens.detach().to("cpu").contiguous().clone(),
         "lm_head.weight": lm_head.detach().to("cpu").contiguous().clone(),
     }
+    metadata = {"format": "pt"} if target_hash is None else {"format": "pt", TARGET_HEAD_HASH_KEY: target_hash}
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(cache_dir / TARGET_HEAD_FILE, lambda tmp: save_file(tensors, tmp))
+    atomic_write(cache_dir / TARGET_HEAD_FILE, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def load_target_head(cache_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """{"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} from `cache_dir`."""
+def target_head_hash(cache_dir: str | os.PathLike) -> str | None:
+    """The target hash a head file was written for; None if the file is missing, unreadable or untagged."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(cache_dir) / TARGET_HEAD_FILE
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get(TARGET_HEAD_HASH_KEY)
+    except (SafetensorError, OSError):
+        return None
+
+
+def load_target_head(cache_dir: str | os.PathLike, *, target_hash: str | None = None) -> dict[str, torch.Tensor]:
+    """{"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} from `cache_dir`; with `target_hash`
+    (the manifest's), a head written for another target is refused."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -378,4 +396,9 @@ def load_target_head(cache_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     missing = [k for k in TARGET_HEAD_KEYS if k not in tensors]
     if missing:
         raise ValueError(f"{path}: missing tensors {missing}")
+    if target_hash is not None and (written_for := target_head_hash(cache_dir)) != target_hash:
+        raise ValueError(
+            f"{path}: written for target {written_for or 'unknown (untagged)'}, but the manifest's target is "
+            f"{target_hash}; rebuild the cache (alrira-cache build resumes and rewrites the head)"
+        )
     return {k: tensors[k] for k in TARGET_HEAD_KEYS}

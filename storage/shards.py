@@ -22,6 +22,7 @@ import io
 import os
 import tarfile
 import uuid
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ ANCHOR_INDEXED_ARRAYS = ANCHOR_ARRAYS + ("rollout_feature_scales",)
 ZARR_CHUNK_BYTES = 2 << 20  # ~2 MiB uncompressed per chunk: small reads for random access
 ZARR_WRITE_BYTES = 32 << 20  # rows handed to zarr per write call (bounded extra memory)
 ZARR_CLEVEL = 3
+WDS_CRC_HEADER = "ALRIRA.crc32"  # PAX header of each tar member: CRC32 of its bytes (hex)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -251,6 +253,7 @@ def write_shard(
     feature_codec: str,
     contents=ALL_GROUPS,
     owner: str | None = None,
+    chunk_checksums: bool = True,
 ) -> ShardRecord:
     """Validate and atomically write one shard of already-encoded records holding exactly the
     array groups `contents`; return its manifest record (status "complete"). A published shard of
@@ -281,9 +284,9 @@ def write_shard(
     tmp = shard_dir / f"{PARTIAL_SHARD_PREFIX}{name}-{uuid.uuid4().hex}"
     try:
         if storage_format == "zarr":
-            _write_zarr(tmp, records, dims, feature_codec=feature_codec, contents=contents)
+            _write_zarr(tmp, records, dims, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums)
         else:
-            _write_wds(tmp, records, feature_codec=feature_codec, contents=contents)
+            _write_wds(tmp, records, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums)
         fsync_tree(tmp)
         if owner is not None:
             check_owner(cache_dir, owner)  # the write took a while: still ours?
@@ -325,7 +328,8 @@ def _rows(pieces: list[np.ndarray], offsets: np.ndarray, start: int, stop: int) 
 
 
 def _write_zarr(
-    path: Path, records: list[dict], dims: list[RecordDims], *, feature_codec: str, contents: tuple[str, ...]
+    path: Path, records: list[dict], dims: list[RecordDims], *, feature_codec: str, contents: tuple[str, ...],
+    chunk_checksums: bool = True,
 ) -> None:
     seq_offsets = np.zeros(len(records) + 1, dtype=np.int64)  # [n+1]
     seq_offsets[1:] = np.cumsum([d.num_tokens for d in dims])
@@ -344,7 +348,11 @@ def _write_zarr(
         "num_slots": d0.num_slots,
     }
     group = zarr.open_group(store=str(path), mode="w-", zarr_format=3, attributes=attributes)
-    compressor = zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle")
+    # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
+    # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
+    compressors = [zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle")]
+    if chunk_checksums:
+        compressors.append(zarr.codecs.Crc32cCodec())
 
     def write_array(name: str, pieces: list[np.ndarray], offsets: np.ndarray, dtype: np.dtype) -> None:
         row_shape = pieces[0].shape[1:]
@@ -355,7 +363,7 @@ def _write_zarr(
             shape=(num_rows, *row_shape),
             dtype=dtype,
             chunks=(chunk_rows, *row_shape),
-            compressors=compressor,
+            compressors=compressors,
             fill_value=0,
             # Every chunk gets a file, so the file set depends only on the shapes.
             config={"write_empty_chunks": True},
@@ -389,7 +397,9 @@ def sample_key(source_row: int) -> str:
     return f"{source_row:09d}"
 
 
-def _write_wds(path: Path, records: list[dict], *, feature_codec: str, contents: tuple[str, ...]) -> None:
+def _write_wds(
+    path: Path, records: list[dict], *, feature_codec: str, contents: tuple[str, ...], chunk_checksums: bool = True
+) -> None:
     with open(path, "xb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for record in records:
             key = sample_key(int(record["source_row"]))
@@ -405,11 +415,22 @@ def _write_wds(path: Path, records: list[dict], *, feature_codec: str, contents:
                 info.mode = 0o644
                 info.uid = info.gid = 0
                 info.uname = info.gname = ""
+                if chunk_checksums:  # checked on every read, like the Zarr chunks' CRC32C
+                    info.pax_headers = {WDS_CRC_HEADER: f"{zlib.crc32(data):08x}"}
                 tar.addfile(info, io.BytesIO(data))
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading one shard
+
+
+class CorruptShardError(ValueError):
+    """A shard's bytes no longer match what was written (one line naming the shard and array)."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class ZarrShard:
@@ -452,7 +473,12 @@ class ZarrShard:
         for name, array in self.arrays.items():
             if name in ZARR_INDEX_ARRAYS:
                 continue
-            record[name] = array[a0:a1] if name in ANCHOR_INDEXED_ARRAYS else array[t0:t1]
+            try:
+                record[name] = array[a0:a1] if name in ANCHOR_INDEXED_ARRAYS else array[t0:t1]
+            except Exception as e:  # a failed checksum (ValueError) or a chunk that no longer decodes
+                raise CorruptShardError(
+                    f"{self.path}: array {name}: corrupt chunk ({_first_line(e)}); `alrira-cache verify` checks the whole cache"
+                ) from None
         return record
 
     def close(self) -> None:
@@ -472,8 +498,8 @@ class WdsShard:
             self.file.close()
             raise
 
-    def _index(self) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-        samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
+    def _index(self) -> list[tuple[str, dict[str, tuple[int, int, str | None]]]]:
+        samples: list[tuple[str, dict[str, tuple[int, int, str | None]]]] = []
         seen: set[str] = set()
         try:
             with tarfile.open(fileobj=self.file, mode="r:") as tar:
@@ -488,7 +514,8 @@ class WdsShard:
                             raise ValueError(f"{self.path}: members of sample {key} are not contiguous")
                         seen.add(key)
                         samples.append((key, {}))
-                    samples[-1][1][rest[: -len(".npy")]] = (member.offset_data, member.size)
+                    crc = member.pax_headers.get(WDS_CRC_HEADER)
+                    samples[-1][1][rest[: -len(".npy")]] = (member.offset_data, member.size, crc)
         except tarfile.TarError as e:
             raise ValueError(f"{self.path}: corrupt tar shard ({e})") from None
         return samples
@@ -504,11 +531,16 @@ class WdsShard:
     def read(self, local: int) -> dict[str, np.ndarray]:
         """Encoded record of sample `local` of this tar."""
         record = {}
-        for name, (offset, size) in self.samples[local][1].items():
+        for name, (offset, size, crc) in self.samples[local][1].items():
             # pread leaves the shared file offset alone, so concurrent readers cannot interfere.
             data = os.pread(self.file.fileno(), size, offset)
+            member = f"{self.samples[local][0]}.{name}.npy"
             if len(data) != size:
-                raise ValueError(f"{self.path}: member {self.samples[local][0]}.{name}.npy is truncated")
+                raise CorruptShardError(f"{self.path}: member {member} is truncated")
+            if crc is not None and f"{zlib.crc32(data):08x}" != crc:
+                raise CorruptShardError(
+                    f"{self.path}: array {name}: member {member} fails its CRC32; `alrira-cache verify` checks the whole cache"
+                )
             record[name] = np.load(io.BytesIO(data), allow_pickle=False)
         return record
 

@@ -20,7 +20,7 @@ from storage.format import (
     MANIFEST_FILE,
     record_array_names,
 )
-from storage.manifest import Manifest, ShardRecord, TARGET_HEAD_KEYS, load_manifest
+from storage.manifest import TARGET_HEAD_KEYS, Manifest, ShardRecord, load_manifest, target_head_hash
 from storage.shards import (
     ANCHOR_INDEXED_ARRAYS,
     RecordDims,
@@ -204,6 +204,24 @@ def _target_head_problems(cache_dir: Path, manifest: Manifest) -> list[str]:
             problems.append(f"{path}: missing tensor {key}")
         elif shapes[key] != (manifest.vocab_size, manifest.hidden_size):
             problems.append(f"{path}: {key} has shape {shapes[key]}, expected ({manifest.vocab_size}, {manifest.hidden_size})")
+    written_for = target_head_hash(cache_dir)
+    if written_for != manifest.settings.target_hash:
+        problems.append(
+            f"{path}: written for target {written_for or 'unknown (untagged)'}, the manifest's target is {manifest.settings.target_hash}"
+        )
+    return problems
+
+
+def size_problems(cache_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """The cheap check (`alrira-cache info`): every complete shard exists with the byte size the
+    manifest records. It reads no data, so it catches a truncated or missing file, not a flip."""
+    problems = []
+    for record in manifest.complete_shards:
+        path = Path(cache_dir) / SHARD_DIR / record.name
+        if not path.exists():
+            problems.append(f"{record.name}: listed in manifest as {record.status} but missing on disk ({path})")
+        elif (size := shard_bytes(path)) != record.bytes:
+            problems.append(f"{record.name}: size mismatch: manifest {record.bytes} bytes, on disk {size}")
     return problems
 
 

@@ -88,3 +88,10 @@ def test_rollout_backends_agree():
     output = run_benchmark("rollout_backends.py", "--quick", "--repeats", "1")
     match = re.search(r"rollout tokens identical for (\d+)/(\d+) anchors", output)
     assert match and match.group(1) == match.group(2), output[-2000:]
+
+
+def test_read_checksums_refuse_a_flipped_byte():
+    rows = table_rows(run_benchmark("read_checksums.py", "--quick"), "format")
+    assert [row[0] for row in rows] == ["zarr", "wds"]
+    for row in rows:
+        assert row[-2:] == ["silently different", "refused"], row

@@ -33,7 +33,7 @@ from storage.manifest import (
 )
 from storage.reader import available_arrays, cache_stats, open_cache
 from storage.ownership import CacheOwnershipLost, claim_cache
-from storage.shards import clean_partial_shards, read_shard_records, shard_checksum, write_shard
+from storage.shards import WdsShard, clean_partial_shards, read_shard_records, shard_checksum, write_shard
 from storage.verify import verify_cache
 
 F, TOP_K, K = 64, 4, 15
@@ -165,7 +165,7 @@ def build_cache(cache_dir: Path, *, storage_format: str, codec: str, sizes=(4, 3
     settings = make_settings(feature_codec=codec, storage_format=storage_format, contents=list(contents))
     save_manifest(cache_dir, make_manifest(settings, shards))
     head = torch.randn(VOCAB, HIDDEN)
-    save_target_head(cache_dir, embed_tokens=head, lm_head=head)  # tied, as in small targets
+    save_target_head(cache_dir, embed_tokens=head, lm_head=head, target_hash=settings.target_hash)  # tied, as in small targets
     return all_records, all_floats
 
 
@@ -537,6 +537,56 @@ def test_target_head_round_trip(tmp_path):
         load_target_head(tmp_path / "elsewhere")
 
 
+def test_target_head_is_tied_to_its_target(tmp_path):
+    """A head written for one target never passes for another's: the loader and verify say so."""
+    build_cache(tmp_path, storage_format="zarr", codec="bf16")
+    assert verify_cache(tmp_path) == []
+    manifest = load_manifest(tmp_path)
+    assert load_target_head(tmp_path, target_hash=manifest.settings.target_hash)
+    head = torch.randn(VOCAB, HIDDEN)
+    save_target_head(tmp_path, embed_tokens=head, lm_head=head, target_hash="sha256:another-target")
+    with pytest.raises(ValueError, match="written for target sha256:another-target"):
+        load_target_head(tmp_path, target_hash=manifest.settings.target_hash)
+    assert verify_cache(tmp_path) == [
+        f"{tmp_path / 'target_head.safetensors'}: written for target sha256:another-target, "
+        f"the manifest's target is {manifest.settings.target_hash}"
+    ]
+    save_target_head(tmp_path, embed_tokens=head, lm_head=head)  # untagged
+    with pytest.raises(ValueError, match="unknown"):
+        load_target_head(tmp_path, target_hash=manifest.settings.target_hash)
+
+
+def _flip_a_byte(path: Path, *, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+def test_reader_refuses_a_flipped_byte_naming_shard_and_array(tmp_path, storage_format):
+    """One flipped bit in the stored rollout_topk_probs is an error on read, not a different value."""
+    build_cache(tmp_path, storage_format=storage_format, codec="bf16")
+    if storage_format == "zarr":
+        chunks = sorted((tmp_path / SHARD_DIR / "shard-00001.zarr" / "rollout_topk_probs").rglob("c/*/*/*"))
+        _flip_a_byte(chunks[0])
+    else:
+        # The first sample's rollout_topk_probs member: flip a byte of its data, not of the tar header.
+        tar = tmp_path / SHARD_DIR / "shard-00001.tar"
+        opened = WdsShard(tar)
+        offset, size, _ = opened.samples[0][1]["rollout_topk_probs"]
+        opened.close()
+        data = bytearray(tar.read_bytes())
+        data[offset + size - 3] ^= 0x01
+        tar.write_bytes(bytes(data))
+    reader = open_cache(tmp_path)
+    with pytest.raises(ValueError) as error:
+        for index in range(len(reader)):
+            reader.read(index)
+    message = str(error.value)
+    assert "\n" not in message and "shard-00001" in message and "rollout_topk_probs" in message
+    assert verify_cache(tmp_path)  # the full check still reports it
+
+
 # ---------------------------------------------------------------------------------------------
 # Verify
 
@@ -571,8 +621,10 @@ def test_verify_catches_bad_values(tmp_path):
     records[1]["corpus_tail"] = records[1]["corpus_tail"] + np.float32(0.1)
     records[2]["rollout_tokens"][0, 0] += 1
     shard = write_shard(tmp_path, shard_index=0, records=records, storage_format="zarr", feature_codec="bf16")
-    save_manifest(tmp_path, make_manifest(make_settings(), [shard]))
-    save_target_head(tmp_path, embed_tokens=torch.zeros(VOCAB, HIDDEN), lm_head=torch.zeros(VOCAB, HIDDEN))
+    settings = make_settings()
+    save_manifest(tmp_path, make_manifest(settings, [shard]))
+    zeros = torch.zeros(VOCAB, HIDDEN)
+    save_target_head(tmp_path, embed_tokens=zeros, lm_head=zeros, target_hash=settings.target_hash)
     problems = verify_cache(tmp_path)
     assert problems == [
         "shard-00000.zarr: sequence 1 (source row 3): corpus_topk_probs + corpus_tail differ from 1 by up to 0.1",
@@ -693,3 +745,18 @@ def test_verify_catches_arrays_the_manifest_does_not_list(tmp_path, storage_form
     assert any("rollout_features" in p for p in problems)
     if storage_format == "zarr":
         assert "shard-00000.zarr: arrays ['rollout_features'] missing or unexpected" in problems
+
+
+def test_info_fails_on_a_truncated_chunk(tmp_path):
+    """`alrira-cache info` reads no data, but a shard whose size no longer matches is an error."""
+    from click.testing import CliRunner
+
+    from ray_jobs.cli import cache_cli
+
+    build_cache(tmp_path, storage_format="zarr", codec="bf16")
+    assert CliRunner().invoke(cache_cli, ["info", str(tmp_path)]).exit_code == 0
+    chunk = tmp_path / SHARD_DIR / "shard-00001.zarr" / "features" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-10])
+    result = CliRunner().invoke(cache_cli, ["info", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "shard-00001.zarr: size mismatch" in result.output and "alrira-cache verify" in result.output

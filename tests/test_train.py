@@ -155,3 +155,72 @@ def test_golden_loss_trace(cache, tmp_path):
     expected = json.loads(GOLDEN.read_text())
     for method, losses in trace.items():
         assert losses == pytest.approx(expected[method], rel=2e-4), method
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults: corrupt data, a foreign head, a changed resume, a truncated checkpoint (docs/failure-modes.md)
+
+
+def _copy_of(cache: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "cache-copy"
+    shutil.copytree(cache, copy)
+    return copy
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_flipped_byte_in_the_cache_stops_training_with_one_line(cache, tmp_path, num_workers):
+    broken = _copy_of(cache, tmp_path)
+    chunk = sorted((broken / "shards" / "shard-00001.zarr" / "rollout_topk_probs").rglob("c/*/*/*"))[0]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as error:
+        train(_config(broken, tmp_path / "run", method="alr", epochs=1, num_workers=num_workers))
+    message = str(error.value)
+    assert "\n" not in message and "shard-00001.zarr" in message and "rollout_topk_probs" in message
+    assert not (tmp_path / "run" / "drafter").exists()
+
+
+def test_training_refuses_a_head_written_for_another_target(cache, tmp_path):
+    from storage.manifest import load_target_head, save_target_head
+
+    broken = _copy_of(cache, tmp_path)
+    head = load_target_head(broken)
+    save_target_head(broken, embed_tokens=head["embed_tokens.weight"], lm_head=head["lm_head.weight"], target_hash="sha256:other")
+    with pytest.raises(ValueError, match="written for target sha256:other"):
+        train(_config(broken, tmp_path / "run", epochs=1))
+
+
+def test_resume_refuses_a_changed_objective_but_takes_more_epochs(cache, tmp_path):
+    run = tmp_path / "run"
+    train(_config(cache, run, method="alr_ira", epochs=1))
+    with pytest.raises(ValueError, match="--method was 'alr_ira', now 'alr'") as error:
+        train(_config(cache, run, method="alr", epochs=1, resume=True))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="--gamma"):
+        train(_config(cache, run, method="alr_ira", gamma=3.0, epochs=1, resume=True))
+    steps = len(_losses(run))
+    train(_config(cache, run, method="alr_ira", epochs=2, resume=True))  # more epochs: allowed
+    assert len(_losses(run)) == 2 * steps
+
+
+def test_resume_from_a_truncated_checkpoint_falls_back_to_the_previous_one(cache, tmp_path, capsys):
+    straight = tmp_path / "straight"
+    train(_config(cache, straight, epochs=2, save_dtype="float32"))
+    per_epoch = len(_losses(straight)) // 2
+    run = tmp_path / "run"
+    train(_config(cache, run, epochs=2, save_every=1, max_steps=per_epoch + 1, save_dtype="float32"))
+    newest = run / "checkpoints" / f"step-{per_epoch + 1:08d}" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a crash mid-write, outside atomic_write
+    train(_config(cache, run, epochs=2, resume=True, save_dtype="float32"))
+    assert f"step-{per_epoch:08d} instead" in capsys.readouterr().out
+    a, b = _weights(straight), _weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for step in range(1, per_epoch + 1):  # and with nothing readable left: one line
+        (run / "checkpoints" / f"step-{step:08d}" / "state.pt").write_bytes(b"")
+    for step in range(per_epoch + 1, 2 * per_epoch + 1):
+        (run / "checkpoints" / f"step-{step:08d}" / "state.pt").write_bytes(b"x")
+    with pytest.raises(ValueError, match="no readable checkpoint"):
+        train(_config(cache, run, epochs=3, resume=True))

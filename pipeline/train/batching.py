@@ -42,6 +42,14 @@ class SequenceExample:
     targets: BlockTargets
 
 
+@dataclass(kw_only=True)
+class ReadFailure:
+    """A record that could not be read (a corrupt chunk, say): carried to the training process, which
+    stops with this one line instead of a DataLoader worker's traceback."""
+
+    message: str
+
+
 class CacheTrainDataset(torch.utils.data.Dataset):
     """Indexed by (epoch, sequence index); builds the objective's blocks for that sequence."""
 
@@ -53,9 +61,12 @@ class CacheTrainDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, key: tuple[int, int]) -> SequenceExample:
+    def __getitem__(self, key: tuple[int, int]) -> SequenceExample | ReadFailure:
         epoch, index = key
-        record = self.reader.read(index, decode_features=True)
+        try:
+            record = self.reader.read(index, decode_features=True)
+        except ValueError as error:
+            return ReadFailure(message=str(error))
         tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
         generator = torch.Generator().manual_seed(example_seed(seed=self.seed, epoch=epoch, index=index))
         targets = build_block_targets(tensors, config=self.objective, generator=generator)
@@ -108,7 +119,10 @@ class TrainBatch:
         return TrainBatch(**{k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in moved.items()})
 
 
-def collate(examples: list[SequenceExample]) -> TrainBatch:
+def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadFailure:
+    failure = next((e for e in examples if isinstance(e, ReadFailure)), None)
+    if failure is not None:
+        return failure
     batch = len(examples)
     num_context = max(e.context_features.shape[0] for e in examples)
     num_blocks = max(max(e.targets.block_tokens.shape[0] for e in examples), 1)

@@ -33,7 +33,7 @@ from drafter.config import DFlashConfig
 from drafter.masks import flex_block_mask, visibility_mask
 from drafter.model import DFlashDrafter
 from pipeline.config import to_flags
-from pipeline.train.batching import CacheTrainDataset, StepSampler, TrainBatch, collate, steps_per_epoch
+from pipeline.train.batching import CacheTrainDataset, ReadFailure, StepSampler, TrainBatch, collate, steps_per_epoch
 from pipeline.train.checkpoints import check_resume_settings, load_latest_checkpoint, save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.methods import check_cache_serves
@@ -214,7 +214,7 @@ def setup(config: TrainConfig) -> TrainState:
         num_slots=settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids
     )
 
-    head = load_target_head(config.cache)
+    head = load_target_head(config.cache, target_hash=settings.target_hash)
     drafter = build_drafter(config, manifest).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=0.0)
     start_step = 0
@@ -265,7 +265,7 @@ def setup(config: TrainConfig) -> TrainState:
 def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
     """One optimizer step over this rank's micro-batches; returns the step's metrics record."""
     step_start = time.time()
-    micro_batches = [next(s.batches).to(s.device) for _ in range(config.optim.grad_accum)]
+    micro_batches = [_next_batch(s) for _ in range(config.optim.grad_accum)]
     weight_total = _all_reduce(sum(b.slot_weights.sum() for b in micro_batches).double(), s.world_size)
     lr = lr_at(step, total_steps=s.total_steps, peak_lr=config.optim.lr, warmup_frac=config.optim.warmup_frac)
     for param_group in s.optimizer.param_groups:
@@ -299,6 +299,13 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
         "supervised_slots": int(totals.slot_count.sum()),
         "tokens_per_s": num_tokens / max(time.time() - step_start, 1e-9),
     }
+
+
+def _next_batch(s: TrainState) -> TrainBatch:
+    batch = next(s.batches)
+    if isinstance(batch, ReadFailure):
+        raise ValueError(batch.message)
+    return batch.to(s.device)
 
 
 def train(config: TrainConfig) -> dict:
