@@ -97,10 +97,26 @@ def eval_run(**kwargs):
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     click.echo(score_table(Path(config.out) / "results.csv"))
-    if summary.get("lossless_mismatches"):
-        raise click.ClickException(
-            f"{summary['lossless_mismatches']} prompt(s) decoded differently from the target's greedy output"
-        )
+    mismatches = summary.get("lossless_mismatches")
+    if mismatches and summary["lossless_exact"]:
+        raise click.ClickException(f"{mismatches} prompt(s) decoded differently from the target's greedy output")
+    if mismatches is not None and not summary["lossless_exact"]:
+        click.echo(f"{mismatches} prompt(s) differ from greedy AR ({summary['lossless_note']})", err=True)
+
+
+@eval_cli.command("compare")
+@click.argument("summaries", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--out", required=True, help="Output directory (compare.csv, compare_gain.png).")
+@click.option("--baseline", default=None, help="Method whose tau the gains are measured against (e.g. dflash).")
+@click.option("--label", "labels", multiple=True, help="Method name of each summary, in order (default: from the drafter's run).")
+def eval_compare(summaries: tuple[str, ...], out: str, baseline: str | None, labels: tuple[str, ...]):
+    """Paper-style table over run summaries: tau and speedup per benchmark, geometric means, gain over a baseline, mean +- sd over replicates."""
+    from pipeline.eval.compare import run_compare
+
+    try:
+        click.echo(run_compare(list(summaries), out=out, baseline=baseline, labels=list(labels) or None))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
 
 
 @eval_cli.command("score")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from pipeline.eval.evaluate import (
     render_prompt,
     run_eval,
     score_table,
+    summarize,
 )
 from pipeline.chat import prompt_messages
 from tests.conftest import write_jsonl
@@ -208,3 +210,80 @@ def test_config_validation(changes, message):
     kwargs = {"target": "t", "drafter": "d", "prompts": "p.jsonl", "out": "o", **changes}
     with pytest.raises(ValueError, match=message):
         EvalConfig(**kwargs)
+
+
+def test_speedup_is_total_decode_time_over_total_decode_time():
+    """A prompt that stops after two tokens must not decide the group's speedup: AR 100 ms and
+    speculative 25 ms over 100 decode tokens, plus one prompt of a single decode token where the
+    drafter's first context projection dominates (1 ms AR vs 5 ms). The ratio of totals is
+    101/30 = 3.37x; a mean of per-prompt ms/token would say (1 + 1) / (0.25 + 5) = 0.38x."""
+    row = dict(benchmark="g", rounds=1, accepted_tokens=0)
+    rows = [
+        {**row, "committed": 101, "ar_tokens": 101, "ar_ms": 100.0, "draft_ms": 25.0},
+        {**row, "committed": 2, "ar_tokens": 2, "ar_ms": 1.0, "draft_ms": 5.0},
+        {**row, "committed": 1, "ar_tokens": 1, "ar_ms": 0.5, "draft_ms": 9.0},  # no decode tokens: left out
+    ]
+    group = summarize(rows)["groups"]["g"]
+    assert group["speedup"] == pytest.approx(101 / 30)
+    assert group["ar_ms_per_token"] == pytest.approx(101 / 101) and group["spec_ms_per_token"] == pytest.approx(30 / 101)
+
+
+def test_dtype_auto_and_a_bf16_run_reports_mismatches_as_a_count(toy_target, drafter_dir, prompts_file, greedy_run, tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import eval_cli
+
+    assert greedy_run[1]["dtype"] == "float32" and greedy_run[1]["lossless_exact"] is True  # auto on CPU
+    out = tmp_path / "bf16"
+    args = [
+        "run", "--target", str(toy_target), "--drafter", str(drafter_dir), "--prompts", str(prompts_file),
+        "--out", str(out), "--max-new-tokens", "16", "--device", "cpu", "--dtype", "bfloat16", "--no-progress",
+    ]  # fmt: skip
+    result = CliRunner().invoke(eval_cli, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dtype"] == "bfloat16" and summary["lossless_exact"] is False
+    assert isinstance(summary["lossless_mismatches"], int) and "round differently" in summary["lossless_note"]
+    assert f"{summary['lossless_mismatches']} prompt(s) differ from greedy AR" in result.output
+
+
+def _summary_file(path: Path, *, method: str, taus: dict[str, float], speedups: dict[str, float]) -> Path:
+    """A summary.json as `alrira-eval run` writes it, for a drafter trained in RUN (train_config.json)."""
+    run = path / "run"
+    (run / "drafter").mkdir(parents=True)
+    (run / "train_config.json").write_text(json.dumps({"method": method}))
+    groups = {g: {"tau": taus[g], "speedup": speedups[g]} for g in taus}
+    (path / "summary.json").write_text(json.dumps({"drafter": str(run / "drafter"), "groups": groups}))
+    return path / "summary.json"
+
+
+def test_compare_pools_replicates_and_measures_gain_over_the_baseline(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import eval_cli
+
+    files = [
+        _summary_file(tmp_path / "a0", method="dflash", taus={"coco": 2.0, "doc": 4.0}, speedups={"coco": 1.0, "doc": 2.0}),
+        _summary_file(tmp_path / "a1", method="dflash", taus={"coco": 2.0, "doc": 4.0}, speedups={"coco": 1.0, "doc": 2.0}),
+        _summary_file(tmp_path / "b0", method="alr_ira", taus={"coco": 3.0, "doc": 6.0}, speedups={"coco": 2.0, "doc": 3.0}),
+        _summary_file(tmp_path / "b1", method="alr_ira", taus={"coco": 5.0, "doc": 6.0}, speedups={"coco": 2.0, "doc": 3.0}),
+    ]
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(eval_cli, ["compare", *map(str, files), "--out", str(out), "--baseline", "dflash"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[:2] == ["method", "n"] and [line.split()[0] for line in lines[1:]] == ["dflash", "alr_ira"]
+    with open(out / "compare.csv") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert rows["alr_ira"]["n"] == "2"
+    assert float(rows["alr_ira"]["tau coco mean"]) == pytest.approx(4.0)
+    assert float(rows["alr_ira"]["tau coco sd"]) == pytest.approx(math.sqrt(2.0), rel=1e-4)  # (3, 5)
+    assert float(rows["alr_ira"]["tau gain coco"]) == pytest.approx(100.0)  # 4 vs 2
+    assert float(rows["alr_ira"]["tau gain doc"]) == pytest.approx(50.0)
+    geo_ira = (math.sqrt(3 * 6) + math.sqrt(5 * 6)) / 2
+    assert float(rows["alr_ira"]["tau geomean mean"]) == pytest.approx(geo_ira, rel=1e-4)
+    assert float(rows["alr_ira"]["tau gain geomean"]) == pytest.approx(100 * (geo_ira / math.sqrt(8) - 1), rel=1e-4)
+    assert float(rows["dflash"]["speedup geomean mean"]) == pytest.approx(math.sqrt(2.0), rel=1e-4)
+    assert (out / "compare_gain.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = CliRunner().invoke(eval_cli, ["compare", str(files[0]), "--out", str(out), "--baseline", "eagle"])
+    assert bad.exit_code == 1 and "--baseline 'eagle'" in bad.output
