@@ -1,7 +1,10 @@
 """Drafter checkpoints in the public DFlash layout: config.json + model.safetensors (docs/design.md, "The drafter").
 
 Tensor names carry no `model.` prefix and there is no embedding or lm_head; the same directory
-loads in the public DFlash code, SGLang and vLLM, and a public release loads here.
+loads in the public DFlash code, SGLang and vLLM, and a public release loads here. Like the public
+releases, it also ships its modeling code (`modeling_dflash.py` + the drafter's own model and
+config files) with an `auto_map`, so `AutoModel.from_pretrained(dir, trust_remote_code=True)`
+returns the drafter (drafter/hf_modeling.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 # Releases may ship the target's embedding / head next to the drafter; the drafter uses the
 # target's own copies, so these are skipped rather than refused.
 IGNORED_TENSORS = frozenset({"embed_tokens.weight", "lm_head.weight"})
+
+# Files copied into every export: (source in this package, name in the checkpoint). The copies
+# import each other relatively, as HF's dynamic modules require.
+MODELING_FILES = (("hf_modeling.py", "modeling_dflash.py"), ("model.py", "dflash_model.py"), ("config.py", "dflash_config.py"))
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -63,8 +71,12 @@ def save_drafter(
     }
     hf = model.config.to_hf_dict()
     hf["dtype"] = dtype_name
-    # Weights first, config last: a directory whose config.json is new always has new weights.
+    hf["torch_dtype"] = dtype_name  # what transformers 4.x (the public DFlash code's pin) reads
+    hf["auto_map"] = dict(AUTO_MAP)
+    # Weights and code first, config last: a directory whose config.json is new has new weights.
     _write_atomic(out_dir / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    for source, name in MODELING_FILES:
+        _write_atomic(out_dir / name, lambda tmp, source=source: Path(tmp).write_text(_exported_code(source)))
 
     def write_config(tmp: str) -> None:
         with open(tmp, "w") as f:
@@ -72,6 +84,19 @@ def save_drafter(
             f.write("\n")
 
     _write_atomic(out_dir / CONFIG_FILE, write_config)
+
+
+def _exported_code(source: str) -> str:
+    """A drafter module as the checkpoint ships it: imports of its siblings made relative to the
+    checkpoint's own file names."""
+    code = (Path(__file__).parent / source).read_text()
+    for absolute, relative in (
+        ("from drafter.config import", "from .dflash_config import"),
+        ("from .config import", "from .dflash_config import"),
+        ("from .model import", "from .dflash_model import"),
+    ):
+        code = code.replace(absolute, relative)
+    return code
 
 
 def _weight_files(path: Path) -> list[Path]:
