@@ -287,3 +287,15 @@ def test_compare_pools_replicates_and_measures_gain_over_the_baseline(tmp_path):
     assert (out / "compare_gain.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = CliRunner().invoke(eval_cli, ["compare", str(files[0]), "--out", str(out), "--baseline", "eagle"])
     assert bad.exit_code == 1 and "--baseline 'eagle'" in bad.output
+
+
+def test_tree_verification_through_alrira_eval(toy_target, drafter_dir, prompts_file, tmp_path):
+    config = EvalConfig(
+        target=str(toy_target), drafter=str(drafter_dir), prompts=str(prompts_file), out=str(tmp_path / "tree"),
+        max_new_tokens=24, device="cpu", progress=False, tree_budget=16, tree_branch=4,
+    )  # fmt: skip
+    summary = run_eval(config)
+    assert summary["verify"] == "tree (budget 16, branch 4)" and summary["lossless_mismatches"] == 0
+    assert all(g["tau"] >= 1 for g in summary["groups"].values())
+    with pytest.raises(ValueError, match="--tree-budget"):
+        EvalConfig(target="t", drafter="d", prompts="p.jsonl", out="o", temperature=1.0, tree_budget=16)

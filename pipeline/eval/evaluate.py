@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 from drafter.checkpoint import check_compatible, load_drafter
 from pipeline.chat import CorpusError, iter_corpus_rows, prompt_messages, row_locator
 from pipeline.config import opt
-from pipeline.eval.speculative import DecodeResult, autoregressive_decode, speculative_decode
+from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
+from pipeline.eval.tree import tree_speculative_decode
 from pipeline.target import load_target, load_tokenizer, stop_token_ids
 
 RESULT_COLUMNS = (
@@ -66,6 +67,11 @@ class EvalConfig:
         default="auto",
     )
     device: str = opt("auto (cuda if available, else cpu), cpu, cuda or cuda:N.", default="auto")
+    tree_budget: int | None = opt(
+        "Verify a token tree of at most N draft nodes per round instead of the chain (greedy only; the paper's vision runs use 63).",
+        default=None,
+    )
+    tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
     progress: bool = opt("Show a progress bar.", default=True)
 
     def __post_init__(self):
@@ -82,6 +88,10 @@ class EvalConfig:
             raise ValueError(f"--max-prompts must be >= 1, got {self.max_prompts}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.tree_budget is not None and (self.tree_budget < 1 or self.temperature != 0):
+            raise ValueError(f"--tree-budget must be >= 1 and needs --temperature 0, got {self.tree_budget} at T={self.temperature}")
+        if self.tree_branch < 1:
+            raise ValueError(f"--tree-branch must be >= 1, got {self.tree_branch}")
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -368,6 +378,14 @@ def run_eval(config: EvalConfig) -> dict:
         )
 
     def run_spec(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
+        if config.tree_budget is not None:
+            return tree_speculative_decode(
+                target, draft_logits_fn=cached_draft_logits_fn(
+                    drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=draft_config.mask_token_id
+                ), layer_ids=list(draft_config.target_layer_ids), num_draft=draft_config.block_size - 1,
+                prompt_ids=prompt.input_ids, max_new_tokens=max_new_tokens, stop_token_ids=stops,
+                budget=config.tree_budget, branch=config.tree_branch,
+            )  # fmt: skip
         return speculative_decode(
             target,
             drafter,
@@ -417,6 +435,7 @@ def run_eval(config: EvalConfig) -> dict:
         "dtype": dtype_name,
         "device": str(device),
         "block_size": draft_config.block_size,
+        "verify": "chain" if config.tree_budget is None else f"tree (budget {config.tree_budget}, branch {config.tree_branch})",
         "num_prompts": len(rows),
         "num_groups": len(accepted_by_group),
         "committed_tokens": sum(r["committed"] for r in rows),

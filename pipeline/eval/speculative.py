@@ -200,15 +200,15 @@ def drafter_draft(
     return lm_head(hidden[0, 1:].to(head_dtype)).argmax(dim=-1)  # [K]
 
 
-def cached_draft_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int) -> DraftFn:
-    """drafter_draft for one decode, with the drafter's context keys/values kept across rounds:
-    each call projects only the context rows added since the previous call. Same drafts as
-    drafter_draft (tests/test_speculative.py), O(new tokens) context work per round instead of O(p)."""
+def cached_draft_logits_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int) -> DraftFn:
+    """For one decode: draft(context_features=, anchor_token=, anchor_pos=) -> the drafter's logits
+    [K, V] at slots 1..K, with its context keys/values kept across rounds: each call projects only
+    the context rows added since the previous call, O(new tokens) context work per round instead of O(p)."""
     block_size = drafter.config.block_size
     dtype = next(drafter.parameters()).dtype
     cache: ContextKVCache | None = None
 
-    def draft(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> Tensor:
+    def draft_logits(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> Tensor:
         nonlocal cache
         device = context_features.device
         assert context_features.shape[0] == anchor_pos, (context_features.shape[0], anchor_pos)
@@ -226,9 +226,52 @@ def cached_draft_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head:
             block_embeds=embed_tokens(block_ids).to(dtype),
             block_positions=torch.arange(anchor_pos, anchor_pos + block_size, device=device)[None],
         )  # [1, B, H]
-        return lm_head(hidden[0, 1:].to(lm_head.weight.dtype)).argmax(dim=-1)  # [K]
+        return lm_head(hidden[0, 1:].to(lm_head.weight.dtype))  # [K, V]
 
-    return draft
+    return draft_logits
+
+
+def cached_draft_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int) -> DraftFn:
+    """drafter_draft for one decode, from cached_draft_logits_fn: the same drafts as drafter_draft
+    (tests/test_speculative.py)."""
+    draft_logits = cached_draft_logits_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id)
+    return lambda **inputs: draft_logits(**inputs).argmax(dim=-1)  # [K]
+
+
+@dataclass(kw_only=True)
+class Prefilled:
+    """The state after the prefill: the target's cache over the prompt, the committed tokens'
+    features (row i = position i, rows filled as tokens are verified), the first token."""
+
+    cache: object  # transformers DynamicCache
+    features: Tensor  # [capacity, F]
+    tokens: list[int]
+    done: bool
+    start: float
+    prefill_end: float
+
+
+def prefill(target, prompt_ids: list[int], *, layer_ids: list[int], extra_rows: int, max_new_tokens: int,
+            temperature: float, generator, stop_token_ids: set[int]) -> Prefilled:  # fmt: skip
+    """Prefill forward over the prompt (timed apart from decoding) and the first token."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    _sync(device)
+    start = time.perf_counter()
+    cache = DynamicCache(config=target.config)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
+    out = target(
+        input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1
+    )
+    prompt_features = tapped_features(out.hidden_states, layer_ids)[0]  # [n, F]
+    num_prompt = len(prompt_ids)
+    features = prompt_features.new_empty((num_prompt + max_new_tokens + extra_rows, prompt_features.shape[-1]))
+    features[:num_prompt] = prompt_features
+    first = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
+    tokens, done = commit_tokens([int(first)], num_generated=0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    _sync(device)
+    return Prefilled(cache=cache, features=features, tokens=tokens, done=done, start=start, prefill_end=time.perf_counter())
 
 
 @torch.inference_mode()
@@ -252,8 +295,6 @@ def speculative_decode(
     draft step (cached_draft_fn) when given (tests use an oracle and the uncached drafter_draft);
     the drafter's config still sets the block size and the tapped layers.
     """
-    from transformers import DynamicCache
-
     _check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
     if draft_fn is None:
         draft_fn = cached_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id)
@@ -263,23 +304,11 @@ def speculative_decode(
     num_draft = drafter.config.block_size - 1  # K
     stops = set(stop_token_ids)
     num_prompt = len(prompt_ids)
-
-    _sync(device)
-    start = time.perf_counter()
-    cache = DynamicCache(config=target.config)
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
-    out = target(
-        input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1
-    )
-    prompt_features = tapped_features(out.hidden_states, layer_ids)[0]  # [n, F]
-    # Features of every committed token, filled as tokens are verified; row i = position i.
-    capacity = num_prompt + max_new_tokens + num_draft + 1
-    features = prompt_features.new_empty((capacity, prompt_features.shape[-1]))  # [capacity, F]
-    features[:num_prompt] = prompt_features
-    first = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
-    tokens, done = commit_tokens([int(first)], num_generated=0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
-    _sync(device)
-    prefill_end = time.perf_counter()
+    state = prefill(
+        target, prompt_ids, layer_ids=layer_ids, extra_rows=num_draft + 1, max_new_tokens=max_new_tokens,
+        temperature=temperature, generator=generator, stop_token_ids=stops,
+    )  # fmt: skip
+    cache, features, tokens, done = state.cache, state.features, state.tokens, state.done
 
     accepted_lengths = []
     while not done:
@@ -313,6 +342,6 @@ def speculative_decode(
         tokens=tokens,
         accepted_lengths=accepted_lengths,
         rounds=len(accepted_lengths),
-        decode_s=end - prefill_end,
-        prefill_s=prefill_end - start,
+        decode_s=end - state.prefill_end,
+        prefill_s=state.prefill_end - state.start,
     )
