@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.codecs import decode_features
+from storage import codecs
 from storage.format import ALL_GROUPS, FP8_SCALE_ARRAYS, SHARD_DIR, check_contents, record_array_names
 from storage.manifest import Manifest, ShardRecord, load_manifest
 from storage.shards import WdsShard, ZarrShard, open_shard, shard_bytes
@@ -25,7 +25,7 @@ def decode_record(record: dict[str, np.ndarray], *, feature_codec: str) -> dict[
     out = {name: array for name, array in record.items() if name not in FP8_SCALE_ARRAYS.values()}
     for name, scale_name in FP8_SCALE_ARRAYS.items():
         if name in record:
-            out[name] = decode_features(record[name], record.get(scale_name), codec=feature_codec)
+            out[name] = codecs.decode_features(record[name], record.get(scale_name), codec=feature_codec)
     return out
 
 
@@ -89,11 +89,25 @@ class CacheReader:
         pos = int(np.searchsorted(self._starts, index, side="right")) - 1
         return self._shards[pos].index, int(index - self._starts[pos])
 
-    def read(self, index: int, *, decode_features: bool = True) -> dict[str, np.ndarray]:
-        """Record of global sequence `index`; features decoded to float32 unless told otherwise."""
+    def read(self, index: int, *, decode_features: bool = True, arrays: set[str] | None = None) -> dict[str, np.ndarray]:
+        """Record of global sequence `index` (only `arrays` and source_row when given; fp8 scales
+        follow their features); features decoded to float32 unless told otherwise."""
         shard_index, local = self.shard_of(index)
-        record = self._handle(self._position[shard_index]).read(local)
+        if arrays is not None:
+            arrays = set(arrays) | {FP8_SCALE_ARRAYS[n] for n in arrays if n in FP8_SCALE_ARRAYS}
+        record = self._handle(self._position[shard_index]).read(local, arrays)
         return decode_record(record, feature_codec=self.feature_codec) if decode_features else record
+
+    def read_rollout_features(self, index: int, pool_rows, *, decode_features: bool = True) -> np.ndarray:
+        """`rollout_features` of the anchors `pool_rows` (indices into the sequence's pool) only:
+        [len(pool_rows), K-2, F], what an IRA secondary block sees of its parent's rollout."""
+        shard_index, local = self.shard_of(index)
+        handle = self._handle(self._position[shard_index])
+        bits = handle.read_anchor_rows(local, "rollout_features", pool_rows)
+        if not decode_features:
+            return bits
+        scales = handle.read_anchor_rows(local, "rollout_feature_scales", pool_rows) if self.feature_codec == "fp8" else None
+        return codecs.decode_features(bits, scales, codec=self.feature_codec)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return self.read(index)

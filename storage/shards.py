@@ -59,8 +59,16 @@ from storage.ownership import check_owner
 TOKEN_INDEXED_ARRAYS = TOKEN_ARRAYS + ("feature_scales",)
 ANCHOR_INDEXED_ARRAYS = ANCHOR_ARRAYS + ("rollout_feature_scales",)
 
-ZARR_CHUNK_BYTES = 2 << 20  # ~2 MiB uncompressed per chunk: small reads for random access
+# A read touches whole chunks, and token chunks straddle sequences: small chunks keep a sequence's
+# read close to its own bytes. Chunks are grouped into Zarr shards (files) of ~16 MiB, so a cache
+# is not millions of files; a chunk inside one is read by byte range.
+ZARR_CHUNK_BYTES = 256 << 10  # ~256 KiB uncompressed per chunk
+ZARR_SHARD_BYTES = 16 << 20  # ~16 MiB uncompressed per file
 ZARR_WRITE_BYTES = 32 << 20  # rows handed to zarr per write call (bounded extra memory)
+# As few anchors per chunk as keeps a chunk >= 64 KiB (one anchor at real shapes: 13 x 12,800 bf16
+# = 333 KB): the trainer reads the rollout features of a few parent anchors (IRA) only.
+ANCHOR_ROW_CHUNK_ARRAYS = ("rollout_features", "rollout_feature_scales")
+ZARR_MIN_CHUNK_BYTES = 64 << 10
 ZARR_CLEVEL = 3
 WDS_CRC_HEADER = "ALRIRA.crc32"  # PAX header of each tar member: CRC32 of its bytes (hex)
 
@@ -309,9 +317,15 @@ def write_shard(
     )
 
 
-def _chunk_rows(row_shape: tuple[int, ...], itemsize: int, num_rows: int) -> int:
+def _chunk_layout(name: str, row_shape: tuple[int, ...], itemsize: int, num_rows: int) -> tuple[int, int]:
+    """(rows per chunk, rows per shard file) of a Zarr array: shard a multiple of the chunk."""
     row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * itemsize)
-    return int(max(1, min(max(num_rows, 1), ZARR_CHUNK_BYTES // row_bytes)))
+    num_rows = max(num_rows, 1)
+    target = ZARR_MIN_CHUNK_BYTES if name in ANCHOR_ROW_CHUNK_ARRAYS else ZARR_CHUNK_BYTES
+    chunk_rows = int(max(1, min(num_rows, target // row_bytes)))
+    chunks_per_shard = max(1, ZARR_SHARD_BYTES // (chunk_rows * row_bytes))
+    num_chunks = -(-num_rows // chunk_rows)
+    return chunk_rows, chunk_rows * int(min(chunks_per_shard, num_chunks))
 
 
 def _rows(pieces: list[np.ndarray], offsets: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -357,19 +371,21 @@ def _write_zarr(
     def write_array(name: str, pieces: list[np.ndarray], offsets: np.ndarray, dtype: np.dtype) -> None:
         row_shape = pieces[0].shape[1:]
         num_rows = int(offsets[-1])
-        chunk_rows = _chunk_rows(row_shape, dtype.itemsize, num_rows)
+        chunk_rows, shard_rows = _chunk_layout(name, row_shape, dtype.itemsize, num_rows)
         array = group.create_array(
             name,
             shape=(num_rows, *row_shape),
             dtype=dtype,
             chunks=(chunk_rows, *row_shape),
+            # A one-chunk array needs no shard file (its index and metadata would be pure overhead).
+            shards=(shard_rows, *row_shape) if shard_rows > chunk_rows else None,
             compressors=compressors,
             fill_value=0,
             # Every chunk gets a file, so the file set depends only on the shapes.
             config={"write_empty_chunks": True},
         )
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
-        step = chunk_rows * max(1, ZARR_WRITE_BYTES // (chunk_rows * row_bytes))  # chunk-aligned
+        step = shard_rows * max(1, ZARR_WRITE_BYTES // (shard_rows * row_bytes))  # whole shard files
         for start in range(0, num_rows, step):
             stop = min(num_rows, start + step)
             array[start:stop] = _rows(pieces, offsets, start, stop)
@@ -465,13 +481,13 @@ class ZarrShard:
         """Record arrays stored (source_row included, index arrays excluded)."""
         return {"source_row"} | (set(self.arrays) - set(ZARR_INDEX_ARRAYS))
 
-    def read(self, local: int) -> dict[str, np.ndarray]:
-        """Encoded record of sequence `local` of this shard."""
+    def read(self, local: int, arrays: set[str] | None = None) -> dict[str, np.ndarray]:
+        """Encoded record of sequence `local` of this shard (only `arrays`, when given)."""
         t0, t1 = int(self.seq_offsets[local]), int(self.seq_offsets[local + 1])
         a0, a1 = int(self.anchor_offsets[local]), int(self.anchor_offsets[local + 1])
         record = {"source_row": np.asarray(self.source_rows[local], dtype=np.int64)}
         for name, array in self.arrays.items():
-            if name in ZARR_INDEX_ARRAYS:
+            if name in ZARR_INDEX_ARRAYS or (arrays is not None and name not in arrays):
                 continue
             try:
                 record[name] = array[a0:a1] if name in ANCHOR_INDEXED_ARRAYS else array[t0:t1]
@@ -480,6 +496,16 @@ class ZarrShard:
                     f"{self.path}: array {name}: corrupt chunk ({_first_line(e)}); `alrira-cache verify` checks the whole cache"
                 ) from None
         return record
+
+    def read_anchor_rows(self, local: int, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` (pool indices) of anchor array `name` of sequence `local`: only their chunks are read."""
+        a0 = int(self.anchor_offsets[local])
+        try:
+            return self.arrays[name].oindex[a0 + np.asarray(rows, dtype=np.int64)]
+        except Exception as e:
+            raise CorruptShardError(
+                f"{self.path}: array {name}: corrupt chunk ({_first_line(e)}); `alrira-cache verify` checks the whole cache"
+            ) from None
 
     def close(self) -> None:
         pass
@@ -528,10 +554,12 @@ class WdsShard:
     def array_names(self) -> set[str]:
         return set(self.samples[0][1]) if self.samples else set()
 
-    def read(self, local: int) -> dict[str, np.ndarray]:
-        """Encoded record of sample `local` of this tar."""
+    def read(self, local: int, arrays: set[str] | None = None) -> dict[str, np.ndarray]:
+        """Encoded record of sample `local` of this tar (only `arrays` and source_row, when given)."""
         record = {}
         for name, (offset, size, crc) in self.samples[local][1].items():
+            if arrays is not None and name not in arrays and name != "source_row":
+                continue
             # pread leaves the shared file offset alone, so concurrent readers cannot interfere.
             data = os.pread(self.file.fileno(), size, offset)
             member = f"{self.samples[local][0]}.{name}.npy"
@@ -543,6 +571,10 @@ class WdsShard:
                 )
             record[name] = np.load(io.BytesIO(data), allow_pickle=False)
         return record
+
+    def read_anchor_rows(self, local: int, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` of anchor array `name` (a tar member is read whole, and checked)."""
+        return self.read(local, {name})[name][np.asarray(rows, dtype=np.int64)]
 
     def close(self) -> None:
         self.file.close()

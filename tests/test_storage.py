@@ -760,3 +760,32 @@ def test_info_fails_on_a_truncated_chunk(tmp_path):
     result = CliRunner().invoke(cache_cli, ["info", str(tmp_path)])
     assert result.exit_code == 1
     assert "shard-00001.zarr: size mismatch" in result.output and "alrira-cache verify" in result.output
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
+@pytest.mark.parametrize("codec", CODECS)
+def test_selective_reads_equal_the_whole_record(tmp_path, storage_format, codec):
+    """read(arrays=...) holds just those arrays (fp8 scales follow their features), and the rollout
+    features of a few pool anchors equal those rows of the whole record."""
+    build_cache(tmp_path, storage_format=storage_format, codec=codec)
+    reader = open_cache(tmp_path)
+    for index in range(len(reader)):
+        whole = reader.read(index)
+        part = reader.read(index, arrays={"input_ids", "features"})
+        assert set(part) == {"source_row", "input_ids", "features"}
+        np.testing.assert_array_equal(part["features"], whole["features"])
+        if len(whole["anchor_pos"]) == 0:
+            continue
+        rows = np.array([0, len(whole["anchor_pos"]) - 1])
+        np.testing.assert_array_equal(reader.read_rollout_features(index, rows), whole["rollout_features"][rows])
+        raw = reader.read(index, decode_features=False)
+        np.testing.assert_array_equal(reader.read_rollout_features(index, rows, decode_features=False), raw["rollout_features"][rows])
+
+
+def test_rollout_features_are_chunked_by_anchor_at_real_row_sizes():
+    from storage.shards import _chunk_layout
+
+    row = (13, 12_800)  # K - 2 rollout features of Qwen3-4B's 5 taps, bf16: 333 KB per anchor
+    assert _chunk_layout("rollout_features", row, 2, num_rows=32_768)[0] == 1
+    chunk_rows, shard_rows = _chunk_layout("features", (12_800,), 2, num_rows=180_000)
+    assert chunk_rows * 12_800 * 2 <= 256 << 10 and shard_rows % chunk_rows == 0 and shard_rows > chunk_rows
