@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafter.config import DFlashConfig
+from drafter.config import AUTO_MAP, DFlashConfig
 from drafter.model import DFlashDrafter
 
 CONFIG_FILE = "config.json"
@@ -32,7 +32,6 @@ IGNORED_TENSORS = frozenset({"embed_tokens.weight", "lm_head.weight"})
 # Files copied into every export: (source in this package, name in the checkpoint). The copies
 # import each other relatively, as HF's dynamic modules require.
 MODELING_FILES = (("hf_modeling.py", "modeling_dflash.py"), ("model.py", "dflash_model.py"), ("config.py", "dflash_config.py"))
-AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -72,7 +71,7 @@ def save_drafter(
     hf = model.config.to_hf_dict()
     hf["dtype"] = dtype_name
     hf["torch_dtype"] = dtype_name  # what transformers 4.x (the public DFlash code's pin) reads
-    hf["auto_map"] = dict(AUTO_MAP)
+    hf["auto_map"] = dict(AUTO_MAP)  # the export ships modeling_dflash.py, as public releases do
     # Weights and code first, config last: a directory whose config.json is new has new weights.
     _write_atomic(out_dir / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     for source, name in MODELING_FILES:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 ARCHITECTURE = "DFlashDraftModel"
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 DTYPES = ("bfloat16", "float16", "float32")
 
 # Keys a public release may carry that do not change the drafter's math (HF bookkeeping, token ids

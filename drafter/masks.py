@@ -13,7 +13,7 @@ the corpus up to and including a (limit a + 1) plus its private rollout features
 a+1 .. a+j-1; its own anchor sits at a + j.
 
 `visibility_mask` is the dense reference (for SDPA); `visibility_mask_mod` is the same rule as a
-flex-attention mask_mod, and `flex_block_mask` wraps it in a BlockMask for the CUDA path.
+flex-attention mask_mod, and `flex_block_mask` wraps it in a BlockMask for flex attention.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 SHARED_OWNER = -1
+
+_compiled_create_block_mask = None  # torch.compile(create_block_mask), built on first use
 
 
 def _check_shapes(
@@ -123,7 +125,9 @@ def visibility_mask_mod(
         shared = (owner == SHARED_OWNER) & (context_positions[b, c] < block_corpus_limit[b, q_block])
         private = owner == q_block
         sees_context = (shared | private) & context_valid[b, c] & block_valid[b, q_block]
-        kv_block = torch.clamp(kv_idx - num_context, min=0) // block_size
+        # Context keys give a negative block id, which no query block has; the where() picks
+        # sees_context for them anyway. (A clamp here trips inductor's range analysis.)
+        kv_block = (kv_idx - num_context) // block_size
         sees_block = kv_block == q_block
         return torch.where(kv_idx < num_context, sees_context, sees_block)
 
@@ -140,9 +144,17 @@ def flex_block_mask(
     block_size: int,
     compile: bool = False,
 ):
-    """A flex-attention BlockMask for the rule, on the tensors' device (the CUDA path)."""
+    """A flex-attention BlockMask for the rule, on the tensors' device.
+
+    compile=True (training) traces the mask with torch.compile, which evaluates mask_mod block by
+    block; eager evaluates it on the whole [B, Q, C + Q] grid at once (fine for tests and decoding).
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
+    global _compiled_create_block_mask
+    if compile and _compiled_create_block_mask is None:
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    build = _compiled_create_block_mask if compile else create_block_mask
     mask_mod = visibility_mask_mod(
         context_positions=context_positions,
         context_owner=context_owner,
@@ -153,12 +165,11 @@ def flex_block_mask(
     )
     batch, num_blocks = block_corpus_limit.shape
     num_queries = num_blocks * block_size
-    return create_block_mask(
+    return build(
         mask_mod,
         B=batch,
         H=None,
         Q_LEN=num_queries,
         KV_LEN=context_positions.shape[1] + num_queries,
         device=block_corpus_limit.device,
-        _compile=compile,
     )

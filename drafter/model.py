@@ -78,19 +78,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
-_compiled_flex_attention = None
+_compiled_flex_attention = {}  # device type -> torch.compile(flex_attention)
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: BlockMask, scale: float) -> Tensor:
-    # Uncompiled flex attention materialises the full score matrix; compile once on CUDA.
-    # CPU keeps the eager path (tests only), which avoids a long compile.
-    global _compiled_flex_attention
-    fn = flex_attention
-    if q.is_cuda:
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention)
-        fn = _compiled_flex_attention
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    # Uncompiled flex attention materialises the full score matrix; compile once per device type.
+    # PyTorch 2.13 on CPU: forward only (inputs that require grad raise NotImplementedError, so CPU
+    # training uses SDPA), and static shapes, one compile per shape: its C++ template does not
+    # compile once shapes turn dynamic (CppCompileError on the second shape).
+    device_type = q.device.type
+    if device_type not in _compiled_flex_attention:
+        dynamic = False if device_type == "cpu" else None
+        _compiled_flex_attention[device_type] = torch.compile(flex_attention, dynamic=dynamic)
+    return _compiled_flex_attention[device_type](q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 class DFlashAttention(nn.Module):
@@ -228,7 +228,7 @@ class DFlashDrafter(nn.Module):
         context_features [B, C, n*H] raw target features; context_positions [B, C];
         block_embeds [B, Q, H] (target-embedded block tokens); block_positions [B, Q];
         attention_mask: dense bool [B, 1, Q, C + Q] (True = may attend; SDPA path) or a
-        flex-attention BlockMask over the same layout (CUDA path).
+        flex-attention BlockMask over the same layout (flex path).
         """
         _check_inputs(
             self.config,

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from safetensors.torch import load_file, save_file
 
+from drafter.config import AUTO_MAP
 from drafter import (
     DFlashConfig,
     DFlashDrafter,
@@ -245,8 +246,8 @@ def test_save_load_round_trip(tmp_path):
     stored = load_file(tmp_path / "model.safetensors")
     assert set(stored) == spec_tensor_names(2)
     assert stored["fc.weight"].shape == (HIDDEN, 3 * HIDDEN)
-    with open(tmp_path / "config.json") as f:
-        assert json.load(f) == model.config.to_hf_dict()
+    with open(tmp_path / "config.json") as f:  # the config, plus what AutoModel and transformers 4.x read
+        assert json.load(f) == {**model.config.to_hf_dict(), "torch_dtype": "float32", "auto_map": AUTO_MAP}
     loaded = load_drafter(tmp_path)
     assert loaded.config == model.config
     for name, tensor in model.state_dict().items():
@@ -491,12 +492,27 @@ def test_flex_attention_matches_sdpa():
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention and its backward need CUDA")
-def test_flex_attention_matches_sdpa_values_and_gradients_on_cuda():
-    model = tiny_model().cuda()
-    inputs = {k: v.cuda() for k, v in forward_inputs(model).items()}
-    visibility = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in forward_visibility().items()}
-    weights = torch.randn(2, 3 * BLOCK, HIDDEN, device="cuda")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_flex_attention_matches_sdpa_values_and_gradients(device):
+    """The training path: compiled create_block_mask and compiled flex_attention, against SDPA with
+    the dense mask. PyTorch 2.13 has no flex-attention backward on CPU (it raises for inputs that
+    require grad, and inductor lowers the backward to Triton only), so on CPU the values are
+    compared and the gradients only where CUDA is present; the check that CPU still refuses makes
+    this test fail once PyTorch gains a CPU backward, so that the comparison can move here."""
+    model = tiny_model().to(device)
+    inputs = {k: v.to(device) for k, v in forward_inputs(model).items()}
+    visibility = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in forward_visibility().items()}
+    weights = torch.randn(2, 3 * BLOCK, HIDDEN, generator=torch.Generator().manual_seed(7)).to(device)
+    block_mask = flex_block_mask(**visibility, compile=True)
+    tolerance = 1e-5 if device == "cpu" else 1e-4  # CUDA: different summation order in the kernel
+
+    with torch.no_grad():
+        sdpa_values, flex_values = model(**inputs), model(**(inputs | {"attention_mask": block_mask}))
+    assert sdpa_values.abs().mean() > 0.1
+    torch.testing.assert_close(flex_values, sdpa_values, atol=tolerance, rtol=tolerance)
 
     def run(mask):
         model.zero_grad()
@@ -504,12 +520,50 @@ def test_flex_attention_matches_sdpa_values_and_gradients_on_cuda():
         (out * weights).sum().backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
+    if device == "cpu":
+        with pytest.raises(NotImplementedError, match="backward on CPU"):
+            run(block_mask)
+        return
     sdpa_out, sdpa_grads = run(inputs["attention_mask"])
-    flex_out, flex_grads = run(flex_block_mask(**visibility))
+    flex_out, flex_grads = run(block_mask)
     torch.testing.assert_close(flex_out, sdpa_out, atol=1e-4, rtol=1e-4)
     for name in sdpa_grads:
         scale = max(1.0, sdpa_grads[name].abs().max().item())
         torch.testing.assert_close(flex_grads[name], sdpa_grads[name], atol=1e-4 * scale, rtol=1e-4, msg=name)
+
+
+def _blocks_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """A BlockMask's (num_blocks [B, H, rows], indices [B, H, rows, max]) as bool [B, H, rows, num_cols]."""
+    used = torch.arange(indices.shape[-1]) < num_blocks[..., None]  # [B, H, rows, max]
+    dense = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=torch.long)
+    dense.scatter_add_(-1, torch.where(used, indices.long(), num_cols), torch.ones_like(dense[..., :-1]))
+    return dense[..., :num_cols] > 0
+
+
+def test_compiled_block_mask_equals_the_dense_mask_block_by_block():
+    """Several 128 x 128 mask tiles, some empty, some full, some partial: the compiled BlockMask's
+    tiles in both directions (kv tiles per query tile for the forward, query tiles per kv tile for
+    the backward) are the dense reference's tiles."""
+    g = torch.Generator().manual_seed(3)
+    batch, num_context, num_blocks, block_size = 2, 256, 20, 16
+    inputs = dict(
+        context_positions=torch.arange(num_context).expand(batch, -1),
+        context_owner=torch.stack([torch.full((num_context,), -1), torch.randint(-1, num_blocks, (num_context,), generator=g)]),
+        context_valid=torch.stack([torch.ones(num_context, dtype=torch.bool), torch.rand(num_context, generator=g) < 0.8]),
+        block_corpus_limit=torch.stack([torch.full((num_blocks,), 300), torch.randint(0, num_context, (num_blocks,), generator=g)]),
+        block_valid=torch.stack([torch.ones(num_blocks, dtype=torch.bool), torch.rand(num_blocks, generator=g) < 0.8]),
+        block_size=block_size,
+    )
+    compiled = flex_block_mask(**inputs, compile=True)
+    dense = visibility_mask(**inputs)  # [B, 1, 320, 576]
+    tiles = torch.nn.functional.pad(dense, (0, 640 - 576, 0, 384 - 320)).view(batch, 1, 3, 128, 5, 128)
+    full = tiles.all(dim=5).all(dim=3)  # [B, 1, 3, 5]
+    partial = tiles.any(dim=5).any(dim=3) & ~full
+    assert full.any() and partial.any() and not (full | partial).all()
+    assert torch.equal(_blocks_to_dense(compiled.kv_num_blocks, compiled.kv_indices, 5), partial)
+    assert torch.equal(_blocks_to_dense(compiled.full_kv_num_blocks, compiled.full_kv_indices, 5), full)
+    assert torch.equal(_blocks_to_dense(compiled.q_num_blocks, compiled.q_indices, 3), partial.transpose(2, 3))
+    assert torch.equal(_blocks_to_dense(compiled.full_q_num_blocks, compiled.full_q_indices, 3), full.transpose(2, 3))
 
 
 def test_blocks_are_isolated_and_see_only_earlier_context():

@@ -115,8 +115,17 @@ class TrainBatch:
     num_sequences: int
 
     def to(self, device) -> TrainBatch:
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TrainBatch(**{k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in moved.items()})
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> TrainBatch:
+        """Every tensor in page-locked memory. The DataLoader (pin_memory=True) calls this on each
+        batch; it pins only tensors and objects with this method, so without it nothing is pinned
+        and `to(..., non_blocking=True)` copies synchronously."""
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> TrainBatch:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TrainBatch(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in values.items()})
 
 
 def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadFailure:

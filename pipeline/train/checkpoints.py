@@ -19,7 +19,10 @@ STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 
 # Settings a resumed run may change: they alter neither the objective nor the data of a step.
-RESUMABLE_CHANGES = frozenset({"epochs", "max_steps", "save_every", "resume", "progress", "num_workers", "prefetch", "out"})
+# (--attention picks a kernel, not the math: flex and sdpa agree to 1e-5.)
+RESUMABLE_CHANGES = frozenset(
+    {"epochs", "max_steps", "save_every", "resume", "progress", "num_workers", "prefetch", "out", "attention"}
+)
 
 
 def checkpoint_dir(run: Path, step: int) -> Path:

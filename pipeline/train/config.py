@@ -9,6 +9,7 @@ from pipeline.config import from_flags, group, opt
 from pipeline.train.labels import ObjectiveConfig
 
 PRECISIONS = ("auto", "bf16", "fp32")
+ATTENTIONS = ("auto", "flex", "sdpa")
 SAVE_DTYPES = ("bfloat16", "float32")
 
 
@@ -30,7 +31,7 @@ class DrafterInit:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """AdamW, the schedule (a function of the step), batching and precision."""
+    """AdamW, the schedule (a function of the step), batching, precision and the attention kernel."""
 
     epochs: int = opt("Passes over the cache.", default=3)
     batch_size: int = opt("Global batch in sequences per optimizer step (all ranks, all micro-batches).", default=24)
@@ -38,8 +39,17 @@ class OptimConfig:
     lr: float = opt("Peak learning rate (AdamW, weight decay 0).", default=1.47e-3)
     warmup_frac: float = opt("Fraction of steps of linear warm-up before the cosine decay to 0.", default=0.04)
     grad_clip: float = opt("Gradient-norm clip.", default=1.0)
-    precision: str = opt("auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32; master weights stay fp32.", default="auto")
+    precision: str = opt(
+        "auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32. Master weights stay fp32; under bf16 the frozen "
+        "embed_tokens / lm_head are held in bf16 and the loss's lm_head GEMM runs in bf16, log-softmax and loss in fp32.",
+        default="auto",
+    )
     loss_chunk: int = opt("Supervised slots per lm_head chunk (bounds the [chunk, vocab] logits).", default=4096)
+    attention: str = opt(
+        "auto (flex on CUDA, sdpa on CPU), flex (compiled flex attention with a block-sparse mask; CUDA only, "
+        "PyTorch has no flex backward on CPU) or sdpa (dense mask, [B, Q, C + Q] per step).",
+        default="auto",
+    )
 
     def __post_init__(self):
         for name in ("epochs", "batch_size", "grad_accum", "loss_chunk"):
@@ -49,6 +59,8 @@ class OptimConfig:
             raise ValueError("--lr and --grad-clip must be > 0 and --warmup-frac in [0, 1)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"--attention must be auto, flex or sdpa, got {self.attention!r}")
 
 
 @dataclass(kw_only=True)

@@ -70,18 +70,22 @@ class StepStats:
     def __add__(self, other: StepStats) -> StepStats:
         return StepStats(**{name: value + getattr(other, name) for name, value in vars(self).items()})
 
-    def all_reduced(self, world_size: int) -> StepStats:
+    def all_reduced(self, *, device: torch.device, world_size: int) -> StepStats:
         """Summed over ranks (one collective; the tensors stay on the training device)."""
-        if world_size == 1:
-            return self
         flat = torch.cat([self.loss_sum[None], self.weight_sum[None], self.slot_correct, self.slot_count])
-        dist.all_reduce(flat)
+        flat = all_reduce_on(flat, device=device, world_size=world_size)
         num_slots = self.slot_count.numel()
         return StepStats(loss_sum=flat[0], weight_sum=flat[1], slot_correct=flat[2 : 2 + num_slots], slot_count=flat[2 + num_slots :])
 
 
-def forward_loss(model, batch: TrainBatch, *, embed_tokens, lm_head, block_size: int, loss_chunk: int, autocast) -> StepStats:
-    """Draft every block of the batch and score the supervised slots against their labels."""
+def forward_loss(
+    model, batch: TrainBatch, *, embed_tokens, lm_head, block_size: int, loss_chunk: int, autocast, attention: str = "sdpa"
+) -> StepStats:
+    """Draft every block of the batch and score the supervised slots against their labels.
+
+    attention: "flex" (compiled block mask and flex attention) or "sdpa" (dense mask). Under bf16
+    autocast the drafter and the lm_head GEMM run in bf16; the residual stream, log-softmax and
+    loss stay fp32 (docs/design.md, "A training step")."""
     mask_inputs = dict(
         context_positions=batch.context_positions,
         context_owner=batch.context_owner,
@@ -90,7 +94,7 @@ def forward_loss(model, batch: TrainBatch, *, embed_tokens, lm_head, block_size:
         block_valid=batch.block_valid,
         block_size=block_size,
     )
-    if batch.block_tokens.is_cuda:
+    if attention == "flex":
         attention_mask = flex_block_mask(**mask_inputs, compile=True)
     else:
         attention_mask = visibility_mask(**mask_inputs)  # [B, 1, Q, C + Q]
@@ -98,7 +102,7 @@ def forward_loss(model, batch: TrainBatch, *, embed_tokens, lm_head, block_size:
         hidden = model(
             context_features=batch.context_features,
             context_positions=batch.context_positions,
-            block_embeds=F.embedding(batch.block_tokens, embed_tokens),
+            block_embeds=F.embedding(batch.block_tokens, embed_tokens).float(),  # fp32 residual stream
             block_positions=batch.block_positions,
             attention_mask=attention_mask,
         )  # [B, Q, H]
@@ -110,7 +114,9 @@ def forward_loss(model, batch: TrainBatch, *, embed_tokens, lm_head, block_size:
     label_ids, label_probs = batch.label_ids[supervised], batch.label_probs[supervised]  # [M, k]
 
     def chunk_loss(h, ids, probs, w):
-        logits = F.linear(h.float(), lm_head.float())  # [chunk, V] in fp32
+        with autocast:
+            logits = F.linear(h, lm_head)  # [chunk, V]: a bf16 GEMM under autocast, else fp32
+        logits = logits.float()
         loss_sum, _ = topk_tail_loss(draft_logits=logits, label_ids=ids, label_probs=probs, weights=w)
         return loss_sum, (logits.argmax(-1) == ids[:, 0])
 
@@ -145,7 +151,11 @@ def _distributed() -> tuple[int, int, torch.device]:
     return (dist.get_rank() if world_size > 1 else 0), world_size, device
 
 
-def _all_reduce(t: torch.Tensor, world_size: int) -> torch.Tensor:
+def all_reduce_on(t: torch.Tensor, *, device: torch.device, world_size: int) -> torch.Tensor:
+    """Sum t over ranks in place; every collective of the loop goes through here. t must be on the
+    training device: NCCL cannot reduce a CPU tensor, so the check runs on one process too."""
+    if t.device != torch.device(device):
+        raise RuntimeError(f"collective on a {t.device} tensor while training on {device}")
     if world_size > 1:
         dist.all_reduce(t)
     return t
@@ -189,9 +199,10 @@ class TrainState:
     drafter: DFlashDrafter
     model: torch.nn.Module  # the drafter, or its DDP wrapper
     optimizer: torch.optim.Optimizer
-    embed_tokens: torch.Tensor  # frozen [V, H]
+    embed_tokens: torch.Tensor  # frozen [V, H], in the compute dtype (bf16 under bf16 autocast)
     lm_head: torch.Tensor  # frozen [V, H]
     autocast: contextlib.AbstractContextManager
+    attention: str  # "flex" or "sdpa"
     batches: object  # iterator over this rank's micro-batches, from start_step on
     start_step: int
     steps_per_epoch: int
@@ -226,6 +237,10 @@ def setup(config: TrainConfig) -> TrainState:
         torch.set_rng_state(state["rng"])
         start_step = state["step"]
     use_bf16 = optim.precision == "bf16" or (optim.precision == "auto" and device.type == "cuda")
+    compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    attention = "flex" if optim.attention == "flex" or (optim.attention == "auto" and device.type == "cuda") else "sdpa"
+    if attention == "flex" and device.type != "cuda":
+        raise ValueError(f"--attention flex needs a CUDA device (PyTorch has no flex-attention backward on {device.type}); use sdpa or auto")
 
     per_epoch = steps_per_epoch(len(reader), batch_size=optim.batch_size)
     total_steps = per_epoch * optim.epochs
@@ -247,9 +262,10 @@ def setup(config: TrainConfig) -> TrainState:
         drafter=drafter,
         model=torch.nn.parallel.DistributedDataParallel(drafter) if world_size > 1 else drafter,
         optimizer=optimizer,
-        embed_tokens=head["embed_tokens.weight"].to(device, torch.float32),
-        lm_head=head["lm_head.weight"].to(device, torch.float32),
+        embed_tokens=head["embed_tokens.weight"].to(device, compute_dtype),
+        lm_head=head["lm_head.weight"].to(device, compute_dtype),
         autocast=torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext(),
+        attention=attention,
         batches=iter(loader),
         start_step=start_step,
         steps_per_epoch=per_epoch,
@@ -266,7 +282,7 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
     """One optimizer step over this rank's micro-batches; returns the step's metrics record."""
     step_start = time.time()
     micro_batches = [_next_batch(s) for _ in range(config.optim.grad_accum)]
-    weight_total = _all_reduce(sum(b.slot_weights.sum() for b in micro_batches).double(), s.world_size)
+    weight_total = all_reduce_on(sum(b.slot_weights.sum() for b in micro_batches).double(), device=s.device, world_size=s.world_size)
     lr = lr_at(step, total_steps=s.total_steps, peak_lr=config.optim.lr, warmup_frac=config.optim.warmup_frac)
     for param_group in s.optimizer.param_groups:
         param_group["lr"] = lr
@@ -276,7 +292,7 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
         with contextlib.nullcontext() if sync else s.model.no_sync():
             stats = forward_loss(
                 s.model, batch, embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=s.num_slots + 1,
-                loss_chunk=config.optim.loss_chunk, autocast=s.autocast,
+                loss_chunk=config.optim.loss_chunk, autocast=s.autocast, attention=s.attention,
             )  # fmt: skip
             # DDP averages gradients over ranks; scaling by world_size makes that the global mean.
             (stats.loss_sum * (s.world_size / (weight_total.float() + 1e-6))).backward()
@@ -285,9 +301,9 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
     s.optimizer.step()
     s.optimizer.zero_grad(set_to_none=True)
 
-    totals = totals.all_reduced(s.world_size)
+    totals = totals.all_reduced(device=s.device, world_size=s.world_size)
     num_tokens = torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=s.device)
-    num_tokens = _all_reduce(num_tokens, s.world_size).item()
+    num_tokens = all_reduce_on(num_tokens, device=s.device, world_size=s.world_size).item()
     slot_acc = (totals.slot_correct / totals.slot_count.clamp_min(1)).tolist()
     return {
         "step": step + 1,
