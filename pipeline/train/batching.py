@@ -15,6 +15,7 @@ from torch import Tensor
 
 from drafter.masks import SHARED_OWNER
 from pipeline.train.labels import BlockTargets, ObjectiveConfig, build_block_targets
+from pipeline.train.methods import required_arrays
 from storage.format import ANCHOR_ARRAYS, TOKEN_ARRAYS
 
 # Record arrays the label builder reads (features are handled separately, below).
@@ -57,6 +58,9 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         self.reader = reader
         self.objective = objective
         self.seed = seed
+        # Only what the method needs is read; an IRA secondary's parent rollout features are read
+        # afterwards for the drawn parents alone (docs/design.md, "A training step").
+        self.arrays = required_arrays(objective.method) - {"rollout_features"}
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -64,7 +68,7 @@ class CacheTrainDataset(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, int]) -> SequenceExample | ReadFailure:
         epoch, index = key
         try:
-            record = self.reader.read(index, decode_features=True)
+            record = self.reader.read(index, decode_features=True, arrays=self.arrays)
         except ValueError as error:
             return ReadFailure(message=str(error))
         tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
@@ -75,15 +79,18 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         num_tokens = corpus_features.shape[0]
         features, positions, owners = [corpus_features], [torch.arange(num_tokens)], [torch.full((num_tokens,), SHARED_OWNER)]
         # IRA secondaries also see the parent's rollout features of y*[1..j-1] at positions a+1..a+j-1.
-        secondary = torch.nonzero(targets.private_parent >= 0).flatten().tolist()
+        secondary = [b for b in torch.nonzero(targets.private_parent >= 0).flatten().tolist() if targets.private_len[b] > 0]
         if secondary:
-            rollout_features = record["rollout_features"]  # [A, K-2, F]
+            parents = sorted({int(targets.private_parent[b]) for b in secondary})
+            try:
+                rows = self.reader.read_rollout_features(index, np.asarray(parents))  # [P, K-2, F]
+            except ValueError as error:
+                return ReadFailure(message=str(error))
+            parent_features = dict(zip(parents, rows))
             anchor_pos = tensors["anchor_pos"].long()
             for block in secondary:
                 parent, length = int(targets.private_parent[block]), int(targets.private_len[block])
-                if length == 0:
-                    continue
-                features.append(torch.from_numpy(np.asarray(rollout_features[parent, :length], dtype=np.float32)))
+                features.append(torch.from_numpy(np.asarray(parent_features[parent][:length], dtype=np.float32)))
                 positions.append(anchor_pos[parent] + 1 + torch.arange(length))
                 owners.append(torch.full((length,), block))
         return SequenceExample(
