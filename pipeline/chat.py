@@ -64,7 +64,13 @@ def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
     if path.is_dir():
         import datasets
 
-        dataset = datasets.load_from_disk(str(path))
+        try:
+            dataset = datasets.load_from_disk(str(path))
+        except FileNotFoundError:
+            raise ValueError(
+                f"{path}: a directory but not a dataset saved with save_to_disk "
+                "(point --corpus at a .jsonl, .parquet or .arrow file, or at one split's directory)"
+            ) from None
         if isinstance(dataset, datasets.DatasetDict):
             raise ValueError(f"{path}: holds a DatasetDict (splits {list(dataset)}); point at one split's directory")
         return _iter_arrow_batches(dataset.with_format("arrow").iter(batch_size=1024))
@@ -99,9 +105,17 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
             if not text.strip():
                 continue
             try:
-                yield line_index, json.loads(text)
+                # Without its line break, so an error's column is on this line, not "line 2 column 1".
+                yield line_index, json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as error:
-                yield line_index, CorpusError(f"{where}: bad JSON: {error.msg} at column {error.colno}", "bad_json")
+                yield line_index, CorpusError(f"{where}: bad JSON: {_json_error(error)}", "bad_json")
+
+
+def _json_error(error: json.JSONDecodeError) -> str:
+    """"Expecting value at column 4"; json's own "Unterminated string starting at" already ends in
+    "at" (the column is where the string starts)."""
+    glue = " " if error.msg.endswith(" at") else " at "
+    return f"{error.msg}{glue}column {error.colno}"
 
 
 def _iter_arrow_batches(batches) -> Iterator[tuple[int, object]]:

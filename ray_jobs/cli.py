@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from pipeline.build.config import CacheBuildConfig
-from pipeline.cli import config_from_flags, config_options, eval_run, eval_score, train_cli
+from pipeline.cli import config_from_flags, config_options, eval_compare, eval_run, eval_score, train_cli
 
 # ----------------------------------------------------------------------------------------------
 # alrira-cache
@@ -31,8 +31,8 @@ def cache_build(progress: bool, **kwargs):
     config = config_from_flags(CacheBuildConfig, kwargs)
     try:
         build_cache(config, progress=progress, log=lambda m: click.echo(m, err=True))
-    except ValueError as error:
-        raise click.ClickException(str(error)) from None
+    except (ValueError, OSError) as error:  # bad input or a failing filesystem / cluster: one line, no traceback
+        raise click.ClickException(str(error).splitlines()[0] if str(error) else type(error).__name__) from None
 
 
 @cache_cli.command("info")
@@ -42,6 +42,7 @@ def cache_info(cache: str, as_json: bool):
     """Sequences, tokens, anchors, bytes per token, compression, and which objectives the cache serves."""
     from pipeline.train.methods import METHODS, required_arrays
     from storage.reader import available_arrays, cache_stats, open_cache
+    from storage.verify import size_problems
 
     try:
         reader = open_cache(cache)
@@ -68,14 +69,19 @@ def cache_info(cache: str, as_json: bool):
     }
     if as_json:
         click.echo(json.dumps(info, indent=2))
-        return
-    width = max(len(k) for k in info)
-    for key, value in info.items():
-        if isinstance(value, float):
-            value = f"{value:,.3f}"
-        elif isinstance(value, int):
-            value = f"{value:,}"
-        click.echo(f"{key.ljust(width)}  {value}")
+    else:
+        width = max(len(k) for k in info)
+        for key, value in info.items():
+            if isinstance(value, float):
+                value = f"{value:,.3f}"
+            elif isinstance(value, int):
+                value = f"{value:,}"
+            click.echo(f"{key.ljust(width)}  {value}")
+    problems = size_problems(cache, manifest)
+    for problem in problems:
+        click.echo(problem, err=True)
+    if problems:
+        raise click.ClickException(f"{cache}: {len(problems)} shard(s) damaged; run `alrira-cache verify {cache}`")
 
 
 @cache_cli.command("verify")
@@ -107,6 +113,7 @@ def cli_reference_markdown() -> str:
         ("alrira-cache verify", cache_verify),
         ("alrira-train", train_cli),
         ("alrira-eval run", eval_run),
+        ("alrira-eval compare", eval_compare),
         ("alrira-eval score", eval_score),
     ]
     parts = [

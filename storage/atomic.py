@@ -8,9 +8,11 @@ the directory, so a crash at any point leaves no half-written file under the fin
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +46,33 @@ def remove_path(path: str | os.PathLike) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def remove_path_tolerant(path: str | os.PathLike, *, attempts: int = 20) -> None:
+    """remove_path for a tree another process may still be changing (a writer orphaned by a killed
+    build): entries vanishing under the walk are fine, and a directory that is refilled while it
+    is removed (ENOTEMPTY) is retried a few times before the error is raised."""
+    path = Path(path)
+    for attempt in range(attempts):
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, onerror=_ignore_vanished)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+            if not (path.exists() or path.is_symlink()):
+                return
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == attempts - 1:
+                raise
+        time.sleep(0.05 * (attempt + 1))
+    raise OSError(errno.ENOTEMPTY, "still being written by another process", str(path))
+
+
+def _ignore_vanished(function, path, exc_info) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:

@@ -51,7 +51,7 @@ from storage.format import (
     record_array_names,
     shard_name,
 )
-from storage.atomic import fsync_path, fsync_tree, remove_path
+from storage.atomic import fsync_path, fsync_tree, remove_path, remove_path_tolerant
 from storage.manifest import ShardRecord
 from storage.ownership import check_owner
 
@@ -238,13 +238,15 @@ def shard_checksum(path: str | os.PathLike) -> str:
 
 
 def clean_partial_shards(cache_dir: str | os.PathLike) -> list[str]:
-    """Delete `shards/.tmp-*` leftovers of interrupted writes; return their names (sorted)."""
+    """Delete `shards/.tmp-*` leftovers of interrupted writes; return their names (sorted). A
+    writer orphaned by a killed build may still be finishing: entries vanishing or appearing
+    while they are removed are tolerated (storage.atomic.remove_path_tolerant)."""
     shard_dir = Path(cache_dir) / SHARD_DIR
     if not shard_dir.is_dir():
         return []
     removed = sorted(p.name for p in shard_dir.iterdir() if p.name.startswith(PARTIAL_SHARD_PREFIX))
     for name in removed:
-        remove_path(shard_dir / name)
+        remove_path_tolerant(shard_dir / name)
     return removed
 
 
@@ -303,7 +305,7 @@ def write_shard(
         os.rename(tmp, final)
         fsync_path(shard_dir)
     except BaseException:
-        remove_path(tmp)
+        remove_path_tolerant(tmp)
         raise
     return ShardRecord(
         name=name,

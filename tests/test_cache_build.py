@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,8 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.build.config import CacheBuildConfig
+from pipeline.build.driver import build_cache as build_cache_here
+from pipeline.build.driver import run_shards_here
 from ray_jobs.cli import cache_cli
 from pipeline.build.corpus import load_tokenized_corpus
 from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
@@ -23,6 +27,7 @@ from pipeline.target import load_target
 from storage.format import SHARD_DIR
 from storage.manifest import load_manifest
 from storage.reader import open_cache
+from storage.verify import verify_cache
 from tests.conftest import write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -189,7 +194,8 @@ def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_co
     assert resumed.is_complete
     assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]
     assert not [p for p in (out / SHARD_DIR).iterdir() if p.name.startswith(".tmp")]
-    assert CliRunner().invoke(cache_cli, ["verify", str(out)]).exit_code == 0
+    result = CliRunner().invoke(cache_cli, ["verify", str(out)])
+    assert result.exit_code == 0, result.output
 
 
 def _build_and_interrupt(config: CacheBuildConfig, interrupt) -> tuple[int | None, list[Exception]]:
@@ -265,3 +271,142 @@ def test_a_build_that_loses_the_directory_stops_and_the_claimant_finishes(ray_ad
     resumed, clean = _build(ray_address, _config(toy_target, toy_corpus, out, shard_size=1)), load_manifest(reference)
     assert resumed.is_complete
     assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a build may delete, and bad paths: one line each, nothing of the user's touched
+
+
+def _build_here(config: CacheBuildConfig, log=lambda m: None):
+    """The driver with shards computed in this process: the same files as the Ray pool, faster."""
+    return build_cache_here(config, run_shards=run_shards_here, progress=False, log=log)
+
+
+def _one_line_error(result, *needles: str) -> str:
+    assert result.exit_code != 0, result.output
+    message = result.output.strip()
+    assert message.startswith("Error: ") and "\n" not in message and "Traceback" not in message, message
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+def test_out_that_is_not_a_cache_is_refused_and_keeps_its_files(ray_address, toy_target, toy_corpus, tmp_path):
+    """The reported case: the input corpus lives in OUT/corpus/chat.jsonl. Without --overwrite and
+    with it, the build refuses in one line, writes nothing, and the same command fails the same way."""
+    out = tmp_path / "out"
+    (out / "corpus").mkdir(parents=True)
+    corpus = out / "corpus" / "chat.jsonl"
+    shutil.copy(toy_corpus, corpus)
+    runner = CliRunner()
+    for extra in ((), (), ("--overwrite",)):
+        result = runner.invoke(cache_cli, _cli_args(toy_target, corpus, out, ray_address, *extra))
+        _one_line_error(result, str(out), "not a cache")
+        assert corpus.read_bytes() == toy_corpus.read_bytes()
+        assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["corpus", "corpus/chat.jsonl"]
+
+
+def test_overwrite_removes_only_the_caches_own_files(toy_target, toy_corpus, tmp_path):
+    out = tmp_path / "cache"
+    lines = []
+    first = _build_here(_config(toy_target, toy_corpus, out), log=lines.append)
+    # The summary line counts truncated sequences like the manifest does.
+    assert first.corpus_stats["truncated"] > 0
+    assert f"truncated {first.corpus_stats['truncated']}," in lines[-1]
+    user_files = {out / "notes.txt": b"mine", out / SHARD_DIR / "README": b"also mine"}
+    for path, data in user_files.items():
+        path.write_bytes(data)
+
+    second = _build_here(_config(toy_target, toy_corpus, out, top_k=3, overwrite=True))
+    assert second.settings.top_k == 3 and second.is_complete
+    assert all(path.read_bytes() == data for path, data in user_files.items())
+    assert verify_cache(out) == []
+
+    # A file of the user's inside corpus/ would be replaced with the tokenized corpus: refused
+    # before anything is touched, the cache stays as it was.
+    mine = out / "corpus" / "mine.txt"
+    mine.write_text("do not delete")
+    with pytest.raises(ValueError, match=r"corpus: holds files a cache build did not write \(mine.txt\)"):
+        _build_here(_config(toy_target, toy_corpus, out, top_k=4, overwrite=True))
+    assert mine.read_text() == "do not delete"
+    assert load_manifest(out).settings.top_k == 3 and verify_cache(out) == []
+
+
+def test_a_build_that_fails_before_its_first_shard_removes_what_it_wrote(toy_target, toy_corpus, tmp_path):
+    """Every sequence dropped: the build fails after tokenizing; no claim or corpus is left behind
+    (a directory it created is gone, an empty one given to it stays empty)."""
+    for out in (tmp_path / "new", tmp_path / "given"):
+        if out.name == "given":
+            out.mkdir()
+        with pytest.raises(ValueError, match="no sequences left"):
+            _build_here(_config(toy_target, toy_corpus, out, min_supervised_tokens=128))
+        assert (not out.exists()) if out.name == "new" else list(out.iterdir()) == []
+
+
+def test_workers_beyond_the_cluster_are_refused_in_one_line(ray_address, toy_target, toy_corpus, tmp_path):
+    """--workers 3 on the 2-CPU cluster: refused up front instead of waiting forever for a third
+    actor (a subprocess with a timeout, so a regression fails instead of hanging the suite)."""
+    out = tmp_path / "cache"
+    args = _cli_args(toy_target, toy_corpus, out, ray_address, "--workers", "3")
+    proc = subprocess.run(
+        [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: --workers 3:") and "can place 2 worker(s)" in last and "--workers 2" in last, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, *, size: str, read_only: bool = False):
+    """A small tmpfs at `path` (the test runs as root); skipped where mounting is not permitted."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a full or read-only filesystem: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_bad_paths_are_one_line_errors(ray_address, toy_target, toy_corpus, tmp_path):
+    runner = CliRunner()
+    not_a_dataset = tmp_path / "texts"
+    not_a_dataset.mkdir()
+    (not_a_dataset / "a.txt").write_text("hello")
+    result = runner.invoke(cache_cli, _cli_args(toy_target, not_a_dataset, tmp_path / "c1", ray_address))
+    _one_line_error(result, str(not_a_dataset), "not a dataset")
+    assert not (tmp_path / "c1").exists()
+
+    a_file = tmp_path / "c2"
+    a_file.write_text("not a directory")
+    result = runner.invoke(cache_cli, _cli_args(toy_target, toy_corpus, a_file, ray_address))
+    _one_line_error(result, f"--out {a_file}: exists and is not a directory")
+    assert a_file.read_text() == "not a directory"
+
+    with _tmpfs(tmp_path / "ro", size="1m", read_only=True) as read_only:
+        result = runner.invoke(cache_cli, _cli_args(toy_target, toy_corpus, read_only / "cache", ray_address))
+        _one_line_error(result, str(read_only / "cache"), "Read-only file system")
+
+
+def test_full_disk_is_one_line_and_the_cache_stays_consistent(ray_address, toy_target, toy_corpus, tmp_path):
+    """A 1 MiB tmpfs holds the corpus, head and a few shards, then a worker's shard write hits
+    ENOSPC: one line naming the cache, every listed shard intact, no temp files; with room again
+    the same command finishes the cache."""
+    with _tmpfs(tmp_path / "disk", size="1m") as disk:
+        out = disk / "cache"
+        args = _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1")
+        result = CliRunner().invoke(cache_cli, args)
+        _one_line_error(result, str(out), "No space left on device", "free space and rerun the same command to resume")
+        manifest = load_manifest(out)
+        assert 0 < len(manifest.shards) < manifest.num_shards_planned
+        assert verify_cache(out) == [f"{out}/manifest.json: {len(manifest.shards)} of {manifest.num_shards_planned} planned shards are complete"]
+        assert not [p for p in (out / SHARD_DIR).iterdir() if p.name.startswith(".tmp")]
+
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        result = CliRunner().invoke(cache_cli, args)
+        assert result.exit_code == 0, result.output
+        assert load_manifest(out).is_complete and verify_cache(out) == []

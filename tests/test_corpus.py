@@ -337,6 +337,29 @@ def test_a_bad_row_is_a_one_line_error_naming_file_and_line(reason, tokenizer, t
     assert error.value.reason == reason
 
 
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ('{"messages": [', "bad JSON: Expecting value at column 15"),
+        ('{"messages": "no end', "bad JSON: Unterminated string starting at column 14"),
+        ('{"prompt": "tab\there"}', "bad JSON: Invalid control character at column 16"),
+    ],
+)
+def test_bad_json_names_its_column_once(line, expected, tmp_path):
+    """json's own message may already end in "at" ("Unterminated string starting at"): the
+    column is appended once, never as "at at column"."""
+    path = write_jsonl(tmp_path / "prompts.jsonl", [line])
+    [(_, error)] = list(iter_corpus_rows(path))
+    assert isinstance(error, CorpusError) and str(error) == f"{path}:1: {expected}"
+
+
+def test_a_directory_that_is_not_a_dataset_is_a_one_line_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"a directory but not a dataset saved with save_to_disk") as error:
+        iter_corpus_rows(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path}: ") and "\n" not in str(error.value)
+
+
 def test_bad_rows_are_skipped_and_counted_by_reason(tokenizer, tmp_path):
     good = toy_chat_rows(len(BAD_ROWS) + 1, seed=5)
     lines, good_lines = [], []

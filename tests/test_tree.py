@@ -8,7 +8,7 @@ import torch
 
 from pipeline.eval.speculative import cached_draft_logits_fn
 from pipeline.eval.tree import TokenTree, accepted_path, build_tree, tree_attention_mask, tree_speculative_decode
-from tests.test_speculative import PROMPTS, drafter, hf_greedy, spec, target  # noqa: F401 (fixtures)
+from tests.test_speculative import PROMPTS, drafter, hf_greedy, spec, target  # noqa: F401, F811 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from pipeline.chat import CorpusError, iter_corpus_rows, normalize_messages, row_locator
 from pipeline.config import opt
 from storage.atomic import atomic_write_dir
+from storage.ownership import foreign_files
 
 
 # Qwen3 renders a non-thinking answer as "<think>\n\n</think>\n\n" + content: template, not response.
@@ -30,6 +31,7 @@ TRAILING_EMPTY_THINK_BLOCK = re.compile(r"(<think>\s*</think>)?\s*$")
 
 ARRAY_DTYPES = {"source_rows": "int64", "offsets": "int64", "input_ids": "int32", "loss_mask": "uint8"}
 STATS_FILE = "stats.json"
+CORPUS_FILES = (*(f"{name}.npy" for name in ARRAY_DTYPES), STATS_FILE)  # all a saved corpus holds
 
 
 @dataclass(kw_only=True)
@@ -240,7 +242,16 @@ def ingest_corpus(config: CorpusConfig, tokenizer, *, progress: bool = True) -> 
 
 def save_tokenized_corpus(corpus: TokenizedCorpus, out_dir: str | os.PathLike) -> None:
     """Write `corpus` to `out_dir` as {source_rows,offsets,input_ids,loss_mask}.npy + stats.json,
-    atomically (storage.atomic.atomic_write_dir): a reader sees the old directory or the new one."""
+    atomically (storage.atomic.atomic_write_dir): a reader sees the old directory or the new one.
+    An existing `out_dir` is replaced only if it holds nothing but these files: a directory with
+    anything else in it is not a tokenized corpus this code wrote, and is refused, not deleted."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir}: exists and is not a tokenized corpus directory")
+    foreign = foreign_files(out_dir, CORPUS_FILES)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"{out_dir}: holds files a cache build did not write ({shown}); move them or use another --out")
 
     def write(tmp_dir: Path) -> None:
         for name, dtype in ARRAY_DTYPES.items():

@@ -1,0 +1,310 @@
+"""`alrira-cache build` without Ray: hash the inputs, tokenize the corpus once, export the target
+head, plan shards, keep the manifest. The shards themselves are computed by a `run_shards`
+function: `ray_jobs.build` passes one that runs a pool of Ray actors, `run_shards_here` computes
+them in this process (tests, debugging).
+
+Resume rule: a shard counts as done only if the manifest lists it complete AND its checksum still
+verifies; everything else (missing, corrupt, leftover temp directories) is redone. Shard content
+depends only on the settings and the shard's sequences, so a resumed cache is byte-identical to an
+uninterrupted one (docs/design.md, "A cache build").
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pipeline
+from drafter.config import default_target_layer_ids
+from pipeline.build.config import CacheBuildConfig
+from pipeline.build.corpus import CORPUS_FILES, file_sha256, ingest_corpus, load_tokenized_corpus, save_tokenized_corpus
+from pipeline.chat import iter_corpus_rows
+from pipeline.target import load_tokenizer, read_generation_config, read_target_config, read_target_head, stop_token_ids, target_hash
+from storage.format import CORPUS_DIR, MANIFEST_FILE, SHARD_DIR
+from storage.manifest import (
+    CacheSettings,
+    Manifest,
+    ShardRecord,
+    load_manifest,
+    save_manifest,
+    save_target_head,
+    target_head_hash,
+    settings_diff,
+)
+from storage.ownership import (
+    CacheOwnershipLost,
+    check_out_dir,
+    check_owner,
+    claim_cache,
+    foreign_files,
+    is_cache_dir,
+    remove_cache_files,
+    remove_write_leftovers,
+)
+from storage.shards import clean_partial_shards, shard_checksum
+
+
+@dataclass(kw_only=True)
+class ShardSpec:
+    """One shard's work: all that crosses a process boundary on the way out."""
+
+    index: int
+    start: int  # sequence range [start, stop) of the tokenized corpus
+    stop: int
+    owner: str  # the build's claim on the cache directory (storage.ownership.claim_cache)
+
+
+# run_shards(config, pending specs, publish, progress=...): compute every pending shard and call
+# publish(spec, record) as each one is written.
+RunShards = Callable[..., None]
+
+
+def resolve_layer_ids(config: CacheBuildConfig, *, num_target_layers: int) -> list[int]:
+    """Tapped layers: --layers, else the taps of --drafter-init, else the rule of docs/design.md
+    ("The drafter") for --draft-layers (default 1 draft layer when nothing is given)."""
+    taps = config.taps
+    if taps.layers is not None:
+        layer_ids = list(taps.layers)
+    elif taps.drafter_init is not None:
+        path = Path(taps.drafter_init) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"--drafter-init {taps.drafter_init}: no config.json")
+        drafter_config = json.loads(path.read_text())
+        layer_ids = (drafter_config.get("dflash_config") or {}).get("target_layer_ids")
+        if layer_ids is None:
+            raise ValueError(f"{path}: no dflash_config.target_layer_ids")
+    else:
+        layer_ids = default_target_layer_ids(num_target_layers=num_target_layers, num_draft_layers=taps.draft_layers or 1)
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers - 1]
+    if bad:
+        # The last layer's output in HF hidden_states is after the final norm, not a residual tap.
+        raise ValueError(f"--layers: ids {bad} out of range for a {num_target_layers}-layer target (0..{num_target_layers - 2})")
+    return [int(i) for i in layer_ids]
+
+
+def cache_settings(config: CacheBuildConfig, *, layer_ids: list[int]) -> CacheSettings:
+    """What the manifest records of the settings: everything that changes the cache's content."""
+    run, storage, corpus = config.run, config.storage, config.corpus
+    return CacheSettings(
+        target_hash=target_hash(config.target),
+        layer_ids=layer_ids,
+        num_slots=run.num_slots,
+        top_k=run.top_k,
+        anchors_per_sequence=run.anchors_per_sequence,
+        seed=run.seed,
+        max_length=corpus.max_length,
+        min_supervised_tokens=corpus.min_supervised_tokens,
+        feature_codec=storage.feature_codec,
+        storage_format=storage.storage_format,
+        shard_size=storage.shard_size,
+        corpus_hash=file_sha256(corpus.path),
+        skip_bad_rows=corpus.skip_bad_rows,
+        contents=config.contents,
+        backend=config.compute.backend,
+    )
+
+
+def build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: bool = True, log=print) -> Manifest:
+    """Build or resume the cache described by `config`; returns the final manifest.
+
+    A build deletes only files a build writes (storage.ownership): a non-empty --out that is not a
+    cache is refused, and a build that fails before it published a shard into a directory that held
+    no cache removes what it wrote. A failing filesystem (read-only, full, ...) is a one-line
+    ValueError naming the path; published shards and the manifest stay consistent."""
+    out = Path(config.out)
+    try:
+        return _build_cache(config, run_shards=run_shards, progress=progress, log=log)
+    except OSError as error:
+        raise ValueError(_os_error_line(error, out)) from None
+
+
+def _os_error_line(error: OSError, out: Path) -> str:
+    """One line for a failing filesystem: the path, the reason, and for a full disk what to do."""
+    line = f"{error.filename or out}: {error.strerror or error}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        line += f" (cache {out})" if error.filename else ""
+        line += "; the shards published so far are kept: free space and rerun the same command to resume"
+    return line
+
+
+def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: bool, log) -> Manifest:
+    started = time.time()
+    out = Path(config.out)
+    check_out_dir(out)
+    iter_corpus_rows(config.corpus.path)  # a missing or unreadable corpus stops here, before --out is touched
+    target_config = read_target_config(config.target)
+    num_layers = int(target_config["num_hidden_layers"])
+    layer_ids = resolve_layer_ids(config, num_target_layers=num_layers)
+    config = config.with_taps(layer_ids)
+    settings = cache_settings(config, layer_ids=layer_ids)
+
+    previous, replacing = _previous_manifest(out, settings, overwrite=config.overwrite)
+    reuse_corpus = previous is not None and (out / CORPUS_DIR).is_dir()
+    foreign = [] if reuse_corpus else foreign_files(out / CORPUS_DIR, CORPUS_FILES)
+    if foreign:
+        raise ValueError(
+            f"{out / CORPUS_DIR}: holds files a cache build did not write ({', '.join(foreign[:3])}); "
+            "move them or use another --out"
+        )
+    had_cache, created = is_cache_dir(out), not out.exists()
+    try:
+        owner = claim_cache(out)  # from here on, writers of any earlier build stop before publishing
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot write there ({error.strerror or error})") from None
+    num_published = [0]
+    try:
+        if replacing:
+            old_shards = [s.name for s in load_manifest(out).shards]
+            removed = remove_cache_files(out, corpus_files=CORPUS_FILES, shard_names=old_shards)
+            log(f"--overwrite: removed {len(removed)} file(s) of the old cache")
+        else:
+            remove_write_leftovers(out)
+        manifest = _build_claimed(
+            config, out=out, owner=owner, settings=settings, target_config=target_config, previous=previous,
+            reuse_corpus=reuse_corpus, run_shards=run_shards, num_published=num_published, progress=progress, log=log,
+        )  # fmt: skip
+    except Exception as error:
+        if not had_cache and num_published[0] == 0 and not isinstance(error, CacheOwnershipLost):
+            _remove_failed_build(out, owner=owner, created=created)
+        raise
+    log(_summary(manifest, elapsed=time.time() - started))
+    return manifest
+
+
+def _build_claimed(
+    config: CacheBuildConfig, *, out: Path, owner: str, settings: CacheSettings, target_config: dict,
+    previous: Manifest | None, reuse_corpus: bool, run_shards: RunShards, num_published: list[int], progress: bool, log,
+) -> Manifest:  # fmt: skip
+    """The build once `owner` has claimed `out`: corpus, head, shard plan, manifest, shards."""
+    tokenizer = load_tokenizer(config.target)
+    corpus = _tokenized_corpus(config, tokenizer, reuse=reuse_corpus, progress=progress)
+    if len(corpus) == 0:
+        raise ValueError(f"{config.corpus.path}: no sequences left after filtering ({corpus.stats['dropped']})")
+    vocab_size = int(target_config["vocab_size"])
+    mask_token_id = len(tokenizer)
+    if mask_token_id >= vocab_size:
+        raise ValueError(
+            f"{config.target}: the tokenizer fills the whole embedding ({vocab_size} rows), no unused row for the mask token"
+        )
+    if target_head_hash(out) != settings.target_hash:  # missing, or written for another target
+        embed_tokens, lm_head = read_target_head(config.target)
+        save_target_head(out, embed_tokens=embed_tokens, lm_head=lm_head, target_hash=settings.target_hash)
+
+    shard_size = config.storage.shard_size
+    specs = [
+        ShardSpec(index=i, start=start, stop=min(start + shard_size, len(corpus)), owner=owner)
+        for i, start in enumerate(range(0, len(corpus), shard_size))
+    ]
+    removed = clean_partial_shards(out)
+    if removed:
+        log(f"removed {len(removed)} partial shard(s) left by an interrupted build")
+    done = _verified_shards(out, previous, log=log)
+    manifest = Manifest(
+        settings=settings,
+        target_path=str(Path(config.target).resolve()),
+        target_config=target_config,
+        num_target_layers=int(target_config["num_hidden_layers"]),
+        hidden_size=int(target_config["hidden_size"]),
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids(tokenizer, read_generation_config(config.target)),
+        mask_token_id=mask_token_id,
+        corpus_path=str(Path(config.corpus.path).resolve()),
+        corpus_stats=corpus.stats,
+        shards=sorted(done.values(), key=lambda s: s.index),
+        num_shards_planned=len(specs),
+        created_with=f"alrira {pipeline.__version__}",
+    )
+    check_owner(out, owner)
+    save_manifest(out, manifest)
+
+    def publish(spec: ShardSpec, record: ShardRecord) -> None:
+        manifest.shards = sorted([*manifest.shards, record], key=lambda s: s.index)
+        check_owner(out, spec.owner)  # a build that lost the directory must not write its manifest
+        save_manifest(out, manifest)
+        num_published[0] += 1
+
+    pending = [s for s in specs if s.index not in done]
+    if done:
+        log(f"resuming: {len(done)} of {len(specs)} shards verified, {len(pending)} to build")
+    if pending:
+        run_shards(config, pending, publish, progress=progress)
+    # Every writer of this build has finished; a temp directory now is an orphaned writer's.
+    removed = clean_partial_shards(out)
+    if removed:
+        log(f"removed {len(removed)} partial shard(s) left by writers of an earlier build")
+    return manifest
+
+
+def run_shards_here(config: CacheBuildConfig, pending: list[ShardSpec], publish, *, progress: bool = True) -> None:
+    """Compute the shards one after another in this process (no Ray)."""
+    from pipeline.build.shard_builder import ShardBuilder
+
+    builder = ShardBuilder(config)
+    for spec in pending:
+        publish(spec, builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner))
+
+
+def _previous_manifest(out: Path, settings: CacheSettings, *, overwrite: bool) -> tuple[Manifest | None, bool]:
+    """(the manifest to resume from or None, whether the existing cache is to be replaced);
+    refuses a changed setting without --overwrite."""
+    if not (out / MANIFEST_FILE).exists():
+        return None, False
+    previous = load_manifest(out)
+    changed = settings_diff(previous.settings, settings)
+    if not changed:
+        return previous, False
+    if not overwrite:
+        raise ValueError(
+            f"{out}: existing cache was built with different settings ({'; '.join(changed)}); "
+            "use a new --out or pass --overwrite to replace it"
+        )
+    return None, True
+
+
+def _remove_failed_build(out: Path, *, owner: str, created: bool) -> None:
+    """After a build that published no shard into a directory that held no cache: remove what it
+    wrote (the claim, corpus, head, manifest), unless another build has claimed the directory."""
+    try:
+        check_owner(out, owner)
+    except CacheOwnershipLost:
+        return
+    remove_cache_files(out, corpus_files=CORPUS_FILES, claim=True)
+    if created and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
+def _tokenized_corpus(config: CacheBuildConfig, tokenizer, *, reuse: bool, progress: bool):
+    """Tokenize the corpus once per cache; a resumed build reuses the saved copy."""
+    corpus_dir = Path(config.out) / CORPUS_DIR
+    if reuse and corpus_dir.exists():
+        return load_tokenized_corpus(corpus_dir, mmap=True)
+    corpus = ingest_corpus(config.corpus, tokenizer, progress=progress)
+    save_tokenized_corpus(corpus, corpus_dir)
+    return load_tokenized_corpus(corpus_dir, mmap=True)
+
+
+def _verified_shards(out: Path, previous: Manifest | None, *, log) -> dict[int, ShardRecord]:
+    """Shards of the previous run that are listed complete and whose checksum still verifies."""
+    done = {}
+    for record in previous.shards if previous else []:
+        path = out / SHARD_DIR / record.name
+        if record.status == "complete" and path.exists() and shard_checksum(path) == record.checksum:
+            done[record.index] = record
+        else:
+            log(f"{record.name}: missing or checksum mismatch, rebuilding")
+    return done
+
+
+def _summary(manifest: Manifest, *, elapsed: float) -> str:
+    stats = manifest.corpus_stats
+    dropped = ", ".join(f"{k}={v}" for k, v in sorted(stats.get("dropped", {}).items())) or "none"
+    contents = ", ".join(manifest.settings.contents) or "none"
+    return (
+        f"cache: {len(manifest.shards)}/{manifest.num_shards_planned} shards, {manifest.num_sequences} sequences, "
+        f"{manifest.num_tokens} tokens, {manifest.num_anchors} anchors, array groups: {contents}; "
+        f"corpus rows {stats.get('rows')}, truncated {stats.get('truncated', 0)}, dropped: {dropped}; {elapsed:.1f}s"
+    )
