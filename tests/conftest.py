@@ -63,3 +63,30 @@ def toy_corpus(tmp_path_factory) -> Path:
 
     rows = toy_chat_rows(10, seed=1, response_words=(30, 60))
     return write_jsonl(tmp_path_factory.mktemp("corpus") / "chat.jsonl", rows)
+
+
+@pytest.fixture(scope="session")
+def k7_cache(ray_address, toy_target, toy_corpus, tmp_path_factory) -> Path:
+    """A small real cache (K = 7, taps [0, 2], 16 anchors per sequence) built once per session with
+    the Ray job, for tests that need a trained drafter."""
+    from pipeline.build.config import CacheBuildConfig
+    from ray_jobs.build import build_cache
+
+    cache = tmp_path_factory.mktemp("k7") / "cache"
+    config = CacheBuildConfig.from_flags(
+        target=str(toy_target), corpus=str(toy_corpus), out=str(cache), layers=[0, 2], anchors=16, top_k=4,
+        max_length=128, shard_size=10, num_slots=7,
+    )  # fmt: skip
+    build_cache(config, progress=False, log=lambda m: None)
+    return cache
+
+
+def train_alr_drafter(cache: Path, run: Path, *, epochs: int, draft_layers: int | None = None) -> Path:
+    """Train an alr drafter on `cache` (fp32 export); its checkpoint directory."""
+    from pipeline.train import TrainConfig, train
+
+    train(TrainConfig.from_flags(
+        cache=str(cache), out=str(run), method="alr", epochs=epochs, batch_size=2, num_workers=0, rollout_depth=6,
+        lr=3e-3, progress=False, save_dtype="float32", draft_layers=draft_layers,
+    ))  # fmt: skip
+    return run / "drafter"

@@ -92,26 +92,13 @@ def test_tree_tau_is_at_least_the_chain_tau_of_the_same_drafter(target, drafter)
     assert tree_tokens / tree_rounds >= chain_tokens / chain_rounds
 
 
-def test_a_trained_drafter_accepts_more_with_the_tree(ray_address, toy_target, toy_corpus, target, tmp_path):
+def test_a_trained_drafter_accepts_more_with_the_tree(k7_cache, target, tmp_path):
     """A drafter trained with alr for a few epochs: tree tau > 1 and >= its chain tau, lossless."""
     from drafter.checkpoint import load_drafter
-    from pipeline.build.config import CacheBuildConfig
-    from pipeline.train import TrainConfig, train
-    from ray_jobs.build import build_cache
+    from tests.conftest import train_alr_drafter
 
-    cache = tmp_path / "cache"
-    build_cache(
-        CacheBuildConfig.from_flags(
-            target=str(toy_target), corpus=str(toy_corpus), out=str(cache), layers=[0, 2], anchors=16, top_k=4,
-            max_length=128, shard_size=10, num_slots=7,
-        ),
-        progress=False, log=lambda m: None,
-    )  # fmt: skip
     run = tmp_path / "run"
-    train(TrainConfig.from_flags(
-        cache=str(cache), out=str(run), method="alr", epochs=12, batch_size=2, num_workers=0, rollout_depth=6,
-        lr=3e-3, progress=False, save_dtype="float32",
-    ))  # fmt: skip
+    train_alr_drafter(k7_cache, run, epochs=12)
     trained = load_drafter(run / "drafter", dtype=torch.float32).eval()
     chain_taus, tree_taus = [], []
     for prompt in PROMPTS[:2]:

@@ -167,30 +167,12 @@ def prompts(toy_target, toy_corpus):
 
 
 @pytest.fixture(scope="module")
-def drafters(ray_address, toy_target, toy_corpus, tmp_path_factory):
-    """One cache (taps [0, 2]); a 2-layer drafter (one per tap) and a 1-layer one trained on it."""
-    from pipeline.build.config import CacheBuildConfig
-    from pipeline.train import TrainConfig, train
-    from ray_jobs.build import build_cache
+def drafters(k7_cache, tmp_path_factory):
+    """A 1-layer and a 2-layer (one per tap) drafter trained on the session's K = 7 cache."""
+    from tests.conftest import train_alr_drafter
 
     root = tmp_path_factory.mktemp("serving")
-    cache = root / "cache"
-    build_cache(
-        CacheBuildConfig.from_flags(
-            target=str(toy_target), corpus=str(toy_corpus), out=str(cache), layers=[0, 2], anchors=16, top_k=4,
-            max_length=128, shard_size=10, num_slots=7,
-        ),
-        progress=False, log=lambda m: None,
-    )  # fmt: skip
-    out = {}
-    for layers in (1, 2):
-        run = root / f"run{layers}"
-        train(TrainConfig.from_flags(
-            cache=str(cache), out=str(run), method="alr", epochs=8, batch_size=2, num_workers=0, rollout_depth=6,
-            lr=3e-3, progress=False, save_dtype="float32", draft_layers=layers,
-        ))  # fmt: skip
-        out[layers] = run / "drafter"
-    return out
+    return {layers: train_alr_drafter(k7_cache, root / f"run{layers}", epochs=8, draft_layers=layers) for layers in (1, 2)}
 
 
 def alrira_eval(toy_target, drafter_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]], int]:
