@@ -15,6 +15,7 @@ from torch import Tensor
 
 from pipeline.config import opt
 from pipeline.train.methods import LABEL_SOURCES, METHODS, ROLLOUT_METHODS, recipe
+from storage.format import check_num_slots
 from pipeline.train.objectives import (
     alive_mask,
     base_factors,
@@ -55,10 +56,7 @@ class ObjectiveConfig:
 
     def __post_init__(self) -> None:
         recipe(self.method)  # a ValueError naming the methods for an unknown one
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
-        if recipe(self.method).ira is not None and self.num_slots < 3:
-            raise ValueError(f"num_slots must be >= 3 for {self.method} (offsets j ~ U{{2..K-1}})")
+        check_num_slots(self.num_slots)  # the cache's K: one rule (storage/format.py)
         if not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if not self.dflash_gamma > 0:
