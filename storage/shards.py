@@ -502,8 +502,12 @@ class ZarrShard:
     def read_anchor_rows(self, local: int, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows `rows` (pool indices) of anchor array `name` of sequence `local`: only their chunks are read."""
         a0 = int(self.anchor_offsets[local])
+        array = self.arrays[name]
         try:
-            return self.arrays[name].oindex[a0 + np.asarray(rows, dtype=np.int64)]
+            # One slice per row: 3x faster than zarr's orthogonal indexing over one-anchor chunks
+            # (benchmarks/real_shapes.py).
+            picked = [array[a0 + int(r) : a0 + int(r) + 1] for r in np.asarray(rows, dtype=np.int64)]
+            return np.concatenate(picked) if picked else array[a0:a0]
         except Exception as e:
             raise CorruptShardError(
                 f"{self.path}: array {name}: corrupt chunk ({_first_line(e)}); `alrira-cache verify` checks the whole cache"

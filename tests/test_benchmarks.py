@@ -95,3 +95,15 @@ def test_read_checksums_refuse_a_flipped_byte():
     assert [row[0] for row in rows] == ["zarr", "wds"]
     for row in rows:
         assert row[-2:] == ["silently different", "refused"], row
+
+
+def test_real_shapes_loader_reads_what_each_method_needs(tmp_path):
+    output = run_benchmark("real_shapes.py", "--quick", "--out", str(tmp_path / "work"), timeout=120)
+    results = json.loads((tmp_path / "work" / "results.json").read_text())
+    reads = {r["label"]: r for r in results["reads"]}
+    assert [row[0] for row in table_rows(output, "method")][:5] == ["dflash", "kd", "erase", "alr", "alr_ira"]
+    assert {"dflash", "kd", "erase", "alr", "alr_ira"} <= set(reads)
+    assert 1 <= reads["alr"]["ratio"] < float("inf")
+    assert reads["alr_ira"]["parents_per_seq"] > 0
+    assert reads["alr_ira"]["read_mb_per_seq"] > reads["alr"]["read_mb_per_seq"]
+    assert results["drafter_step"]["step_s"] > 0 and [s["shard_size"] for s in results["stage1"]] == [1, 3]
