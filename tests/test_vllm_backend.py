@@ -204,8 +204,9 @@ def test_other_taps_are_refused(runner, config):
 
 def _has_backend_option() -> bool:
     from pipeline.build.config import CacheBuildConfig
+    from pipeline.config import flag_name, leaf_fields
 
-    return "backend" in {f.name for f in dataclasses.fields(CacheBuildConfig)}
+    return "backend" in {flag_name(f) for f, _ in leaf_fields(CacheBuildConfig)}
 
 
 @pytest.mark.slow
