@@ -393,3 +393,23 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
     model_device = next(trained_on[0].drafter.parameters()).device
     assert len(calls) == 3 * summary["steps"] > 0
     assert all(tensor_device == device == model_device for tensor_device, device in calls), calls
+
+
+def test_bf16_features_travel_as_bits_and_decode_exactly(cache):
+    """The loader hands the training device bf16 bits (uint16, half the bytes of float32); they
+    decode to exactly the reader's float32 features."""
+    from pipeline.train.batching import CacheTrainDataset, collate, decode_feature_bits
+    from pipeline.train.labels import ObjectiveConfig
+    from storage.reader import open_cache
+
+    reader = open_cache(cache)
+    manifest = reader.manifest
+    objective = ObjectiveConfig(method="alr_ira", rollout_depth=14).for_cache(
+        num_slots=manifest.settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids
+    )
+    example = CacheTrainDataset(reader, objective=objective, seed=0)[(0, 0)]
+    batch = collate([example])
+    assert example.context_features.dtype == batch.context_features.dtype == torch.uint16
+    decoded = decode_feature_bits(batch.context_features)[0]
+    corpus = torch.from_numpy(reader.read(0)["features"])  # float32, decoded by the reader
+    assert decoded.dtype == torch.float32 and torch.equal(decoded[: corpus.shape[0]], corpus)

@@ -37,7 +37,7 @@ class SequenceExample:
 
     index: int
     num_tokens: int
-    context_features: Tensor  # [C, F] corpus features, then private (IRA) rollout features
+    context_features: Tensor  # [C, F] corpus features, then private (IRA) rollout features (bf16 bits or float32)
     context_positions: Tensor  # [C] long
     context_owner: Tensor  # [C] long: -1 shared corpus token, else the block index that owns it
     targets: BlockTargets
@@ -61,6 +61,9 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         # Only what the method needs is read; an IRA secondary's parent rollout features are read
         # afterwards for the drawn parents alone (docs/design.md, "A training step").
         self.arrays = required_arrays(objective.method) - {"rollout_features"}
+        # bf16 features travel as their uint16 bits, half of float32, and are decoded on the
+        # training device (decode_feature_bits); fp8 ones are decoded here (they need their scales).
+        self.feature_bits = reader.feature_codec == "bf16"
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -68,14 +71,14 @@ class CacheTrainDataset(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, int]) -> SequenceExample | ReadFailure:
         epoch, index = key
         try:
-            record = self.reader.read(index, decode_features=True, arrays=self.arrays)
+            record = self.reader.read(index, decode_features=not self.feature_bits, arrays=self.arrays)
         except ValueError as error:
             return ReadFailure(message=str(error))
         tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
         generator = torch.Generator().manual_seed(example_seed(seed=self.seed, epoch=epoch, index=index))
         targets = build_block_targets(tensors, config=self.objective, generator=generator)
 
-        corpus_features = torch.from_numpy(np.asarray(record["features"], dtype=np.float32))  # [T, F]
+        corpus_features = torch.from_numpy(np.ascontiguousarray(record["features"]))  # [T, F] uint16 bits or float32
         num_tokens = corpus_features.shape[0]
         features, positions, owners = [corpus_features], [torch.arange(num_tokens)], [torch.full((num_tokens,), SHARED_OWNER)]
         # IRA secondaries also see the parent's rollout features of y*[1..j-1] at positions a+1..a+j-1.
@@ -83,14 +86,14 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         if secondary:
             parents = sorted({int(targets.private_parent[b]) for b in secondary})
             try:
-                rows = self.reader.read_rollout_features(index, np.asarray(parents))  # [P, K-2, F]
+                rows = self.reader.read_rollout_features(index, np.asarray(parents), decode_features=not self.feature_bits)
             except ValueError as error:
                 return ReadFailure(message=str(error))
             parent_features = dict(zip(parents, rows))
             anchor_pos = tensors["anchor_pos"].long()
             for block in secondary:
                 parent, length = int(targets.private_parent[block]), int(targets.private_len[block])
-                features.append(torch.from_numpy(np.asarray(parent_features[parent][:length], dtype=np.float32)))
+                features.append(torch.from_numpy(np.ascontiguousarray(parent_features[parent][:length])))  # [j-1, F]
                 positions.append(anchor_pos[parent] + 1 + torch.arange(length))
                 owners.append(torch.full((length,), block))
         return SequenceExample(
@@ -107,7 +110,7 @@ class CacheTrainDataset(torch.utils.data.Dataset):
 class TrainBatch:
     """A padded micro-batch of B sequences, N blocks each (after padding), C context tokens."""
 
-    context_features: Tensor  # [B, C, F]
+    context_features: Tensor  # [B, C, F] float32, or uint16 bf16 bits (decode_feature_bits, on the device)
     context_positions: Tensor  # [B, C]
     context_owner: Tensor  # [B, C]
     context_valid: Tensor  # [B, C] bool
@@ -146,7 +149,7 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
     feature_dim = examples[0].context_features.shape[1]
     num_slots, top_k = examples[0].targets.label_ids.shape[1:]
 
-    context_features = torch.zeros((batch, num_context, feature_dim))
+    context_features = torch.zeros((batch, num_context, feature_dim), dtype=examples[0].context_features.dtype)
     context_positions = torch.zeros((batch, num_context), dtype=torch.long)
     context_owner = torch.full((batch, num_context), SHARED_OWNER, dtype=torch.long)
     context_valid = torch.zeros((batch, num_context), dtype=torch.bool)
@@ -186,6 +189,13 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         num_tokens=sum(e.num_tokens for e in examples),
         num_sequences=batch,
     )
+
+
+def decode_feature_bits(features: Tensor) -> Tensor:
+    """bf16 bits (uint16) -> float32, exactly (bf16 is the top half of a float32); float passes."""
+    if features.dtype != torch.uint16:
+        return features
+    return (features.to(torch.int32) << 16).view(torch.float32)
 
 
 def steps_per_epoch(num_sequences: int, *, batch_size: int) -> int:

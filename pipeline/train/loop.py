@@ -33,7 +33,15 @@ from drafter.config import DFlashConfig
 from drafter.masks import flex_block_mask, visibility_mask
 from drafter.model import DFlashDrafter
 from pipeline.config import to_flags
-from pipeline.train.batching import CacheTrainDataset, ReadFailure, StepSampler, TrainBatch, collate, steps_per_epoch
+from pipeline.train.batching import (
+    CacheTrainDataset,
+    ReadFailure,
+    StepSampler,
+    TrainBatch,
+    collate,
+    decode_feature_bits,
+    steps_per_epoch,
+)
 from pipeline.train.checkpoints import check_resume_settings, load_latest_checkpoint, save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.methods import check_cache_serves
@@ -100,7 +108,7 @@ def forward_loss(
         attention_mask = visibility_mask(**mask_inputs)  # [B, 1, Q, C + Q]
     with autocast:
         hidden = model(
-            context_features=batch.context_features,
+            context_features=decode_feature_bits(batch.context_features),  # decoded here, on the device
             context_positions=batch.context_positions,
             block_embeds=F.embedding(batch.block_tokens, embed_tokens).float(),  # fp32 residual stream
             block_positions=batch.block_positions,
