@@ -32,6 +32,7 @@ from pipeline.build import driver
 from pipeline.build.config import CacheBuildConfig
 from pipeline.build.driver import ShardSpec
 from pipeline.build.shard_builder import ShardBuilder
+from storage.errors import first_line
 from storage.format import shard_name
 from storage.manifest import Manifest, ShardRecord
 from storage.ownership import CacheOwnershipLost
@@ -228,5 +229,5 @@ def _plain_error(error: "ray.exceptions.RayTaskError") -> Exception:
     if isinstance(cause, OSError):
         return OSError(cause.errno, cause.strerror, cause.filename) if cause.errno else OSError(str(cause))
     if isinstance(cause, ValueError):
-        return ValueError(str(cause).splitlines()[0] if str(cause) else type(cause).__name__)
+        return ValueError(first_line(cause))
     return error

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from pipeline.build.config import CacheBuildConfig
+from storage.errors import first_line
 from pipeline.cli import config_from_flags, config_options, eval_compare, eval_run, eval_score, train_cli
 
 # ----------------------------------------------------------------------------------------------
@@ -32,7 +33,7 @@ def cache_build(progress: bool, **kwargs):
     try:
         build_cache(config, progress=progress, log=lambda m: click.echo(m, err=True))
     except (ValueError, OSError) as error:  # bad input or a failing filesystem / cluster: one line, no traceback
-        raise click.ClickException(str(error).splitlines()[0] if str(error) else type(error).__name__) from None
+        raise click.ClickException(first_line(error)) from None
 
 
 @cache_cli.command("info")

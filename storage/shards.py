@@ -52,6 +52,7 @@ from storage.format import (
     shard_name,
 )
 from storage.atomic import fsync_path, fsync_tree, remove_path, remove_path_tolerant
+from storage.errors import first_line
 from storage.manifest import ShardRecord
 from storage.ownership import check_owner
 
@@ -446,11 +447,6 @@ class CorruptShardError(ValueError):
     """A shard's bytes no longer match what was written (one line naming the shard and array)."""
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 class ZarrShard:
     """Random access to the sequences of one Zarr shard (arrays opened once, offsets cached)."""
 
@@ -494,9 +490,7 @@ class ZarrShard:
             try:
                 record[name] = array[a0:a1] if name in ANCHOR_INDEXED_ARRAYS else array[t0:t1]
             except Exception as e:  # a failed checksum (ValueError) or a chunk that no longer decodes
-                raise CorruptShardError(
-                    f"{self.path}: array {name}: corrupt chunk ({_first_line(e)}); `alrira-cache verify` checks the whole cache"
-                ) from None
+                raise self._corrupt(name, e) from None
         return record
 
     def read_anchor_rows(self, local: int, name: str, rows: np.ndarray) -> np.ndarray:
@@ -509,9 +503,12 @@ class ZarrShard:
             picked = [array[a0 + int(r) : a0 + int(r) + 1] for r in np.asarray(rows, dtype=np.int64)]
             return np.concatenate(picked) if picked else array[a0:a0]
         except Exception as e:
-            raise CorruptShardError(
-                f"{self.path}: array {name}: corrupt chunk ({_first_line(e)}); `alrira-cache verify` checks the whole cache"
-            ) from None
+            raise self._corrupt(name, e) from None
+
+    def _corrupt(self, name: str, error: Exception) -> CorruptShardError:
+        return CorruptShardError(
+            f"{self.path}: array {name}: corrupt chunk ({first_line(error)}); `alrira-cache verify` checks the whole cache"
+        )
 
     def close(self) -> None:
         pass

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from pipeline.chat import CorpusError, iter_corpus_rows, normalize_messages, row_locator
 from pipeline.config import opt
 from storage.atomic import atomic_write_dir
+from storage.errors import first_line
 from storage.ownership import foreign_files
 
 
@@ -101,8 +102,7 @@ def _render(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=False
         )
     except jinja2.TemplateError as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        reason = f"the chat template refused the conversation: {message}"
+        reason = f"the chat template refused the conversation: {first_line(error)}"
         raise CorpusError(f"{where}: {reason}", "template_error") from error
     assert isinstance(text, str), type(text)
     return text

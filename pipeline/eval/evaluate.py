@@ -313,9 +313,8 @@ LOW_PRECISION_NOTE = (
 )
 
 
-def load_models(config: EvalConfig, device: torch.device):
+def load_models(config: EvalConfig, device: torch.device, dtype: torch.dtype):
     """(target, tokenizer, drafter, stop ids), checked to belong together."""
-    dtype = resolve_dtype(config.dtype, device)
     target = load_target(config.target, device=str(device), dtype=dtype)
     tokenizer = load_tokenizer(config.target)
     drafter = load_drafter(config.drafter, dtype=dtype, device=device).eval()
@@ -361,7 +360,8 @@ def _write_rows_and_histogram(out: Path, rows: list[dict], accepted_by_group: di
 def run_eval(config: EvalConfig) -> dict:
     """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return the summary."""
     device = _resolve_device(config.device)
-    target, tokenizer, drafter, stops = load_models(config, device)
+    dtype = resolve_dtype(config.dtype, device)
+    target, tokenizer, drafter, stops = load_models(config, device, dtype)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     draft_config = drafter.config
     prompts = load_prompts(config.prompts, tokenizer, max_prompts=config.max_prompts)
@@ -422,7 +422,7 @@ def run_eval(config: EvalConfig) -> dict:
         running = summarize(rows)
         bar.set_postfix(tau=running["tau_geomean"], speedup=running["speedup_geomean"])
 
-    dtype_name = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
+    dtype_name = str(dtype).removeprefix("torch.")
     out = Path(config.out)
     plotted = _write_rows_and_histogram(out, rows, accepted_by_group, num_draft=num_draft)
     summary = {

@@ -93,12 +93,12 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-excess)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _check_decode_args(prompt_ids: list[int], *, max_new_tokens: int, temperature: float) -> None:
+def check_decode_args(prompt_ids: list[int], *, max_new_tokens: int, temperature: float) -> None:
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids must not be empty")
     if max_new_tokens < 1:
@@ -124,18 +124,18 @@ def autoregressive_decode(
     """Plain decoding: prefill, then one cached target forward per token."""
     from transformers import DynamicCache
 
-    _check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
+    check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
     device = next(target.parameters()).device
     stops = set(stop_token_ids)
 
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
     out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     token = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
     tokens, done = commit_tokens([int(token)], num_generated=0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
-    _sync(device)
+    sync_device(device)
     prefill_end = time.perf_counter()
 
     while not done:
@@ -145,7 +145,7 @@ def autoregressive_decode(
             [int(token)], num_generated=len(tokens), max_new_tokens=max_new_tokens, stop_token_ids=stops
         )
         tokens += new
-    _sync(device)
+    sync_device(device)
     end = time.perf_counter()
     return DecodeResult(
         tokens=tokens, accepted_lengths=[], rounds=0, decode_s=end - prefill_end, prefill_s=prefill_end - start
@@ -257,7 +257,7 @@ def prefill(target, prompt_ids: list[int], *, layer_ids: list[int], extra_rows: 
     from transformers import DynamicCache
 
     device = next(target.parameters()).device
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
@@ -270,7 +270,7 @@ def prefill(target, prompt_ids: list[int], *, layer_ids: list[int], extra_rows: 
     features[:num_prompt] = prompt_features
     first = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
     tokens, done = commit_tokens([int(first)], num_generated=0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
-    _sync(device)
+    sync_device(device)
     return Prefilled(cache=cache, features=features, tokens=tokens, done=done, start=start, prefill_end=time.perf_counter())
 
 
@@ -295,7 +295,7 @@ def speculative_decode(
     draft step (cached_draft_fn) when given (tests use an oracle and the uncached drafter_draft);
     the drafter's config still sets the block size and the tapped layers.
     """
-    _check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
+    check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
     if draft_fn is None:
         draft_fn = cached_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id)
 
@@ -336,7 +336,7 @@ def speculative_decode(
         # A round cut short by a stop token or max_new_tokens counts only what it committed, so
         # sum(accepted + 1) over rounds == tokens generated after the prefill.
         accepted_lengths.append(min(num_accepted, len(new) - 1))
-    _sync(device)
+    sync_device(device)
     end = time.perf_counter()
     return DecodeResult(
         tokens=tokens,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pipeline.eval.speculative import DecodeResult, _check_decode_args, _sync, commit_tokens, prefill
+from pipeline.eval.speculative import DecodeResult, check_decode_args, commit_tokens, prefill, sync_device
 from pipeline.target import tapped_features
 
 
@@ -113,7 +113,7 @@ def tree_speculative_decode(
     stop_token_ids: list[int], budget: int, branch: int,
 ) -> DecodeResult:  # fmt: skip
     """Greedy speculative decoding with tree verification (see the module docstring)."""
-    _check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0)
+    check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0)
     device = next(target.parameters()).device
     stops, num_prompt = set(stop_token_ids), len(prompt_ids)
     state = prefill(
@@ -143,7 +143,7 @@ def tree_speculative_decode(
         new, done = commit_tokens(new_tokens, num_generated=len(tokens), max_new_tokens=max_new_tokens, stop_token_ids=stops)
         tokens += new
         accepted_lengths.append(min(len(path), len(new) - 1))
-    _sync(device)
+    sync_device(device)
     end = time.perf_counter()
     return DecodeResult(
         tokens=tokens, accepted_lengths=accepted_lengths, rounds=len(accepted_lengths),

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from storage.atomic import atomic_write_dir, atomic_write_text
+from storage.errors import first_line
 
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
@@ -48,8 +49,7 @@ def _read_state(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ValueError(f"{path}: unreadable checkpoint ({reason})") from None
+        raise ValueError(f"{path}: unreadable checkpoint ({first_line(error)})") from None
 
 
 def load_latest_checkpoint(run: Path, *, log=print) -> dict | None:
