@@ -1,7 +1,7 @@
 """Writing and reading one cache shard, in Zarr v3 or WebDataset-tar form.
 
-A shard is written whole under `shards/.tmp-<name>-<uuid>`, fsynced, and renamed to
-`shards/<name>`, so a published name always means a complete shard. The bytes are a function of
+A shard is streamed under `shards/.tmp-<name>-<uuid>` as its records are computed (ShardWriter),
+then fsynced and renamed to `shards/<name>`, so a published name always means a complete shard. The bytes are a function of
 the records only (no timestamps, fixed member order), so a resumed build can be checked against
 an uninterrupted one by checksum.
 
@@ -65,7 +65,6 @@ ANCHOR_INDEXED_ARRAYS = ANCHOR_ARRAYS + ("rollout_feature_scales",)
 # is not millions of files; a chunk inside one is read by byte range.
 ZARR_CHUNK_BYTES = 256 << 10  # ~256 KiB uncompressed per chunk
 ZARR_SHARD_BYTES = 16 << 20  # ~16 MiB uncompressed per file
-ZARR_WRITE_BYTES = 32 << 20  # rows handed to zarr per write call (bounded extra memory)
 # As few anchors per chunk as keeps a chunk >= 64 KiB (one anchor at real shapes: 13 x 12,800 bf16
 # = 333 KB): the trainer reads the rollout features of a few parent anchors (IRA) only.
 ANCHOR_ROW_CHUNK_ARRAYS = ("rollout_features", "rollout_feature_scales")
@@ -255,6 +254,139 @@ def clean_partial_shards(cache_dir: str | os.PathLike) -> list[str]:
 # Writing
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardSize:
+    """What a shard will hold, known before its first record is computed (the tokenized corpus
+    gives the lengths, storage-free `anchor_pool` the anchor counts): a Zarr array's chunk layout
+    is chosen from its final row count, so a streamed shard is laid out like one written whole."""
+
+    num_sequences: int
+    num_tokens: int
+    num_anchors: int
+
+    @classmethod
+    def of_records(cls, records: list[dict]) -> ShardSize:
+        def rows(record, name: str) -> int:  # a malformed record is reported by ShardWriter.append
+            array = record.get(name) if isinstance(record, dict) else None
+            return len(array) if isinstance(array, np.ndarray) and array.ndim >= 1 else 0
+
+        return cls(
+            num_sequences=len(records),
+            num_tokens=sum(rows(r, "input_ids") for r in records),
+            num_anchors=sum(rows(r, "anchor_pos") for r in records),
+        )
+
+
+class ShardWriter:
+    """One shard, written as its records are computed and published whole (docs/design.md,
+    "A cache build").
+
+    `append` validates a record and hands its rows to the shard under `shards/.tmp-<name>-<uuid>`;
+    a Zarr array keeps at most one Zarr shard file of rows (~16 MiB) buffered, a tar gets the
+    sample at once, so memory does not grow with the shard's size. `publish` checks that exactly
+    `size` arrived, fsyncs and renames to `shards/<name>`; `abort` (or leaving a `with` block by
+    an exception) removes the temp entry. With `owner` (claim_cache's id) the shard is refused,
+    when the writer opens and again just before the rename, once another build has claimed the
+    directory. Bytes are a function of the appended records only."""
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike,
+        *,
+        shard_index: int,
+        size: ShardSize,
+        storage_format: str,
+        feature_codec: str,
+        contents=ALL_GROUPS,
+        owner: str | None = None,
+        chunk_checksums: bool = True,
+    ):
+        _check_choice("storage_format", storage_format, STORAGE_FORMATS)
+        _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
+        if isinstance(shard_index, bool) or not isinstance(shard_index, int) or shard_index < 0:
+            raise ValueError(f"shard_index must be an int >= 0, got {shard_index!r}")
+        self.cache_dir, self.index, self.size, self.owner = Path(cache_dir), shard_index, size, owner
+        self.name = shard_name(shard_index, storage_format)
+        if size.num_sequences < 1:
+            raise ValueError(f"shard {self.name}: no records to write")
+        self.feature_codec, self.contents = feature_codec, check_contents(contents)
+        self.dims: list[RecordDims] = []
+        self.source_rows: list[int] = []
+        self.seen_rows: set[int] = set()
+        if owner is not None:
+            check_owner(cache_dir, owner)
+        self.shard_dir = self.cache_dir / SHARD_DIR
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.shard_dir / f"{PARTIAL_SHARD_PREFIX}{self.name}-{uuid.uuid4().hex}"
+        try:
+            if storage_format == "zarr":
+                self.body = _ZarrBody(self.tmp, size, feature_codec=feature_codec, chunk_checksums=chunk_checksums)
+            else:
+                self.body = _WdsBody(self.tmp, chunk_checksums=chunk_checksums)
+        except BaseException:
+            remove_path_tolerant(self.tmp)
+            raise
+        self.names = [n for n in record_array_names(feature_codec, self.contents) if n != "source_row"]
+
+    def append(self, record: dict[str, np.ndarray]) -> None:
+        """Add the next record (already encoded, storage.codecs.encode_features)."""
+        i = len(self.dims)
+        where = f"shard {self.name} record {i}"
+        if i == self.size.num_sequences:
+            raise ValueError(f"{where}: the shard was planned for {i} records")
+        dims = check_record(
+            record, feature_codec=self.feature_codec, contents=self.contents, where=where,
+            like=self.dims[0] if self.dims else None,
+        )  # fmt: skip
+        source_row = int(record["source_row"])
+        if source_row in self.seen_rows:
+            raise ValueError(f"shard {self.name}: source_row {source_row} appears in more than one record")
+        self.body.append(record, dims, names=self.names)
+        self.dims.append(dims)
+        self.source_rows.append(source_row)
+        self.seen_rows.add(source_row)
+
+    def publish(self) -> ShardRecord:
+        """Finish the shard and publish it under its name (a published shard of that name is
+        replaced); returns its manifest record (status "complete")."""
+        got = ShardSize(
+            num_sequences=len(self.dims),
+            num_tokens=sum(d.num_tokens for d in self.dims),
+            num_anchors=sum(d.num_anchors for d in self.dims),
+        )
+        if got != self.size:
+            raise ValueError(f"shard {self.name}: records hold {got}, planned {self.size}")
+        self.body.finish(np.array(self.source_rows, dtype=np.int64), self.dims)
+        fsync_tree(self.tmp)
+        if self.owner is not None:
+            check_owner(self.cache_dir, self.owner)  # the shard took a while: still ours?
+        final = self.shard_dir / self.name
+        remove_path(final)
+        os.rename(self.tmp, final)
+        fsync_path(self.shard_dir)
+        return ShardRecord(
+            name=self.name,
+            index=self.index,
+            sequences=got.num_sequences,
+            tokens=got.num_tokens,
+            anchors=got.num_anchors,
+            bytes=shard_bytes(final),
+            checksum=shard_checksum(final),
+            status=SHARD_COMPLETE,
+        )
+
+    def abort(self) -> None:
+        self.body.close()
+        remove_path_tolerant(self.tmp)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
 def write_shard(
     cache_dir: str | os.PathLike,
     *,
@@ -266,58 +398,18 @@ def write_shard(
     owner: str | None = None,
     chunk_checksums: bool = True,
 ) -> ShardRecord:
-    """Validate and atomically write one shard of already-encoded records holding exactly the
-    array groups `contents`; return its manifest record (status "complete"). A published shard of
-    the same name is replaced. With `owner` (claim_cache's id) the write is refused, before it
-    starts and again just before the rename, once another build has claimed the directory."""
-    _check_choice("storage_format", storage_format, STORAGE_FORMATS)
-    _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
-    contents = check_contents(contents)
-    if isinstance(shard_index, bool) or not isinstance(shard_index, int) or shard_index < 0:
-        raise ValueError(f"shard_index must be an int >= 0, got {shard_index!r}")
-    name = shard_name(shard_index, storage_format)
+    """Write and publish one shard of records already in memory (ShardWriter, for tests and
+    benchmarks; the build streams)."""
     if not records:
-        raise ValueError(f"shard {name}: no records to write")
-    dims: list[RecordDims] = []
-    for i, record in enumerate(records):
-        like = dims[0] if dims else None
-        where = f"shard {name} record {i}"
-        dims.append(check_record(record, feature_codec=feature_codec, contents=contents, where=where, like=like))
-    source_rows = [int(r["source_row"]) for r in records]
-    if len(set(source_rows)) != len(source_rows):
-        dup = next(row for row in source_rows if source_rows.count(row) > 1)
-        raise ValueError(f"shard {name}: source_row {dup} appears in more than one record")
-
-    if owner is not None:
-        check_owner(cache_dir, owner)
-    shard_dir = Path(cache_dir) / SHARD_DIR
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    tmp = shard_dir / f"{PARTIAL_SHARD_PREFIX}{name}-{uuid.uuid4().hex}"
-    try:
-        if storage_format == "zarr":
-            _write_zarr(tmp, records, dims, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums)
-        else:
-            _write_wds(tmp, records, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums)
-        fsync_tree(tmp)
-        if owner is not None:
-            check_owner(cache_dir, owner)  # the write took a while: still ours?
-        final = shard_dir / name
-        remove_path(final)
-        os.rename(tmp, final)
-        fsync_path(shard_dir)
-    except BaseException:
-        remove_path_tolerant(tmp)
-        raise
-    return ShardRecord(
-        name=name,
-        index=shard_index,
-        sequences=len(records),
-        tokens=sum(d.num_tokens for d in dims),
-        anchors=sum(d.num_anchors for d in dims),
-        bytes=shard_bytes(final),
-        checksum=shard_checksum(final),
-        status=SHARD_COMPLETE,
-    )
+        raise ValueError(f"shard {shard_name(shard_index, storage_format)}: no records to write")
+    with ShardWriter(
+        cache_dir, shard_index=shard_index, size=ShardSize.of_records(records),
+        storage_format=storage_format, feature_codec=feature_codec, contents=contents, owner=owner,
+        chunk_checksums=chunk_checksums,
+    ) as writer:  # fmt: skip
+        for record in records:
+            writer.append(record)
+        return writer.publish()
 
 
 def _chunk_layout(name: str, row_shape: tuple[int, ...], itemsize: int, num_rows: int) -> tuple[int, int]:
@@ -331,77 +423,104 @@ def _chunk_layout(name: str, row_shape: tuple[int, ...], itemsize: int, num_rows
     return chunk_rows, chunk_rows * int(min(chunks_per_shard, num_chunks))
 
 
-def _rows(pieces: list[np.ndarray], offsets: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of the concatenation of `pieces` (piece j holds rows offsets[j:j+2])."""
-    parts = []
-    j = int(np.searchsorted(offsets, start, side="right")) - 1
-    while start < stop:
-        lo, hi = int(offsets[j]), int(offsets[j + 1])
-        if hi > start:
-            parts.append(pieces[j][start - lo : min(stop, hi) - lo])
-            start = min(stop, hi)
-        j += 1
-    return np.concatenate(parts) if len(parts) != 1 else parts[0]
+class _ZarrColumn:
+    """One Zarr array filled front to back: rows are buffered until a whole Zarr shard file's worth
+    is there, so every write covers whole files (no read-modify-write) and the buffer stays under
+    one file (~ZARR_SHARD_BYTES) plus the last record."""
 
-
-def _write_zarr(
-    path: Path, records: list[dict], dims: list[RecordDims], *, feature_codec: str, contents: tuple[str, ...],
-    chunk_checksums: bool = True,
-) -> None:
-    seq_offsets = np.zeros(len(records) + 1, dtype=np.int64)  # [n+1]
-    seq_offsets[1:] = np.cumsum([d.num_tokens for d in dims])
-    anchor_offsets = np.zeros(len(records) + 1, dtype=np.int64)  # [n+1]
-    anchor_offsets[1:] = np.cumsum([d.num_anchors for d in dims])
-    d0 = dims[0]
-    attributes = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "feature_codec": feature_codec,
-        "num_sequences": len(records),
-        "num_tokens": int(seq_offsets[-1]),
-        "num_anchors": int(anchor_offsets[-1]),
-        "feature_dim": d0.feature_dim,
-        "top_k": d0.top_k,
-        "num_slots": d0.num_slots,
-    }
-    group = zarr.open_group(store=str(path), mode="w-", zarr_format=3, attributes=attributes)
-    # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
-    # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
-    compressors = [zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle")]
-    if chunk_checksums:
-        compressors.append(zarr.codecs.Crc32cCodec())
-
-    def write_array(name: str, pieces: list[np.ndarray], offsets: np.ndarray, dtype: np.dtype) -> None:
-        row_shape = pieces[0].shape[1:]
-        num_rows = int(offsets[-1])
-        chunk_rows, shard_rows = _chunk_layout(name, row_shape, dtype.itemsize, num_rows)
-        array = group.create_array(
+    def __init__(self, group, name: str, *, row_shape: tuple, dtype: np.dtype, num_rows: int, compressors: list):
+        self.chunk_rows, self.shard_rows = _chunk_layout(name, row_shape, dtype.itemsize, num_rows)
+        self.array = group.create_array(
             name,
             shape=(num_rows, *row_shape),
             dtype=dtype,
-            chunks=(chunk_rows, *row_shape),
+            chunks=(self.chunk_rows, *row_shape),
             # A one-chunk array needs no shard file (its index and metadata would be pure overhead).
-            shards=(shard_rows, *row_shape) if shard_rows > chunk_rows else None,
+            shards=(self.shard_rows, *row_shape) if self.shard_rows > self.chunk_rows else None,
             compressors=compressors,
             fill_value=0,
             # Every chunk gets a file, so the file set depends only on the shapes.
             config={"write_empty_chunks": True},
         )
-        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
-        step = shard_rows * max(1, ZARR_WRITE_BYTES // (shard_rows * row_bytes))  # whole shard files
-        for start in range(0, num_rows, step):
-            stop = min(num_rows, start + step)
-            array[start:stop] = _rows(pieces, offsets, start, stop)
+        self.num_rows, self.written = num_rows, 0
+        self.pending: list[np.ndarray] = []
+        self.pending_rows = 0
 
-    for name in record_array_names(feature_codec, contents):
-        if name == "source_row":
-            continue
-        offsets = anchor_offsets if name in ANCHOR_INDEXED_ARRAYS else seq_offsets
-        write_array(name, [r[name] for r in records], offsets, record_dtype(name, feature_codec=feature_codec))
-    source_rows = np.array([int(r["source_row"]) for r in records], dtype=np.int64)  # [n]
-    index_arrays = {ZARR_SEQ_OFFSETS: seq_offsets, ZARR_ANCHOR_OFFSETS: anchor_offsets, ZARR_SOURCE_ROWS: source_rows}
-    for name, data in index_arrays.items():
-        write_array(name, [data], np.array([0, len(data)]), data.dtype)
+    def append(self, rows: np.ndarray) -> None:
+        if self.written + self.pending_rows + len(rows) > self.num_rows:
+            raise ValueError(f"array {self.array.basename}: more rows than the {self.num_rows} planned")
+        self.pending.append(rows)
+        self.pending_rows += len(rows)
+        if self.pending_rows >= self.shard_rows:
+            self._flush(self.pending_rows - self.pending_rows % self.shard_rows)
+
+    def finish(self) -> None:
+        if self.pending_rows:
+            self._flush(self.pending_rows)
+
+    def _flush(self, num_rows: int) -> None:
+        data = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.array[self.written : self.written + num_rows] = data[:num_rows]
+        self.written += num_rows
+        rest = data[num_rows:]
+        self.pending, self.pending_rows = ([rest] if len(rest) else []), len(rest)
+
+
+class _ZarrBody:
+    """The Zarr group of a shard being written (layout: module docstring)."""
+
+    def __init__(self, path: Path, size: ShardSize, *, feature_codec: str, chunk_checksums: bool):
+        self.path, self.size, self.feature_codec = path, size, feature_codec
+        self.group = zarr.open_group(store=str(path), mode="w-", zarr_format=3)
+        # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
+        # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
+        self.compressors = [zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle")]
+        if chunk_checksums:
+            self.compressors.append(zarr.codecs.Crc32cCodec())
+        self.columns: dict[str, _ZarrColumn] = {}  # created with the first record (it gives F, k, K)
+
+    def _column(self, name: str, num_rows: int, row_shape: tuple, dtype: np.dtype) -> _ZarrColumn:
+        if name not in self.columns:
+            self.columns[name] = _ZarrColumn(
+                self.group, name, row_shape=row_shape, dtype=dtype, num_rows=num_rows, compressors=self.compressors
+            )
+        return self.columns[name]
+
+    def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
+        for name in names:
+            rows = record[name]
+            num_rows = self.size.num_anchors if name in ANCHOR_INDEXED_ARRAYS else self.size.num_tokens
+            self._column(name, num_rows, rows.shape[1:], record_dtype(name, feature_codec=self.feature_codec)).append(rows)
+
+    def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
+        for column in self.columns.values():
+            column.finish()
+        seq_offsets = np.zeros(len(dims) + 1, dtype=np.int64)  # [n+1]
+        seq_offsets[1:] = np.cumsum([d.num_tokens for d in dims])
+        anchor_offsets = np.zeros(len(dims) + 1, dtype=np.int64)  # [n+1]
+        anchor_offsets[1:] = np.cumsum([d.num_anchors for d in dims])
+        index_arrays = {ZARR_SEQ_OFFSETS: seq_offsets, ZARR_ANCHOR_OFFSETS: anchor_offsets, ZARR_SOURCE_ROWS: source_rows}
+        for name, data in index_arrays.items():
+            column = self._column(name, len(data), (), data.dtype)
+            column.append(data)
+            column.finish()
+        d0 = dims[0]
+        self.group.update_attributes(
+            {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "feature_codec": self.feature_codec,
+                "num_sequences": len(dims),
+                "num_tokens": int(seq_offsets[-1]),
+                "num_anchors": int(anchor_offsets[-1]),
+                "feature_dim": d0.feature_dim,
+                "top_k": d0.top_k,
+                "num_slots": d0.num_slots,
+            }
+        )
+
+    def close(self) -> None:
+        pass
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -416,27 +535,39 @@ def sample_key(source_row: int) -> str:
     return f"{source_row:09d}"
 
 
-def _write_wds(
-    path: Path, records: list[dict], *, feature_codec: str, contents: tuple[str, ...], chunk_checksums: bool = True
-) -> None:
-    with open(path, "xb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for record in records:
-            key = sample_key(int(record["source_row"]))
-            for name in sorted(record_array_names(feature_codec, contents)):
-                if name == "source_row":
-                    data = _npy_bytes(np.asarray(int(record["source_row"]), dtype=np.int64))
-                else:
-                    data = _npy_bytes(record[name])
-                # Fixed metadata: the tar's bytes depend only on the records.
-                info = tarfile.TarInfo(f"{key}.{name}.npy")
-                info.size = len(data)
-                info.mtime = 0
-                info.mode = 0o644
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                if chunk_checksums:  # checked on every read, like the Zarr chunks' CRC32C
-                    info.pax_headers = {WDS_CRC_HEADER: f"{zlib.crc32(data):08x}"}
-                tar.addfile(info, io.BytesIO(data))
+class _WdsBody:
+    """The tar of a shard being written: each record's sample goes out as it is appended."""
+
+    def __init__(self, path: Path, *, chunk_checksums: bool):
+        self.file = open(path, "xb")
+        self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.PAX_FORMAT)
+        self.chunk_checksums = chunk_checksums
+
+    def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
+        key = sample_key(int(record["source_row"]))
+        for name in sorted([*names, "source_row"]):
+            if name == "source_row":
+                data = _npy_bytes(np.asarray(int(record["source_row"]), dtype=np.int64))
+            else:
+                data = _npy_bytes(record[name])
+            # Fixed metadata: the tar's bytes depend only on the records.
+            info = tarfile.TarInfo(f"{key}.{name}.npy")
+            info.size = len(data)
+            info.mtime = 0
+            info.mode = 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if self.chunk_checksums:  # checked on every read, like the Zarr chunks' CRC32C
+                info.pax_headers = {WDS_CRC_HEADER: f"{zlib.crc32(data):08x}"}
+            self.tar.addfile(info, io.BytesIO(data))
+
+    def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.tar.close()
+            self.file.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ plans the shards. Everything here also runs in a plain process (tests, benchmark
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -14,22 +15,27 @@ import torch
 
 from pipeline.build.config import CacheBuildConfig
 from pipeline.build.corpus import load_tokenized_corpus
-from pipeline.build.rollouts import TargetSequence, run_target_batch
+from pipeline.build.rollouts import TargetSequence, anchor_pool, run_target_batch
 from pipeline.target import load_target
 from storage.codecs import encode_features
 from storage.format import ALL_GROUPS, CORPUS_DIR, record_array_names
 from storage.manifest import ShardRecord
-from storage.shards import write_shard
+from storage.shards import ShardSize, ShardWriter
 
 
 def plan_batches(lengths: list[int], *, batch_tokens: int) -> list[list[int]]:
-    """Split sequence indices (in order) into batches whose padded size stays within batch_tokens.
+    """Split sequence indices into batches whose padded size stays within batch_tokens, packing
+    sequences longest first so each batch holds similar lengths (little padding; docs/design.md,
+    "A cache build").
 
-    Deterministic in the lengths alone, so a shard is always computed with the same batches
-    (padding changes floating-point rounding, and a resumed build must match an uninterrupted one).
+    Deterministic in the lengths alone (ties keep index order), so a shard is always computed with
+    the same batches in the same order (padding changes floating-point rounding, and a resumed
+    build must match an uninterrupted one).
     """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches, current, longest = [], [], 0
-    for i, n in enumerate(lengths):
+    for i in order:
+        n = lengths[i]
         if current and max(longest, n) * (len(current) + 1) > batch_tokens:
             batches.append(current)
             current, longest = [], 0
@@ -87,31 +93,48 @@ class ShardBuilder:
 
     def build(self, *, shard_index: int, start: int, stop: int, owner: str | None = None) -> ShardRecord:
         """Compute sequences [start, stop) of the tokenized corpus and publish them as one shard
-        (only while the build `owner` still owns the cache, see storage.shards.claim_cache)."""
-        sequences = []
-        for i in range(start, stop):
-            input_ids, loss_mask = self.corpus.sequence(i)
-            sequences.append(
-                TargetSequence(
-                    source_row=int(self.corpus.source_rows[i]),
-                    input_ids=np.asarray(input_ids),
-                    loss_mask=np.asarray(loss_mask),
-                )
-            )
-        records = []
-        storage, contents = self.config.storage, self.config.contents
+        (only while the build `owner` still owns the cache, see storage.ownership.claim_cache).
+
+        Records go to the shard in batch order (longest first) as they are computed: a background
+        thread encodes and writes batch i while batch i + 1 runs on the target, and at most one
+        batch waits, so memory does not grow with the shard (docs/design.md, "A cache build")."""
+        sequences = [self._sequence(i) for i in range(start, stop)]
+        run, storage, contents = self.config.run, self.config.storage, self.config.contents
+        size = ShardSize(
+            num_sequences=len(sequences),
+            num_tokens=sum(len(s.input_ids) for s in sequences),
+            num_anchors=sum(
+                len(anchor_pool(s.loss_mask, num_anchors=run.anchors_per_sequence, seed=run.seed, source_row=s.source_row))
+                for s in sequences
+            ),
+        )
+        batches = plan_batches([len(s.input_ids) for s in sequences], batch_tokens=self.config.compute.batch_tokens)
         codec = storage.feature_codec
-        for batch in plan_batches([len(s.input_ids) for s in sequences], batch_tokens=self.config.compute.batch_tokens):
-            outputs = self.run_batch([sequences[i] for i in batch])
-            records.extend(outputs_to_record(o, feature_codec=codec, contents=contents) for o in outputs)
-        return write_shard(
-            self.config.out,
-            shard_index=shard_index,
-            records=records,
-            storage_format=storage.storage_format,
-            feature_codec=codec,
-            contents=contents,
-            owner=owner,
+
+        def write(outputs) -> None:
+            for o in outputs:
+                writer.append(outputs_to_record(o, feature_codec=codec, contents=contents))
+
+        with ShardWriter(
+            self.config.out, shard_index=shard_index, size=size, storage_format=storage.storage_format,
+            feature_codec=codec, contents=contents, owner=owner,
+        ) as writer:  # fmt: skip
+            # The pool is left (its write finished) before the writer aborts on an error.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
+                writing = None
+                for batch in batches:
+                    outputs = self.run_batch([sequences[i] for i in batch])
+                    if writing is not None:
+                        writing.result()  # the previous batch is written (its error raised) first
+                    writing = pool.submit(write, outputs)
+                if writing is not None:
+                    writing.result()
+            return writer.publish()
+
+    def _sequence(self, i: int) -> TargetSequence:
+        input_ids, loss_mask = self.corpus.sequence(i)
+        return TargetSequence(
+            source_row=int(self.corpus.source_rows[i]), input_ids=np.asarray(input_ids), loss_mask=np.asarray(loss_mask)
         )
 
     def pid(self) -> int:
