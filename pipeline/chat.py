@@ -1,16 +1,19 @@
 """Chat rows, for the corpus and for evaluation prompts: reading row files and normalising a row
 to `[{"role": system|user|assistant, "content": str}, ...]`.
 
-Rows come from JSONL (ShareGPT `conversations: [{from, value}]` or OpenAI `messages: [{role,
-content}]`), parquet, arrow, or a `Dataset.save_to_disk` directory. Errors are one line naming the
-file and row (docs/design.md, "Bad input").
+Rows come from JSONL or a JSON array (ShareGPT `conversations: [{from, value}]` or OpenAI
+`messages: [{role, content}]`), parquet, arrow, or a `Dataset.save_to_disk` directory. A row for a vision-language
+target may carry one image (LLaVA `image` + `<image>`, or an OpenAI `{"type": "image"}` content
+part; docs/vision.md). Errors are one line naming the file and row (docs/design.md, "Bad input").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 SHAREGPT_ROLES = {
@@ -33,8 +36,6 @@ class CorpusError(ValueError):
     def __init__(self, message: str, reason: str = "bad_row"):
         super().__init__(message)
         self.reason = reason
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,6 +76,8 @@ def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
             raise ValueError(f"{path}: holds a DatasetDict (splits {list(dataset)}); point at one split's directory")
         return _iter_arrow_batches(dataset.with_format("arrow").iter(batch_size=1024))
     suffix = path.suffix.lower()
+    if suffix == ".json" and _is_json_array(path):
+        return _iter_json_array(path)
     if suffix in JSONL_SUFFIXES:
         return _iter_jsonl(path)
     if suffix == ".parquet":
@@ -111,6 +114,47 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
                 yield line_index, CorpusError(f"{where}: bad JSON: {_json_error(error)}", "bad_json")
 
 
+def _is_json_array(path: Path) -> bool:
+    """A .json file holding one JSON array of rows (LLaVA / ALLaVA releases) rather than one row per line."""
+    with open(path, "rb") as f:
+        head = f.read(4096).decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")
+    return head.startswith("[")
+
+
+def _iter_json_array(path: Path) -> Iterator[tuple[int, object]]:
+    """Rows of a JSON-array file, each yielded with the 0-based index of the line it starts on, so
+    errors name "path:line" as for JSONL. A syntax error stops the file (a ValueError, not a
+    skippable row: nothing after it can be located)."""
+    try:
+        text = path.read_text(encoding="utf-8").lstrip("\ufeff")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: bad JSON: not UTF-8 at byte {error.start}") from None
+    decoder, whitespace = json.JSONDecoder(), " \t\r\n"
+    pos, line, counted = text.index("[") + 1, 0, 0
+
+    def skip(pos: int) -> int:
+        while pos < len(text) and text[pos] in whitespace:
+            pos += 1
+        return pos
+
+    pos = skip(pos)
+    while pos < len(text) and text[pos] != "]":
+        line += text.count("\n", counted, pos)
+        counted = pos
+        try:
+            row, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{error.lineno}: bad JSON: {_json_error(error)} (the rest of the array cannot be read)") from None
+        yield line, row
+        pos = skip(pos)
+        if pos < len(text) and text[pos] == ",":
+            pos = skip(pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            raise ValueError(f"{path}:{line + text.count(chr(10), counted, pos) + 1}: bad JSON: expected ',' or ']' in the array")
+    if pos >= len(text):
+        raise ValueError(f"{path}: bad JSON: the array is not closed")
+
+
 def _json_error(error: json.JSONDecodeError) -> str:
     """"Expecting value at column 4"; json's own "Unterminated string starting at" already ends in
     "at" (the column is where the string starts)."""
@@ -131,29 +175,38 @@ def _short(value: object, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+@dataclass(kw_only=True)
+class ChatRow:
+    """A normalized chat row: messages with string content, and the row's one image if it has one
+    (its path as the row writes it, and the index of the user message it belongs to)."""
+
+    messages: list[dict[str, str]]
+    image: str | None = None
+    image_turn: int | None = None
+
+
 def normalize_messages(row: object, *, where: str, require_assistant: bool = True) -> list[dict[str, str]]:
-    """A chat row -> [{"role": system|user|assistant, "content": str}, ...]. Raises CorpusError
-    (message "{where}: reason") for a row that is not a usable conversation; a corpus row must
-    hold an assistant turn (`require_assistant`), a prompt row need not."""
+    """A text chat row -> [{"role": system|user|assistant, "content": str}, ...]. Raises CorpusError
+    (message "{where}: reason") for a row that is not a usable conversation, or that has an image
+    (only a vision-language target reads those, through normalize_row); a corpus row must hold an
+    assistant turn (`require_assistant`), a prompt row need not."""
+    chat = normalize_row(row, where=where, require_assistant=require_assistant)
+    if chat.image is not None:
+        raise CorpusError(f"{where}: row has an image ({_short(chat.image)}) but the target is text-only", "image_for_text_target")
+    return chat.messages
+
+
+def normalize_row(row: object, *, where: str, require_assistant: bool = True) -> ChatRow:
+    """A chat row -> ChatRow. Text rows come out as normalize_messages describes. An image comes
+    from a LLaVA-style `image` key (its `<image>` placeholder, if any, removed and marking the user
+    turn it belongs to, else the first user turn) or from an OpenAI content part `{"type": "image",
+    "image": path}`; one image per row, no videos (docs/vision.md, "Corpus rows")."""
     if not isinstance(row, dict):
         raise CorpusError(f"{where}: row is a {type(row).__name__}, not an object", "bad_row")
-    conversations, messages = row.get("conversations"), row.get("messages")
-    if conversations is not None and messages is not None:
-        raise CorpusError(f"{where}: row has both 'conversations' and 'messages'", "bad_row")
-    if conversations is not None:
-        turns, role_key, content_key, roles = conversations, "from", "value", SHAREGPT_ROLES
-        list_key = "conversations"
-    elif messages is not None:
-        turns, role_key, content_key, roles = messages, "role", "content", OPENAI_ROLES
-        list_key = "messages"
-    else:
-        raise CorpusError(f"{where}: row has no 'conversations' or 'messages' list", "bad_row")
-    if not isinstance(turns, list):
-        raise CorpusError(f"{where}: '{list_key}' is a {type(turns).__name__}, not a list", "bad_row")
-    if not turns:
-        raise CorpusError(f"{where}: empty conversation", "empty_conversation")
+    turns, role_key, content_key, roles = _turns(row, where=where)
+    row_image = _row_image(row, where=where)
 
-    normalized = []
+    normalized, part_images = [], []  # part_images: (message index, path) of image content parts
     for j, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise CorpusError(f"{where}: message {j} is a {type(turn).__name__}, not an object", "bad_row")
@@ -166,19 +219,105 @@ def normalize_messages(row: object, *, where: str, require_assistant: bool = Tru
                 "unknown_role",
             )
         content = turn.get(content_key)
-        if not isinstance(content, str):
+        if isinstance(content, list):
+            content, images = _content_parts(content, where=where, message=j, key=content_key)
+            part_images += [(j, path) for path in images]
+        elif not isinstance(content, str):
             raise CorpusError(
                 f"{where}: message {j} '{content_key}' is {type(content).__name__}, not a string", "bad_content"
             )
         normalized.append({"role": roles[role.strip().lower()], "content": content})
 
+    image, image_turn = _place_image(normalized, row_image=row_image, part_images=part_images, where=where)
     # Some ShareGPT exports keep the system prompt beside the turns.
     system = row.get("system")
     if isinstance(system, str) and system.strip() and normalized[0]["role"] != "system":
         normalized.insert(0, {"role": "system", "content": system})
+        image_turn = None if image_turn is None else image_turn + 1
     if require_assistant and not any(m["role"] == "assistant" for m in normalized):
         raise CorpusError(f"{where}: conversation has no assistant turn", "no_assistant_turn")
-    return normalized
+    return ChatRow(messages=normalized, image=image, image_turn=image_turn)
+
+
+def _turns(row: dict, *, where: str) -> tuple[list, str, str, dict[str, str]]:
+    """(turns, role key, content key, role names) of a ShareGPT or OpenAI row."""
+    conversations, messages = row.get("conversations"), row.get("messages")
+    if conversations is not None and messages is not None:
+        raise CorpusError(f"{where}: row has both 'conversations' and 'messages'", "bad_row")
+    if conversations is not None:
+        turns, role_key, content_key, roles, list_key = conversations, "from", "value", SHAREGPT_ROLES, "conversations"
+    elif messages is not None:
+        turns, role_key, content_key, roles, list_key = messages, "role", "content", OPENAI_ROLES, "messages"
+    else:
+        raise CorpusError(f"{where}: row has no 'conversations' or 'messages' list", "bad_row")
+    if not isinstance(turns, list):
+        raise CorpusError(f"{where}: '{list_key}' is a {type(turns).__name__}, not a list", "bad_row")
+    if not turns:
+        raise CorpusError(f"{where}: empty conversation", "empty_conversation")
+    return turns, role_key, content_key, roles
+
+
+def _row_image(row: dict, *, where: str) -> str | None:
+    """The LLaVA-style `image` (or one-element `images`) path of a row, or None; a video is refused."""
+    if row.get("video") is not None or row.get("videos") is not None:
+        raise CorpusError(f"{where}: row has a video; only images are supported", "video")
+    image, images = row.get("image"), row.get("images")
+    if images is not None:
+        if image is not None or not isinstance(images, list):
+            raise CorpusError(f"{where}: row has both 'image' and 'images', or 'images' is not a list", "bad_image_field")
+        if len(images) > 1:
+            raise CorpusError(f"{where}: row has {len(images)} images; one image per row is supported", "multiple_images")
+        image = images[0] if images else None
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise CorpusError(f"{where}: 'image' is {_short(image)}, not a non-empty path string", "bad_image_field")
+    return image
+
+
+def _content_parts(parts: list, *, where: str, message: int, key: str) -> tuple[str, list[str]]:
+    """An OpenAI content list -> (its text parts joined, the paths of its image parts)."""
+    texts, images = [], []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image" and isinstance(part.get("image"), str) and part["image"].strip():
+            images.append(part["image"])
+        elif kind == "video" or (isinstance(part, dict) and "video" in part):
+            raise CorpusError(f"{where}: message {message} has a video; only images are supported", "video")
+        else:
+            raise CorpusError(
+                f"{where}: message {message} '{key}' part {_short(part)} is neither "
+                '{"type": "text", "text": str} nor {"type": "image", "image": path}',
+                "bad_content",
+            )
+    return "".join(texts), images
+
+
+IMAGE_PLACEHOLDER = re.compile(r"\n?<image>\n?")  # LLaVA's placeholder and the line break beside it
+
+
+def _place_image(
+    messages: list[dict[str, str]], *, row_image: str | None, part_images: list[tuple[int, str]], where: str
+) -> tuple[str | None, int | None]:
+    """(image path, index of its user message) of a row; strips the `<image>` placeholder of a
+    LLaVA row. Placeholders in a row without an `image` key are text and stay."""
+    num_images = len(part_images) + (row_image is not None)
+    if num_images > 1:
+        raise CorpusError(f"{where}: row has {num_images} images; one image per row is supported", "multiple_images")
+    if part_images:
+        turn, image = part_images[0]
+    elif row_image is not None:
+        marked = [j for j, m in enumerate(messages) if "<image>" in m["content"]]
+        if sum(m["content"].count("<image>") for m in messages) > 1:
+            raise CorpusError(f"{where}: row has more than one <image> placeholder for its one image", "multiple_images")
+        users = [j for j, m in enumerate(messages) if m["role"] == "user"]
+        turn, image = (marked[0] if marked else users[0] if users else 0), row_image
+        messages[turn]["content"] = IMAGE_PLACEHOLDER.sub("", messages[turn]["content"], count=1)
+    else:
+        return None, None
+    if messages[turn]["role"] != "user":
+        raise CorpusError(f"{where}: the image belongs to a {messages[turn]['role']} message, not a user turn", "image_not_in_user_turn")
+    return image, turn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,16 +325,29 @@ def normalize_messages(row: object, *, where: str, require_assistant: bool = Tru
 
 
 def prompt_messages(row: object, *, where: str) -> list[dict[str, str]]:
-    """An evaluation prompts row -> the chat messages to answer: a 'prompt' string becomes one user
-    turn; a ShareGPT/OpenAI conversation loses its trailing assistant turn(s) and must then end with
-    a user turn."""
+    """An evaluation prompts row -> the chat messages to answer (a text row; see prompt_row)."""
+    chat = prompt_row(row, where=where)
+    if chat.image is not None:
+        raise CorpusError(f"{where}: row has an image ({_short(chat.image)}) but the target is text-only", "image_for_text_target")
+    return chat.messages
+
+
+def prompt_row(row: object, *, where: str) -> ChatRow:
+    """An evaluation prompts row -> the ChatRow to answer: a 'prompt' string becomes one user turn
+    (with the row's `image`, if any); a ShareGPT/OpenAI conversation loses its trailing assistant
+    turn(s) and must then end with a user turn."""
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-        return [{"role": "user", "content": row["prompt"]}]
+        image = _row_image(row, where=where)
+        content = IMAGE_PLACEHOLDER.sub("", row["prompt"], count=1) if image is not None else row["prompt"]
+        return ChatRow(messages=[{"role": "user", "content": content}], image=image, image_turn=None if image is None else 0)
     if isinstance(row, dict) and "conversations" not in row and "messages" not in row:
         raise CorpusError(f"{where}: row has no 'prompt' string, 'conversations' or 'messages' list")
-    messages = normalize_messages(row, where=where, require_assistant=False)
+    chat = normalize_row(row, where=where, require_assistant=False)
+    messages = chat.messages
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()
     if not messages or messages[-1]["role"] != "user":
         raise CorpusError(f"{where}: the conversation has no user turn to answer")
-    return messages
+    if chat.image_turn is not None and chat.image_turn >= len(messages):
+        raise CorpusError(f"{where}: the image belongs to a dropped assistant turn", "image_not_in_user_turn")
+    return chat

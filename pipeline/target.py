@@ -1,6 +1,10 @@
 """The target model, as stage 1 and evaluation see it: identity hash, config, loading, taps,
 stop tokens, and the frozen embedding / lm_head the trainer reuses (docs/design.md, "The target").
 
+A vision-language target (Qwen3-VL, SPEC 8) loads with AutoModelForImageTextToText; its layer
+count, hidden size, vocabulary and RoPE come from the text config, its embedding and lm_head from
+the language model (docs/vision.md).
+
 Training never imports this module: it reads everything it needs of the target from the cache.
 """
 
@@ -12,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.vision import is_vision_target
+
 # Files that define what a target computes; their bytes make the target hash.
 _TARGET_IDENTITY_FILES = (
     "config.json",
@@ -20,6 +26,8 @@ _TARGET_IDENTITY_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    "chat_template.json",  # a vision-language processor's template
+    "preprocessor_config.json",  # a vision-language target's image processor
 )
 
 
@@ -63,19 +71,44 @@ def read_generation_config(target_dir: str | Path) -> dict | None:
 
 
 def load_target(target_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """Load a local HF causal LM for feature extraction (eval mode, SDPA attention)."""
-    from transformers import AutoModelForCausalLM
+    """Load a local HF causal LM, or a vision-language model (AutoModelForCausalLM rejects
+    Qwen3VLConfig), for feature extraction (eval mode, SDPA attention)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, attn_implementation="sdpa")
-    if getattr(model.config, "use_sliding_window", False):
+    auto_class = AutoModelForImageTextToText if is_vision_target(target_dir) else AutoModelForCausalLM
+    model = auto_class.from_pretrained(str(target_dir), dtype=dtype, attn_implementation="sdpa")
+    if getattr(model.config.get_text_config(), "use_sliding_window", False):
         raise ValueError(f"{target_dir}: sliding-window targets are not supported")
     return model.to(device).eval()
 
 
 def load_tokenizer(target_dir: str | Path):
+    """The target's tokenizer; a vision-language target whose template lives only in the
+    processor's chat_template.json gets that template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    processor_template = Path(target_dir) / "chat_template.json"
+    if not getattr(tokenizer, "chat_template", None) and processor_template.is_file():
+        tokenizer.chat_template = json.loads(processor_template.read_text()).get("chat_template")
+    return tokenizer
+
+
+def is_vision_model(model) -> bool:
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def decoder_stack(model):
+    """The decoder that text-only forwards run: Qwen3's `model.model`, Qwen3-VL's language model."""
+    return getattr(model.model, "language_model", model.model)
+
+
+def attention_mask_for(model, mask: torch.Tensor):
+    """Our boolean 4-D mask [B, 1, Q, K] as the model takes it. A {layer_type: mask} dict skips
+    transformers' own mask construction and hands it to every layer; a text config without
+    layer_types (Qwen3-VL's) takes the 4-D tensor itself, which transformers passes through as is."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+    return {layer_type: mask for layer_type in set(layer_types)} if layer_types else mask
 
 
 def stop_token_ids(tokenizer, generation_config: dict | None = None) -> list[int]:

@@ -33,6 +33,8 @@ from storage.format import (
 )
 
 TARGET_HEAD_KEYS = ("embed_tokens.weight", "lm_head.weight")
+OPTIONAL_SETTINGS = ("system_prompt", "vision")  # CacheSettings keys written only when set
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 TARGET_HEAD_HASH_KEY = "alrira_target_hash"  # safetensors metadata key of the head file
 
 
@@ -117,6 +119,13 @@ class CacheSettings:
     # Which engine computed the target side ("hf" or "vllm"). They agree within fp32 rounding, not
     # bit for bit, so one cache is never resumed with the other (older manifests: "hf").
     backend: str = "hf"
+    # The system prompt given to rows without one (--system-prompt, or the vision-language
+    # default); None: none, and the key is left out, so a text cache's manifest is as before.
+    system_prompt: str | None = None
+    # Vision-language targets (docs/vision.md): modality, processor class and settings, pixel
+    # limits, image / vision token ids, the deepstack and drafter-position notes. None (no key):
+    # a text cache, as every manifest written before vision-language targets.
+    vision: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_str("target_hash", self.target_hash, nonempty=True)
@@ -145,9 +154,24 @@ class CacheSettings:
         self.contents = list(check_contents(self.contents))
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"backend must be hf or vllm, got {self.backend!r}")
+        if self.system_prompt is not None:
+            _check_str("system_prompt", self.system_prompt)
+        if self.vision is not None:
+            _check_dict("vision", self.vision)
+            for name in VISION_TOKEN_KEYS:
+                _check_int(f"vision.{name}", self.vision.get(name), minimum=0)
+
+    @property
+    def modality(self) -> str:
+        """"text", or the vision settings' modality ("image-text")."""
+        return "text" if self.vision is None else str(self.vision.get("modality", "image-text"))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        for name in OPTIONAL_SETTINGS:  # absent rather than null: text manifests stay byte-identical
+            if data[name] is None:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheSettings:

@@ -90,3 +90,24 @@ def train_alr_drafter(cache: Path, run: Path, *, epochs: int, draft_layers: int 
         lr=3e-3, progress=False, save_dtype="float32", draft_layers=draft_layers,
     ))  # fmt: skip
     return run / "drafter"
+
+
+# Vision-language (Qwen3-VL) fixtures: tests/vl_fixtures.py builds them.
+
+
+@pytest.fixture(scope="session")
+def vl_target(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-VL (untied) with its PIL image processor and a vision-token tokenizer."""
+    from tests.vl_fixtures import make_toy_vl_target
+
+    return make_toy_vl_target(tmp_path_factory.mktemp("vl-target") / "toy-qwen3-vl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vl_corpus(tmp_path_factory) -> Path:
+    """corpus.jsonl with image rows in every accepted form and text-only rows, images/ beside it."""
+    from tests.vl_fixtures import mixed_vl_rows, write_images
+
+    folder = tmp_path_factory.mktemp("vl-corpus")
+    write_images(folder / "images")
+    return write_jsonl(folder / "corpus.jsonl", mixed_vl_rows())

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pipeline.build.corpus import CorpusConfig
+from pipeline.build.corpus import CorpusConfig, corpus_vision_inputs, effective_system_prompt
 from pipeline.build.rollouts import TargetRunConfig
 from pipeline.config import from_flags, group, opt
 from storage.format import FEATURE_CODECS, STORAGE_FORMATS
@@ -127,3 +127,22 @@ class CacheBuildConfig:
             if self.storage.rollout_features:  # features of rollout tokens exist only where rollouts run
                 groups.append("rollout_features")
         return sorted(groups)
+
+
+def vision_cache_settings(config: CacheBuildConfig) -> dict:
+    """The CacheSettings fields a vision-language target or --system-prompt adds ("system_prompt",
+    "vision"; docs/vision.md), only those that are set: {} for a text target without
+    --system-prompt, whose settings (and manifest) stay as they were. Refuses --backend vllm for a
+    vision-language target before anything is written."""
+    from pipeline.build.vllm_runner import check_vllm_target
+
+    vision = corpus_vision_inputs(config.target, config.corpus)
+    if vision is not None and config.compute.backend == "vllm":
+        check_vllm_target(config.target)
+    settings = {}
+    system_prompt = effective_system_prompt(config.corpus.system_prompt, vision=vision)
+    if system_prompt is not None:
+        settings["system_prompt"] = system_prompt
+    if vision is not None:
+        settings["vision"] = vision.settings()
+    return settings

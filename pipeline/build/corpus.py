@@ -4,6 +4,11 @@ once with the tokenizer's chat template (thinking disabled), tokenized with offs
 that fall inside an assistant turn's content or its end-of-turn token get loss mask 1. The turn
 spans come from rendering prefixes of the conversation, so no template is special-cased beyond the
 empty `<think></think>` block Qwen3 puts in front of a non-thinking answer.
+
+For a vision-language target (docs/vision.md) a row's one image goes first in its user turn; the
+rendered `<|image_pad|>` becomes the image's token count (from its size and the pixel limits),
+loss mask 0, and the image's path, sha256 and grid are kept beside the tokens (`images.json`) so
+the stage-1 worker can re-read it: pixel values are never cached.
 """
 
 from __future__ import annotations
@@ -19,8 +24,21 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.chat import CorpusError, iter_corpus_rows, normalize_messages, row_locator
+from pipeline.build.rollouts import TargetSequence
+from pipeline.chat import CorpusError, iter_corpus_rows, normalize_row, row_locator
 from pipeline.config import opt
+from pipeline.vision import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    SequenceImage,
+    VisionInputs,
+    effective_system_prompt,
+    expand_image_tokens,
+    image_record,
+    load_vision_inputs,
+    resolve_image_path,
+    template_messages,
+)
 from storage.atomic import atomic_write_dir
 from storage.errors import first_line
 from storage.ownership import foreign_files
@@ -32,22 +50,39 @@ TRAILING_EMPTY_THINK_BLOCK = re.compile(r"(<think>\s*</think>)?\s*$")
 
 ARRAY_DTYPES = {"source_rows": "int64", "offsets": "int64", "input_ids": "int32", "loss_mask": "uint8"}
 STATS_FILE = "stats.json"
-CORPUS_FILES = (*(f"{name}.npy" for name in ARRAY_DTYPES), STATS_FILE)  # all a saved corpus holds
+IMAGES_FILE = "images.json"  # vision-language targets only: each sequence's image (or null)
+CORPUS_FILES = (*(f"{name}.npy" for name in ARRAY_DTYPES), STATS_FILE, IMAGES_FILE)  # all a saved corpus may hold
 
 
 @dataclass(kw_only=True)
 class CorpusConfig:
     """Which corpus, and which of its conversations become training sequences."""
 
-    path: str = opt("Corpus: JSONL (ShareGPT or OpenAI rows), parquet, arrow, or a save_to_disk directory.", flag="corpus")
+    path: str = opt(
+        "Corpus: JSONL or a JSON array (ShareGPT, OpenAI or LLaVA rows), parquet, arrow, or a save_to_disk directory.",
+        flag="corpus",
+    )
     max_length: int = opt("Truncate rendered conversations to this many tokens.", default=1024)
     min_supervised_tokens: int = opt("Drop sequences with fewer supervised tokens (2 * block size).", default=32)
     skip_bad_rows: bool = opt("Skip (and count) malformed corpus rows instead of stopping.", default=False)
+    system_prompt: str | None = opt(
+        "System prompt for rows without one (default: 'You are a helpful assistant.' for vision-language "
+        "targets, none for text targets; '' for none).",
+        default=None,
+    )
+    image_root: str | None = opt(
+        "Vision-language targets: folder that relative 'image' paths are resolved against (default: the corpus file's folder).",
+        default=None,
+    )
+    min_pixels: int = opt("Vision-language targets: images are resized to at least this many pixels.", default=DEFAULT_MIN_PIXELS)
+    max_pixels: int = opt("Vision-language targets: images are resized to at most this many pixels.", default=DEFAULT_MAX_PIXELS)
 
     def __post_init__(self):
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise ValueError(f"path must be a non-empty path, got {self.path!r}")
         self.path = os.fspath(self.path)
+        if not 1 <= self.min_pixels <= self.max_pixels:
+            raise ValueError(f"--min-pixels ({self.min_pixels}) must be >= 1 and <= --max-pixels ({self.max_pixels})")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.min_supervised_tokens < 0:
@@ -68,6 +103,11 @@ class TokenizedCorpus:
     input_ids: np.ndarray  # [total] int32
     loss_mask: np.ndarray  # [total] uint8, 1 on assistant content and its end-of-turn token
     stats: dict
+    # Vision-language targets: per sequence None or {"path" (as the row writes it), "sha256",
+    # "grid_thw", "num_tokens"}; None for a text target's corpus (which stores no images.json).
+    images: list[dict | None] | None = None
+    corpus_path: str | None = None  # the corpus file, for errors naming a sequence's row
+    image_processor_class: str | None = None  # what counted the image tokens (VisionInputs.processor_class)
 
     def __post_init__(self):
         n = len(self.source_rows)
@@ -80,6 +120,8 @@ class TokenizedCorpus:
             raise ValueError(f"loss_mask has {len(self.loss_mask)} tokens, input_ids {len(self.input_ids)}")
         if n and np.any(np.diff(self.offsets) < 0):
             raise ValueError("offsets must be non-decreasing")
+        if self.images is not None and len(self.images) != n:
+            raise ValueError(f"images has {len(self.images)} entries for {n} sequences")
 
     def __len__(self) -> int:
         return len(self.source_rows)
@@ -91,6 +133,31 @@ class TokenizedCorpus:
         i = i % len(self)
         start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.input_ids[start:stop], self.loss_mask[start:stop]
+
+    def target_sequence(self, i: int, *, vision: VisionInputs | None = None) -> TargetSequence:
+        """Sequence i as the stage-1 target pass takes it; its image (if any) is re-read from
+        `vision.image_root` when the batch runs and checked against the recorded hash and grid."""
+        input_ids, loss_mask = self.sequence(i)
+        i = i % len(self)
+        entry = None if self.images is None else self.images[i]
+        image = None
+        if entry is not None:
+            if vision is None:
+                raise ValueError(f"sequence {i} has an image but the target has no image processor (is it a vision-language target?)")
+            if vision.processor_class != self.image_processor_class:
+                # e.g. torchvision on the workers but not where the corpus was tokenized: other pixels.
+                raise ValueError(
+                    f"the corpus was tokenized with image processor {self.image_processor_class}, this worker loads "
+                    f"{vision.processor_class}; use the same transformers/torchvision on every machine"
+                )
+            where = row_locator(self.corpus_path or "corpus")(int(self.source_rows[i]))
+            image = SequenceImage(
+                path=resolve_image_path(entry["path"], image_root=vision.image_root),
+                sha256=entry["sha256"], grid_thw=tuple(entry["grid_thw"]), where=where, vision=vision,
+            )  # fmt: skip
+        return TargetSequence(
+            source_row=int(self.source_rows[i]), input_ids=np.asarray(input_ids), loss_mask=np.asarray(loss_mask), image=image
+        )
 
 
 
@@ -180,20 +247,70 @@ def render_sequence(
 
 
 # ---------------------------------------------------------------------------------------------
+# Vision-language rows (docs/vision.md)
+
+
+def corpus_vision_inputs(target_dir: str | os.PathLike, config: CorpusConfig) -> VisionInputs | None:
+    """The VisionInputs the corpus of `config` is tokenized and computed with; None for a text target.
+    Relative image paths resolve against --image-root, else the corpus file's folder."""
+    corpus = Path(config.path)
+    image_root = config.image_root if config.image_root is not None else (corpus if corpus.is_dir() else corpus.parent)
+    return load_vision_inputs(target_dir, image_root=image_root, min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+
+
+def check_image_fits(input_ids: np.ndarray, *, image: dict | None, vision: VisionInputs, max_length: int, where: str) -> None:
+    """A truncation to max_length must keep the whole image span (vision start .. vision end)."""
+    if image is None or len(input_ids) <= max_length:
+        return
+    pads = np.flatnonzero(input_ids == vision.image_token_id)
+    start, stop = int(pads[0]), int(pads[-1]) + 1
+    start -= int(start > 0 and input_ids[start - 1] == vision.vision_start_token_id)
+    stop += int(stop < len(input_ids) and input_ids[stop] == vision.vision_end_token_id)
+    if stop > max_length:
+        raise CorpusError(
+            f"{where}: --max-length {max_length} would cut into the span of image {image['path']} "
+            f"(tokens {start}..{stop - 1}); raise --max-length or lower --max-pixels",
+            "image_truncated",
+        )
+
+
+def tokenize_row(
+    tokenizer, row: object, *, where: str, config: CorpusConfig, vision: VisionInputs | None, system_prompt: str | None
+) -> tuple[np.ndarray, np.ndarray, dict | None]:
+    """Untruncated (input_ids [S] int32, loss_mask [S] uint8, image record or None) of one row;
+    CorpusError for a bad row."""
+    chat = normalize_row(row, where=where)
+    if chat.image is not None and vision is None:
+        raise CorpusError(f"{where}: row has an image ({chat.image}) but the target is text-only", "image_for_text_target")
+    input_ids, loss_mask = _tokenize_conversation(tokenizer, template_messages(chat, system_prompt=system_prompt), where=where)
+    if vision is None:
+        return input_ids, loss_mask, None
+    image = image_record(chat, vision=vision, where=where) if chat.image is not None else None
+    input_ids, loss_mask = expand_image_tokens(input_ids, loss_mask, image=image, vision=vision, where=where)
+    check_image_fits(input_ids, image=image, vision=vision, max_length=config.max_length, where=where)
+    return input_ids, loss_mask, image
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole corpus
 
 
-def ingest_corpus(config: CorpusConfig, tokenizer, *, progress: bool = True) -> TokenizedCorpus:
-    """Read, render and filter every row of `config.path`. A bad row raises CorpusError, or with
-    `skip_bad_rows` is counted in stats["dropped"] under its reason; so are short sequences."""
+def ingest_corpus(
+    config: CorpusConfig, tokenizer, *, progress: bool = True, vision: VisionInputs | None = None
+) -> TokenizedCorpus:
+    """Read, render and filter every row of `config.path` (with `vision`, images included). A bad
+    row raises CorpusError, or with `skip_bad_rows` is counted in stats["dropped"] under its
+    reason; so are short sequences."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target tokenizer has no chat template; the corpus cannot be rendered")
+    system_prompt = effective_system_prompt(config.system_prompt, vision=vision)
     rows = iter_corpus_rows(config.path)
     locate = row_locator(config.path)
     source_rows: list[int] = []
     lengths: list[int] = []
     id_chunks: list[np.ndarray] = []
     mask_chunks: list[np.ndarray] = []
+    images: list[dict | None] = []
     dropped: Counter[str] = Counter()
     num_rows = num_truncated = 0
     bar = tqdm(rows, desc=f"tokenizing {Path(config.path).name}", unit=" rows", disable=not progress)
@@ -203,8 +320,9 @@ def ingest_corpus(config: CorpusConfig, tokenizer, *, progress: bool = True) -> 
             if isinstance(row, CorpusError):
                 raise row
             where = locate(row_index)
-            messages = normalize_messages(row, where=where)
-            input_ids, loss_mask = _tokenize_conversation(tokenizer, messages, where=where)
+            input_ids, loss_mask, image = tokenize_row(
+                tokenizer, row, where=where, config=config, vision=vision, system_prompt=system_prompt
+            )
         except CorpusError as error:
             if not config.skip_bad_rows:
                 raise
@@ -220,6 +338,7 @@ def ingest_corpus(config: CorpusConfig, tokenizer, *, progress: bool = True) -> 
         lengths.append(len(input_ids))
         id_chunks.append(input_ids)
         mask_chunks.append(loss_mask)
+        images.append(image)
 
     input_ids = np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int32)
     loss_mask = np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8)
@@ -231,18 +350,24 @@ def ingest_corpus(config: CorpusConfig, tokenizer, *, progress: bool = True) -> 
         "truncated": num_truncated,
         "dropped": dict(sorted(dropped.items())),
     }
+    if vision is not None:
+        stats["images"] = sum(image is not None for image in images)
+        stats["image_tokens"] = sum(image["num_tokens"] for image in images if image is not None)
     return TokenizedCorpus(
         source_rows=np.asarray(source_rows, dtype=np.int64),
         offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
         input_ids=input_ids,
         loss_mask=loss_mask,
         stats=stats,
+        images=images if vision is not None else None,
+        corpus_path=str(config.path),
+        image_processor_class=None if vision is None else vision.processor_class,
     )
 
 
 def save_tokenized_corpus(corpus: TokenizedCorpus, out_dir: str | os.PathLike) -> None:
-    """Write `corpus` to `out_dir` as {source_rows,offsets,input_ids,loss_mask}.npy + stats.json,
-    atomically (storage.atomic.atomic_write_dir): a reader sees the old directory or the new one.
+    """Write `corpus` to `out_dir` as {source_rows,offsets,input_ids,loss_mask}.npy + stats.json
+    (+ images.json for a vision-language target), atomically (storage.atomic.atomic_write_dir): a reader sees the old directory or the new one.
     An existing `out_dir` is replaced only if it holds nothing but these files: a directory with
     anything else in it is not a tokenized corpus this code wrote, and is refused, not deleted."""
     out_dir = Path(out_dir)
@@ -258,6 +383,13 @@ def save_tokenized_corpus(corpus: TokenizedCorpus, out_dir: str | os.PathLike) -
             with open(tmp_dir / f"{name}.npy", "wb") as f:
                 np.save(f, np.ascontiguousarray(getattr(corpus, name), dtype=dtype))
         (tmp_dir / STATS_FILE).write_text(json.dumps(corpus.stats, indent=2, sort_keys=True))
+        if corpus.images is not None:
+            images = {
+                "corpus_path": corpus.corpus_path,
+                "image_processor_class": corpus.image_processor_class,
+                "sequences": corpus.images,
+            }
+            (tmp_dir / IMAGES_FILE).write_text(json.dumps(images, separators=(",", ":")) + "\n")
 
     atomic_write_dir(out_dir, write)
 
@@ -276,7 +408,11 @@ def load_tokenized_corpus(out_dir: str | os.PathLike, *, mmap: bool = True) -> T
             raise ValueError(f"{out_dir}/{name}.npy: expected 1-D {dtype}, got {array.ndim}-D {array.dtype}")
         arrays[name] = array
     stats = json.loads((out_dir / STATS_FILE).read_text())
-    return TokenizedCorpus(**arrays, stats=stats)
+    images = json.loads((out_dir / IMAGES_FILE).read_text()) if (out_dir / IMAGES_FILE).is_file() else {}
+    return TokenizedCorpus(
+        **arrays, stats=stats, images=images.get("sequences"), corpus_path=images.get("corpus_path"),
+        image_processor_class=images.get("image_processor_class"),
+    )  # fmt: skip
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -11,6 +11,11 @@ keys at positions <= a and the branch's own earlier rollout keys, nothing else. 
 batch takes one corpus forward and K - 1 small forwards of (num_anchors) tokens each, instead of
 one `generate()` per anchor. `reference_rollout` below is the plain step-by-step version that
 the tests (and the benchmark) compare against.
+
+A vision-language target (Qwen3-VL, SPEC 8) runs the corpus pass through the full model with the
+batch's pixel values and 3-D M-RoPE positions; its rollout steps run the text model alone at
+positions pos3[:, b, a] + step on all three axes (text tokens have t = h = w), on the same shared
+cache and branch mask. Pixel values are loaded per batch from each sequence's image.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import numpy as np
 import torch
 
 from pipeline.config import opt
-from pipeline.target import tapped_features
+from pipeline.target import attention_mask_for, decoder_stack, is_vision_model, tapped_features
+from pipeline.vision import SequenceImage, mm_token_type_ids, rope_positions
 from storage.format import check_num_slots
 
 LOGITS_CHUNK = 2048  # positions per lm_head call, bounds the [chunk, vocab] logits buffer
@@ -123,6 +129,7 @@ class TargetSequence:
     source_row: int
     input_ids: np.ndarray  # [T] int
     loss_mask: np.ndarray  # [T] uint8
+    image: SequenceImage | None = None  # vision-language targets: the sequence's image, read per batch
 
 
 @dataclass(kw_only=True)
@@ -182,19 +189,7 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
         input_ids[b, : lengths[b]] = torch.tensor(np.asarray(seq.input_ids), dtype=torch.long)
         token_valid[b, : lengths[b]] = True
 
-    # Corpus pass: causal over real tokens. Padding keys sit after every real token, so causality
-    # already hides them from real queries; the mask is written out to keep the semantics explicit.
-    positions = torch.arange(max_len, device=device)
-    causal = positions[None, :] <= positions[:, None]  # [S, S]
-    corpus_mask = (causal[None] & token_valid[:, None, :])[:, None]  # [B, 1, S, S]
-    corpus_mask |= torch.eye(max_len, dtype=torch.bool, device=device)[None, None]  # padding rows see themselves
-    out = model.model(
-        input_ids=input_ids,
-        attention_mask=_mask_mapping(model, corpus_mask),
-        position_ids=positions[None].expand(batch, -1),
-        use_cache=config.rollouts,  # the rollouts' shared corpus KV cache
-        output_hidden_states=True,
-    )
+    out, positions = _corpus_forward(model, sequences, input_ids=input_ids, token_valid=token_valid, use_cache=config.rollouts)
     corpus_features = tapped_features(out.hidden_states, config.layer_ids)  # [B, S, F]
     final_hidden = out.last_hidden_state  # [B, S, H], after the final norm
 
@@ -225,7 +220,7 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
     rollout = None
     if config.rollouts:
         rollout = _batched_rollouts(
-            model, out.past_key_values, config=config, input_ids=input_ids, anchor_pos=anchor_pos,
+            model, out.past_key_values, config=config, input_ids=input_ids, positions=positions, anchor_pos=anchor_pos,
             anchor_valid=anchor_valid, corpus_topk=(c_ids, c_probs, c_tail, c_argmax),
             feature_dim=corpus_features.shape[-1], feature_dtype=corpus_features.dtype,
         )  # fmt: skip
@@ -251,8 +246,51 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
     return results
 
 
+def _corpus_forward(model, sequences: list[TargetSequence], *, input_ids: torch.Tensor, token_valid: torch.Tensor, use_cache: bool):
+    """The corpus pass over the right-padded batch input_ids [B, S]: (model output, positions) with
+    positions [B, S] (text) or [3, B, S] (M-RoPE of a vision-language target, from each sequence's
+    image grid). Causal over real tokens; padding keys sit after every real token, so causality
+    already hides them from real queries, and the mask is written out to keep that explicit."""
+    batch, max_len = input_ids.shape
+    device = input_ids.device
+    steps = torch.arange(max_len, device=device)
+    causal = steps[None, :] <= steps[:, None]  # [S, S]
+    corpus_mask = (causal[None] & token_valid[:, None, :])[:, None]  # [B, 1, S, S]
+    corpus_mask |= torch.eye(max_len, dtype=torch.bool, device=device)[None, None]  # padding rows see themselves
+    mask = attention_mask_for(model, corpus_mask)
+    if not is_vision_model(model):
+        positions = steps[None].expand(batch, -1)
+        out = decoder_stack(model)(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=use_cache, output_hidden_states=True
+        )
+        return out, positions
+    images = [s.image.pixel_inputs() if s.image is not None else None for s in sequences]  # (pixels [P, D], grid [1, 3])
+    positions = steps[None, None].repeat(3, batch, 1)  # [3, B, S]; padding keeps its index
+    for b, seq in enumerate(sequences):
+        n = len(seq.input_ids)
+        grid = None if images[b] is None else images[b][1].to(device)
+        positions[:, b, :n] = rope_positions(model, input_ids[b, :n], image_grid_thw=grid)[0]
+    pixel_values = torch.cat([im[0] for im in images if im is not None]).to(device, model.dtype) if any(images) else None
+    grids = torch.cat([im[1] for im in images if im is not None]).to(device) if any(images) else None
+    out = model.model(
+        input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
+        mm_token_type_ids=mm_token_type_ids(input_ids, image_token_id=model.config.image_token_id),
+        attention_mask=mask, position_ids=positions, use_cache=use_cache, output_hidden_states=True,
+    )  # fmt: skip
+    return out, positions
+
+
+def _rollout_positions(positions: torch.Tensor, anchor_pos: torch.Tensor, step: int) -> torch.Tensor:
+    """Positions of rollout step `step` for anchors [B, A]: the anchor's position + step, [B, A]
+    for a text target, [3, B, A] (the same on every axis) for M-RoPE positions [3, B, S]."""
+    if positions.ndim == 2:
+        return anchor_pos + step
+    anchor_time = positions[0].gather(1, anchor_pos)  # [B, A]; a text anchor has t = h = w
+    return (anchor_time + step)[None].expand(3, -1, -1)
+
+
 def _batched_rollouts(
-    model, cache, *, config: TargetRunConfig, input_ids: torch.Tensor, anchor_pos: torch.Tensor,
+    model, cache, *, config: TargetRunConfig, input_ids: torch.Tensor, positions: torch.Tensor, anchor_pos: torch.Tensor,
     anchor_valid: torch.Tensor, corpus_topk: tuple, feature_dim: int, feature_dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """Greedy rollouts of depth K - 1 from every pool anchor of the batch at once, sharing the
@@ -278,15 +316,15 @@ def _batched_rollouts(
 
     if num_anchors > 0:
         for step in range(1, config.rollout_depth + 1):
-            step_out = model.model(
+            step_out = decoder_stack(model)(
                 input_ids=roll_tokens[:, :, step],  # y*[step] for every branch: [B, A]
-                attention_mask=_mask_mapping(
+                attention_mask=attention_mask_for(
                     model,
                     rollout_attention_mask(
                         anchor_pos=anchor_pos, anchor_valid=anchor_valid, corpus_len=max_len, step=step
                     ),
                 ),
-                position_ids=anchor_pos + step,
+                position_ids=_rollout_positions(positions, anchor_pos, step),
                 past_key_values=cache,
                 use_cache=True,
                 output_hidden_states=True,
@@ -309,23 +347,27 @@ def _batched_rollouts(
     }
 
 
-def _mask_mapping(model, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    # A dict skips transformers' own mask construction and hands our boolean mask to every layer.
-    return {layer_type: mask for layer_type in set(model.config.layer_types)}
-
-
 # ----------------------------------------------------------------------------------------------
 # Plain reference: one anchor at a time, a full forward per rollout step (no cache tricks).
 
 
 @torch.inference_mode()
-def reference_rollout(model, input_ids: np.ndarray, *, anchor: int, config: TargetRunConfig) -> dict[str, torch.Tensor]:
-    """Rollout of one anchor by plain full forwards over x[<=a] + y*[<k]; used by tests and benchmarks."""
+def reference_rollout(
+    model, input_ids: np.ndarray, *, anchor: int, config: TargetRunConfig, image: SequenceImage | None = None
+) -> dict[str, torch.Tensor]:
+    """Rollout of one anchor by plain full forwards over x[<=a] + y*[<k] (with the sequence's image
+    through the full model, HF placing the M-RoPE positions itself); used by tests and benchmarks."""
     device = next(model.parameters()).device
     prefix = torch.as_tensor(np.asarray(input_ids[: anchor + 1]), dtype=torch.long, device=device)[None]
     tokens, ids, probs, tails, features = [], [], [], [], []
+    vision = {}
+    if image is not None:
+        pixel_values, grid = image.pixel_inputs()
+        vision = {"pixel_values": pixel_values.to(device, model.dtype), "image_grid_thw": grid.to(device)}
     for slot in range(1, config.num_slots + 1):
-        out = model.model(input_ids=prefix, output_hidden_states=True)
+        if vision:
+            vision["mm_token_type_ids"] = mm_token_type_ids(prefix, image_token_id=model.config.image_token_id)
+        out = model.model(input_ids=prefix, output_hidden_states=True, **vision)
         k_ids, k_probs, k_tail, argmax = topk_with_tail(model.lm_head(out.last_hidden_state[0, -1:]), top_k=config.top_k)
         ids.append(k_ids[0])
         probs.append(k_probs[0])

@@ -6,6 +6,7 @@ plans the shards. Everything here also runs in a plain process (tests, benchmark
 
 from __future__ import annotations
 
+import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from pipeline.build.config import CacheBuildConfig
-from pipeline.build.corpus import load_tokenized_corpus
+from pipeline.build.corpus import corpus_vision_inputs, load_tokenized_corpus
 from pipeline.build.rollouts import TargetSequence, anchor_pool, run_target_batch
 from pipeline.target import load_target
 from storage.codecs import encode_features
@@ -67,6 +68,20 @@ def outputs_to_record(outputs, *, feature_codec: str, contents=ALL_GROUPS) -> di
     return record
 
 
+def fix_mmap_threshold(num_bytes: int = 1 << 20) -> None:
+    """Serve allocations of num_bytes or more by mmap, always (glibc's M_MMAP_THRESHOLD).
+
+    glibc raises its mmap threshold as large blocks are freed (up to 32 MiB), after which a
+    batch's many-MB CPU tensors come from the heap and fragment it: a worker's RSS then crept up
+    ~30 MB per batch while the shard writer's buffers stayed bounded. With a fixed threshold it
+    stays flat (docs/benchmarks.md, "Real shapes" (d)). No-op where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, int(num_bytes))  # M_MMAP_THRESHOLD = -3 (malloc.h); fixing it disables the dynamic rise
+
+
 class ShardBuilder:
     """Loads the target once; builds whole shards of the tokenized corpus on request."""
 
@@ -90,6 +105,8 @@ class ShardBuilder:
             model = load_target(config.target, device=device, dtype=dtype)
             self.run_batch = lambda sequences: run_target_batch(model, sequences, config.run)
         self.corpus = load_tokenized_corpus(Path(config.out) / CORPUS_DIR, mmap=True)
+        self.vision = corpus_vision_inputs(config.target, config.corpus)  # None for a text target
+        fix_mmap_threshold()
 
     def build(self, *, shard_index: int, start: int, stop: int, owner: str | None = None) -> ShardRecord:
         """Compute sequences [start, stop) of the tokenized corpus and publish them as one shard
@@ -132,10 +149,8 @@ class ShardBuilder:
             return writer.publish()
 
     def _sequence(self, i: int) -> TargetSequence:
-        input_ids, loss_mask = self.corpus.sequence(i)
-        return TargetSequence(
-            source_row=int(self.corpus.source_rows[i]), input_ids=np.asarray(input_ids), loss_mask=np.asarray(loss_mask)
-        )
+        # A vision-language sequence carries its image, re-read and checked when its batch runs.
+        return self.corpus.target_sequence(i, vision=self.vision)
 
     def pid(self) -> int:
         return os.getpid()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pipeline.build.rollouts import TargetOutputs, TargetRunConfig, TargetSequence, anchor_pool
+from pipeline.vision import is_vision_target
 
 _FLUSH_TIMEOUT_S = 600.0  # how long to wait for hidden-state files before giving up
 CPU_KV_CACHE_BYTES = 2 << 30  # KV cache of a CPU engine unless VLLM_CPU_KVCACHE_SPACE or engine_args say otherwise
@@ -72,6 +73,16 @@ def _distributions(ids: np.ndarray, logprobs: np.ndarray):
     return torch.from_numpy(_lowest_id_first(ids, logprobs)).int(), probs, tail
 
 
+def check_vllm_target(target_dir: str | Path) -> None:
+    """The vLLM backend computes text targets only: the corpus pass of a vision-language target
+    needs its pixel inputs and M-RoPE positions, which this backend does not send (docs/vision.md)."""
+    if is_vision_target(target_dir):
+        raise ValueError(
+            f"--backend vllm: {target_dir} is a vision-language target, which the vLLM backend does not "
+            "compute; use --backend hf (docs/vision.md)"
+        )
+
+
 class VllmTargetRunner:
     """Loads the target once into a vLLM engine; `run` maps a batch of sequences to the same
     `TargetOutputs` that `run_target_batch` returns.
@@ -93,6 +104,7 @@ class VllmTargetRunner:
     ):
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        check_vllm_target(target_dir)
         # In-process engine core: no engine subprocess inside a Ray actor, and the hidden-state files
         # are flushed by stepping the engine here (see _wait_for_files).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -8,6 +8,8 @@ drift do not favour either. Outputs in `out/`:
   accept_hist.json  counts of committed draft tokens per round (0..K), overall and per group
   accept_hist.png   the same as a bar chart (skipped when matplotlib is missing)
 At T = 0 the speculative tokens must equal the AR tokens; mismatches are counted in the summary.
+Prompt rows may carry one image for a vision-language target (docs/vision.md); it is read and
+processed before each decode, outside the timed part.
 """
 
 from __future__ import annotations
@@ -19,15 +21,28 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from drafter.checkpoint import check_compatible, load_drafter
-from pipeline.chat import CorpusError, iter_corpus_rows, prompt_messages, row_locator
+from pipeline.chat import CorpusError, iter_corpus_rows, prompt_row, row_locator
 from pipeline.config import opt
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.tree import tree_speculative_decode
 from pipeline.target import load_target, load_tokenizer, stop_token_ids
+from pipeline.vision import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    SequenceImage,
+    VisionInputs,
+    effective_system_prompt,
+    expand_image_tokens,
+    image_record,
+    load_vision_inputs,
+    resolve_image_path,
+    template_messages,
+)
 
 RESULT_COLUMNS = (
     "prompt_id",
@@ -72,6 +87,17 @@ class EvalConfig:
         default=None,
     )
     tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
+    system_prompt: str | None = opt(
+        "System prompt for rows without one (default: 'You are a helpful assistant.' for vision-language "
+        "targets, none for text targets; '' for none).",
+        default=None,
+    )
+    image_root: str | None = opt(
+        "Vision-language targets: folder that relative 'image' paths are resolved against (default: the prompts file's folder).",
+        default=None,
+    )
+    min_pixels: int = opt("Vision-language targets: images are resized to at least this many pixels.", default=DEFAULT_MIN_PIXELS)
+    max_pixels: int = opt("Vision-language targets: images are resized to at most this many pixels.", default=DEFAULT_MAX_PIXELS)
     progress: bool = opt("Show a progress bar.", default=True)
 
     def __post_init__(self):
@@ -92,6 +118,8 @@ class EvalConfig:
             raise ValueError(f"--tree-budget must be >= 1 and needs --temperature 0, got {self.tree_budget} at T={self.temperature}")
         if self.tree_branch < 1:
             raise ValueError(f"--tree-branch must be >= 1, got {self.tree_branch}")
+        if not 1 <= self.min_pixels <= self.max_pixels:
+            raise ValueError(f"--min-pixels ({self.min_pixels}) must be >= 1 and <= --max-pixels ({self.max_pixels})")
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -108,18 +136,25 @@ class EvalPrompt:
     prompt_id: int  # 0-based row of the prompts file
     benchmark: str
     input_ids: list[int]
+    image: SequenceImage | None = None  # a vision-language prompt's image, processed before each decode
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Chat-template token ids ending in the generation prompt (thinking disabled where supported)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def load_prompts(path: str | os.PathLike, tokenizer, *, max_prompts: int | None = None) -> list[EvalPrompt]:
-    """Render every row (or the first max_prompts) of a prompts file with the target chat template."""
+def load_prompts(
+    path: str | os.PathLike, tokenizer, *, max_prompts: int | None = None, vision: VisionInputs | None = None,
+    system_prompt: str | None = None,
+) -> list[EvalPrompt]:  # fmt: skip
+    """Render every row (or the first max_prompts) of a prompts file with the target chat template;
+    with `vision`, a row's image goes first in its user turn and its `<|image_pad|>` is expanded
+    to the image's tokens, as in the corpus (pipeline/build/corpus.py)."""
     default_group = Path(path).stem
     locate = row_locator(path)
+    system_prompt = effective_system_prompt(system_prompt, vision=vision)
     prompts = []
     for row_index, row in iter_corpus_rows(path):
         if max_prompts is not None and len(prompts) >= max_prompts:
@@ -127,10 +162,22 @@ def load_prompts(path: str | os.PathLike, tokenizer, *, max_prompts: int | None 
         if isinstance(row, CorpusError):
             raise ValueError(str(row))
         where = locate(row_index)
-        messages = prompt_messages(row, where=where)
+        chat = prompt_row(row, where=where)
+        if chat.image is not None and vision is None:
+            raise CorpusError(f"{where}: row has an image ({chat.image}) but the target is text-only", "image_for_text_target")
         group = row.get("benchmark") or row.get("group") or default_group
-        input_ids = render_prompt(tokenizer, messages)
-        prompts.append(EvalPrompt(prompt_id=row_index, benchmark=str(group), input_ids=input_ids))
+        input_ids = render_prompt(tokenizer, template_messages(chat, system_prompt=system_prompt))
+        image = None
+        if vision is not None:
+            record = image_record(chat, vision=vision, where=where) if chat.image is not None else None
+            ids = np.asarray(input_ids, dtype=np.int64)
+            input_ids = expand_image_tokens(ids, np.zeros_like(ids), image=record, vision=vision, where=where)[0].tolist()
+            if record is not None:
+                image = SequenceImage(
+                    path=resolve_image_path(chat.image, image_root=vision.image_root), sha256=record["sha256"],
+                    grid_thw=tuple(record["grid_thw"]), where=where, vision=vision,
+                )  # fmt: skip
+        prompts.append(EvalPrompt(prompt_id=row_index, benchmark=str(group), input_ids=input_ids, image=image))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
@@ -357,6 +404,14 @@ def _write_rows_and_histogram(out: Path, rows: list[dict], accepted_by_group: di
     return plotted
 
 
+def eval_prompts(config: EvalConfig, tokenizer) -> list[EvalPrompt]:
+    """The prompts of `config`, with the target's image processor for a vision-language target
+    (relative image paths resolve against --image-root, else the prompts file's folder)."""
+    image_root = config.image_root if config.image_root is not None else Path(config.prompts).parent
+    vision = load_vision_inputs(config.target, image_root=image_root, min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+    return load_prompts(config.prompts, tokenizer, max_prompts=config.max_prompts, vision=vision, system_prompt=config.system_prompt)
+
+
 def run_eval(config: EvalConfig) -> dict:
     """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return the summary."""
     device = _resolve_device(config.device)
@@ -364,7 +419,7 @@ def run_eval(config: EvalConfig) -> dict:
     target, tokenizer, drafter, stops = load_models(config, device, dtype)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     draft_config = drafter.config
-    prompts = load_prompts(config.prompts, tokenizer, max_prompts=config.max_prompts)
+    prompts = eval_prompts(config, tokenizer)
     num_draft = draft_config.block_size - 1
 
     def run_ar(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
@@ -375,16 +430,18 @@ def run_eval(config: EvalConfig) -> dict:
             temperature=config.temperature,
             stop_token_ids=stops,
             generator=torch.Generator(device=device).manual_seed(seed),
+            image=None if prompt.image is None else prompt.image.pixel_inputs(),
         )
 
     def run_spec(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
+        image = None if prompt.image is None else prompt.image.pixel_inputs()
         if config.tree_budget is not None:
             return tree_speculative_decode(
                 target, draft_logits_fn=cached_draft_logits_fn(
                     drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=draft_config.mask_token_id
                 ), layer_ids=list(draft_config.target_layer_ids), num_draft=draft_config.block_size - 1,
                 prompt_ids=prompt.input_ids, max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                budget=config.tree_budget, branch=config.tree_branch,
+                budget=config.tree_budget, branch=config.tree_branch, image=image,
             )  # fmt: skip
         return speculative_decode(
             target,
@@ -397,6 +454,7 @@ def run_eval(config: EvalConfig) -> dict:
             stop_token_ids=stops,
             generator=torch.Generator(device=device).manual_seed(seed),
             mask_token_id=draft_config.mask_token_id,
+            image=image,
         )
 
     # Untimed warm-up of both decoders: first-call costs (allocator, kernels) would skew prompt 0.
@@ -422,10 +480,19 @@ def run_eval(config: EvalConfig) -> dict:
         running = summarize(rows)
         bar.set_postfix(tau=running["tau_geomean"], speedup=running["speedup_geomean"])
 
-    dtype_name = str(dtype).removeprefix("torch.")
     out = Path(config.out)
     plotted = _write_rows_and_histogram(out, rows, accepted_by_group, num_draft=num_draft)
-    summary = {
+    summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
+                       block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
+    _write_json(out / "summary.json", summary)
+    return summary
+
+
+def _summary(config: EvalConfig, rows: list[dict], *, num_groups: int, mismatches: int, dtype: torch.dtype,
+             device: torch.device, block_size: int, plotted: bool) -> dict:  # fmt: skip
+    """summary.json of a run: its settings, the pooled scores, the lossless check."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
         "target": str(Path(config.target).resolve()),
         "drafter": str(Path(config.drafter).resolve()),
         "prompts": str(Path(config.prompts).resolve()),
@@ -434,10 +501,10 @@ def run_eval(config: EvalConfig) -> dict:
         "seed": config.seed,
         "dtype": dtype_name,
         "device": str(device),
-        "block_size": draft_config.block_size,
+        "block_size": block_size,
         "verify": "chain" if config.tree_budget is None else f"tree (budget {config.tree_budget}, branch {config.tree_branch})",
         "num_prompts": len(rows),
-        "num_groups": len(accepted_by_group),
+        "num_groups": num_groups,
         "committed_tokens": sum(r["committed"] for r in rows),
         "rounds": sum(r["rounds"] for r in rows),
         **summarize(rows),
@@ -448,5 +515,3 @@ def run_eval(config: EvalConfig) -> dict:
         "lossless_note": None if dtype_name == "float32" else LOW_PRECISION_NOTE.format(dtype=dtype_name),
         "accept_hist_png": plotted,
     }
-    _write_json(out / "summary.json", summary)
-    return summary

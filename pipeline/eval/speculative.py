@@ -16,6 +16,11 @@ Round r, with the last committed token (the anchor) at position p:
              feature come from the next verify.
 Every committed token is the target's own choice given the committed prefix, so at T = 0 the
 output equals the target's greedy decode token for token.
+
+A vision-language target (SPEC 8, docs/vision.md) prefills through the full model with the prompt's
+pixels at 3-D M-RoPE positions; every later forward (AR steps, verify blocks) feeds input ids only
+at sequence index + rope delta on all three axes, as `generate` continues. The prefill, vision
+encoder included, is outside the decode time.
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ from torch import Tensor, nn
 
 from drafter.masks import SHARED_OWNER, visibility_mask
 from drafter.model import ContextKVCache, DFlashDrafter
-from pipeline.target import tapped_features
+from pipeline.target import is_vision_model, tapped_features
+from pipeline.vision import mm_token_type_ids, rope_positions, shifted_positions
+
+# image: (pixel_values [P, D], image_grid_thw [1, 3]) of a vision-language prompt's one image
+PromptImage = tuple[Tensor, Tensor]
 
 # draft_fn(context_features [p, F], anchor_token, anchor_pos) -> draft tokens [K] (long)
 DraftFn = Callable[..., Tensor]
@@ -98,6 +107,34 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def prompt_forward(target, prompt_ids: list[int], *, image: PromptImage | None, cache, **kwargs):
+    """The prefill forward over the prompt -> (output, rope delta). A text target gets input ids
+    only (rope delta None: later positions follow the cache length); a vision-language one also
+    the image's pixels and the prompt's 3-D M-RoPE positions."""
+    device = next(target.parameters()).device
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
+    if not is_vision_model(target):
+        if image is not None:
+            raise ValueError("a prompt with an image needs a vision-language target")
+        return target(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs), None
+    grid = None if image is None else image[1].to(device)
+    positions, rope_delta = rope_positions(target, input_ids[0], image_grid_thw=grid)  # [3, n]
+    pixels = {} if image is None else {"pixel_values": image[0].to(device, target.dtype), "image_grid_thw": grid}
+    out = target(
+        input_ids=input_ids, position_ids=positions[:, None], past_key_values=cache, use_cache=True,
+        mm_token_type_ids=mm_token_type_ids(input_ids, image_token_id=target.config.image_token_id), **pixels, **kwargs,
+    )  # fmt: skip
+    return out, rope_delta
+
+
+def position_kwargs(rope_delta: int | None, *, start: int, length: int, device) -> dict:
+    """{} for a text target (positions follow the cache); else the shifted 1-D positions of
+    sequence indices start .. start + length - 1 on all three M-RoPE axes."""
+    if rope_delta is None:
+        return {}
+    return {"position_ids": shifted_positions(start, length, rope_delta=rope_delta, device=device)}
+
+
 def check_decode_args(prompt_ids: list[int], *, max_new_tokens: int, temperature: float) -> None:
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids must not be empty")
@@ -120,6 +157,7 @@ def autoregressive_decode(
     temperature: float,
     stop_token_ids: list[int],
     generator: torch.Generator | None,
+    image: PromptImage | None = None,
 ) -> DecodeResult:
     """Plain decoding: prefill, then one cached target forward per token."""
     from transformers import DynamicCache
@@ -131,15 +169,15 @@ def autoregressive_decode(
     sync_device(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out, rope_delta = prompt_forward(target, prompt_ids, image=image, cache=cache, logits_to_keep=1)
     token = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
     tokens, done = commit_tokens([int(token)], num_generated=0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
     sync_device(device)
     prefill_end = time.perf_counter()
 
     while not done:
-        out = target(input_ids=token[None], past_key_values=cache, use_cache=True)
+        step = position_kwargs(rope_delta, start=len(prompt_ids) + len(tokens) - 1, length=1, device=device)
+        out = target(input_ids=token[None], past_key_values=cache, use_cache=True, **step)
         token = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
         new, done = commit_tokens(
             [int(token)], num_generated=len(tokens), max_new_tokens=max_new_tokens, stop_token_ids=stops
@@ -249,10 +287,11 @@ class Prefilled:
     done: bool
     start: float
     prefill_end: float
+    rope_delta: int | None = None  # vision-language targets: later positions are index + rope_delta
 
 
 def prefill(target, prompt_ids: list[int], *, layer_ids: list[int], extra_rows: int, max_new_tokens: int,
-            temperature: float, generator, stop_token_ids: set[int]) -> Prefilled:  # fmt: skip
+            temperature: float, generator, stop_token_ids: set[int], image: PromptImage | None = None) -> Prefilled:  # fmt: skip
     """Prefill forward over the prompt (timed apart from decoding) and the first token."""
     from transformers import DynamicCache
 
@@ -260,9 +299,8 @@ def prefill(target, prompt_ids: list[int], *, layer_ids: list[int], extra_rows: 
     sync_device(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
-    out = target(
-        input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1
+    out, rope_delta = prompt_forward(
+        target, prompt_ids, image=image, cache=cache, output_hidden_states=True, logits_to_keep=1
     )
     prompt_features = tapped_features(out.hidden_states, layer_ids)[0]  # [n, F]
     num_prompt = len(prompt_ids)
@@ -271,7 +309,10 @@ def prefill(target, prompt_ids: list[int], *, layer_ids: list[int], extra_rows: 
     first = sample_tokens(out.logits[:, -1], temperature=temperature, generator=generator)  # [1]
     tokens, done = commit_tokens([int(first)], num_generated=0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
     sync_device(device)
-    return Prefilled(cache=cache, features=features, tokens=tokens, done=done, start=start, prefill_end=time.perf_counter())
+    return Prefilled(
+        cache=cache, features=features, tokens=tokens, done=done, start=start, prefill_end=time.perf_counter(),
+        rope_delta=rope_delta,
+    )  # fmt: skip
 
 
 @torch.inference_mode()
@@ -288,12 +329,14 @@ def speculative_decode(
     generator: torch.Generator | None,
     mask_token_id: int,
     draft_fn: DraftFn | None = None,
+    image: PromptImage | None = None,
 ) -> DecodeResult:
     """Speculative decoding of one prompt (see the module docstring).
 
     `draft_fn(context_features=..., anchor_token=..., anchor_pos=...) -> [K]` replaces the drafter's
     draft step (cached_draft_fn) when given (tests use an oracle and the uncached drafter_draft);
-    the drafter's config still sets the block size and the tapped layers.
+    the drafter's config still sets the block size and the tapped layers. `image` is a
+    vision-language prompt's image.
     """
     check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
     if draft_fn is None:
@@ -306,7 +349,7 @@ def speculative_decode(
     num_prompt = len(prompt_ids)
     state = prefill(
         target, prompt_ids, layer_ids=layer_ids, extra_rows=num_draft + 1, max_new_tokens=max_new_tokens,
-        temperature=temperature, generator=generator, stop_token_ids=stops,
+        temperature=temperature, generator=generator, stop_token_ids=stops, image=image,
     )  # fmt: skip
     cache, features, tokens, done = state.cache, state.features, state.tokens, state.done
 
@@ -319,7 +362,8 @@ def speculative_decode(
         assert draft.shape == (num_draft,), draft.shape
 
         block = torch.cat([torch.tensor([anchor], device=device), draft.to(device)])[None]  # [1, K + 1]
-        out = target(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        positions = position_kwargs(state.rope_delta, start=anchor_pos, length=num_draft + 1, device=device)
+        out = target(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True, **positions)
         posterior = sample_tokens(out.logits[0], temperature=temperature, generator=generator)  # [K + 1]
         num_accepted = accept_length(draft.to(device), posterior)
 

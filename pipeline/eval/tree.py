@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pipeline.eval.speculative import DecodeResult, check_decode_args, commit_tokens, prefill, sync_device
-from pipeline.target import tapped_features
+from pipeline.eval.speculative import DecodeResult, PromptImage, check_decode_args, commit_tokens, prefill, sync_device
+from pipeline.target import attention_mask_for, tapped_features
 
 
 @dataclass(kw_only=True)
@@ -110,15 +110,16 @@ def keep_cache_entries(cache, keep: Tensor) -> None:
 @torch.inference_mode()
 def tree_speculative_decode(
     target, *, draft_logits_fn, layer_ids: list[int], num_draft: int, prompt_ids: list[int], max_new_tokens: int,
-    stop_token_ids: list[int], budget: int, branch: int,
+    stop_token_ids: list[int], budget: int, branch: int, image: PromptImage | None = None,
 ) -> DecodeResult:  # fmt: skip
-    """Greedy speculative decoding with tree verification (see the module docstring)."""
+    """Greedy speculative decoding with tree verification (see the module docstring); a
+    vision-language target's nodes sit at index + rope delta on all three M-RoPE axes."""
     check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0)
     device = next(target.parameters()).device
     stops, num_prompt = set(stop_token_ids), len(prompt_ids)
     state = prefill(
         target, prompt_ids, layer_ids=layer_ids, extra_rows=num_draft + 1, max_new_tokens=max_new_tokens,
-        temperature=0.0, generator=None, stop_token_ids=stops,
+        temperature=0.0, generator=None, stop_token_ids=stops, image=image,
     )  # fmt: skip
     cache, features, tokens, done = state.cache, state.features, state.tokens, state.done
     accepted_lengths = []
@@ -129,10 +130,12 @@ def tree_speculative_decode(
         tree = build_tree(logits, budget=budget, branch=branch)
         block = torch.cat([torch.tensor([tokens[-1]]), tree.tokens]).to(device)[None]  # [1, 1 + N]
         mask = tree_attention_mask(tree, num_past=anchor_pos).to(device)
+        positions = (anchor_pos + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])).to(device)[None]  # [1, 1 + N]
+        if state.rope_delta is not None:
+            positions = (positions + state.rope_delta)[None].expand(3, -1, -1)  # [3, 1, 1 + N]
         out = target(
             input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True,
-            attention_mask={layer_type: mask for layer_type in set(target.config.get_text_config().layer_types)},
-            position_ids=(anchor_pos + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])).to(device)[None],
+            attention_mask=attention_mask_for(target, mask), position_ids=positions,
         )  # fmt: skip
         posterior = out.logits[0].argmax(dim=-1)  # [1 + N]
         path = accepted_path(tree, posterior)
