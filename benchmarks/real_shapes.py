@@ -107,7 +107,7 @@ FULL = Shapes(
     intermediate_size=9728, num_heads=32, num_kv_heads=8, head_dim=128, step_batch=2, anchors_per_step=16,
     step_repeats=1,
     stage1_hidden=512, stage1_layers=7, stage1_heads=8, stage1_intermediate=1536, stage1_taps=(1, 2, 3, 4, 5),
-    stage1_shard_sizes=(2, 8), stage1_max_length=768, stage1_response_words=(500, 700),
+    stage1_shard_sizes=(8, 32), stage1_max_length=768, stage1_response_words=(500, 700),
 )  # fmt: skip
 QUICK = Shapes(
     num_sequences=4, seq_len=(60, 80), hidden_size=32, num_taps=2, num_target_layers=8, vocab_size=151_936,
@@ -354,7 +354,7 @@ def stage1_child(target: str, corpus: str, out: str, shapes_dict: dict, shard_si
     config = CacheBuildConfig.from_flags(
         target=target, corpus=corpus, out=out, layers=list(shapes.stage1_taps), num_slots=shapes.num_slots,
         top_k=shapes.top_k, anchors=shapes.num_anchors, max_length=shapes.stage1_max_length, shard_size=shard_size,
-        batch_tokens=4096, workers=1, cpus_per_worker=threads, feature_codec="bf16", storage_format="zarr",
+        batch_tokens=2 * shapes.stage1_max_length, workers=1, cpus_per_worker=threads, feature_codec="bf16", storage_format="zarr",
     )  # fmt: skip
     rss_before = rss_gib()
     start = time.perf_counter()
