@@ -15,23 +15,34 @@ the CPUs its pool needs: a killed driver's orphans hold theirs until their proce
 once they are free no orphan still writes the temp directories the driver is about to remove.
 The pool is never larger than the cluster can place (refused up front, in one line) nor than the
 shards still to assign (an actor with nothing left to do is released at once).
+
+Nodes (docs/cluster.md): the pool is spread over the cluster's nodes (SPREAD, or --workers-per-node
+pinning N actors to every node that can hold them), every actor writes its shards to --out itself
+(passed through untouched: a shared filesystem or an object store), and the node that wrote each
+shard is logged with it.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import hashlib
+import itertools
+import os
 import time
 import uuid
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
 from pipeline.build import driver
 from pipeline.build.config import CacheBuildConfig
 from pipeline.build.driver import ShardSpec
 from pipeline.build.shard_builder import ShardBuilder
+from pipeline.target import target_hash
 from storage.errors import first_line
 from storage.format import shard_name
 from storage.manifest import Manifest, ShardRecord
@@ -45,35 +56,97 @@ ACTOR_EXIT_WAIT_S = 60.0  # how long to wait for killed actors to be gone
 
 @ray.remote
 class CacheWorker:
-    """A Ray actor around ShardBuilder: loads the target once, builds shards on request."""
+    """A Ray actor around ShardBuilder: loads the target once, builds shards on request.
 
-    def __init__(self, config: CacheBuildConfig):
-        self.builder = ShardBuilder(config)
+    `driver_target_hash`: the target as the driver hashed it. A node whose --target path is
+    missing or holds other files builds nothing; its first shard fails with that one line (not as
+    a worker death, which would be retried)."""
 
-    def build(self, spec: ShardSpec) -> ShardRecord:
-        return self.builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner)
+    def __init__(self, config: CacheBuildConfig, driver_target_hash: str):
+        self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=this_node())
+        self.builder = None if self.problem else ShardBuilder(config)
+
+    def build(self, spec: ShardSpec) -> tuple[ShardRecord, str]:
+        """The shard's record and the node that wrote it (this_node)."""
+        if self.problem:
+            raise ValueError(self.problem)
+        record = self.builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner)
+        return record, this_node()
 
     def pid(self) -> int:
-        return self.builder.pid()
+        return os.getpid()
+
+
+def target_problem(target: str, *, driver_target_hash: str, node: str) -> str | None:
+    """Why `node` cannot compute with its copy of `target`, or None: every node needs the driver's
+    target at the same path (docs/cluster.md, "The target on every node")."""
+    if not (Path(target) / "config.json").is_file():
+        return f"node {node}: --target {target}: no model directory there; every node needs the target at the same path"
+    found = target_hash(target)
+    if found != driver_target_hash:
+        return (
+            f"node {node}: --target {target} holds other files than the driver's (target hash "
+            f"{found.removeprefix('sha256:')[:12]}, driver {driver_target_hash.removeprefix('sha256:')[:12]})"
+        )
+    return None
+
+
+def this_node() -> str:
+    """The Ray node this process runs on as `ray list nodes` shows it: IP / the first 8 hex digits of
+    the node id (raylets sharing a machine share the IP)."""
+    return f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
 
 
 def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -> Manifest:
-    """Build or resume the cache described by `config` on a Ray cluster; returns the final manifest."""
+    """Build or resume the cache described by `config` on a Ray cluster; returns the final manifest.
+    --workers-per-node pins that many actors to every node instead of --workers (plan_pool)."""
+    workers_per_node = config.compute.workers_per_node
     if not ray.is_initialized():
+        # address None (no --ray-address) joins $RAY_ADDRESS when set, as under `ray job submit`.
         ray.init(address=config.compute.ray_address, logging_level="WARNING", include_dashboard=False)
-    check_capacity(config.compute, config.compute.workers)
+    placements = plan_pool(config.compute, workers_per_node=workers_per_node)
+    check_capacity(config.compute, len(placements))
+    if workers_per_node is not None:
+        num_nodes = len({p.node_id for p in placements})
+        log(f"pool: {len(placements)} worker(s) on {num_nodes} node(s), at most {workers_per_node} per node")
     stop_earlier_workers(config.out, log=log)
     # Ray drops a killed driver's actors from its books at once but frees their CPUs only once
     # their processes are gone: until then they may still be writing temp files under shards/,
     # which the driver removes before it plans. Wait for the pool's resources first.
-    _wait_for_resources(config.compute, config.compute.workers, log=log)
-    run_shards = functools.partial(run_shards_on_ray, log=log)
+    _wait_for_resources(config.compute, len(placements), log=log)
+    run_shards = functools.partial(run_shards_on_ray, placements=placements, log=log)
     return driver.build_cache(config, run_shards=run_shards, progress=progress, log=log)
 
 
+def plan_pool(compute, *, workers_per_node: int | None) -> list:
+    """One scheduling strategy per actor of the pool (docs/cluster.md, "Workers per node").
+
+    Without `workers_per_node`: --workers actors, SPREAD over the nodes (Ray's default would first
+    fill the driver's node up to half of its resources). With it: that many actors pinned to every alive node that can hold
+    them (as many as fit on a smaller node, none on one without the CPUs/GPUs of a worker), the
+    nodes interleaved so that a pool cut to the shards left stays spread. Soft affinity: a worker
+    replaced after its node died goes elsewhere instead of waiting for the node forever."""
+    if workers_per_node is None:
+        return ["SPREAD"] * compute.workers
+    if workers_per_node < 1:
+        raise ValueError(f"--workers-per-node must be >= 1, got {workers_per_node}")
+    per_worker = _per_worker(compute)
+    by_node = []
+    for node in sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"]):
+        fits = min(int(node["Resources"].get(name, 0) // amount) for name, amount in per_worker.items())
+        by_node.append([NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)] * min(workers_per_node, fits))
+    placements = [p for row in itertools.zip_longest(*by_node) for p in row if p is not None]
+    if not placements:
+        each = ", ".join(f"{amount:g} {name}" for name, amount in per_worker.items())
+        raise ValueError(f"--workers-per-node {workers_per_node}: no node of the Ray cluster can hold a worker of {each}")
+    return placements
+
+
 def _actor_prefix(out) -> str:
-    """Name prefix of the actors of every build on cache directory `out`."""
-    return "cache-worker-" + hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16] + "-"
+    """Name prefix of the actors of every build on cache `out` (a path, or an object-store URL
+    taken as it is)."""
+    key = str(out) if "://" in str(out) else str(Path(out).resolve())
+    return "cache-worker-" + hashlib.sha256(key.encode()).hexdigest()[:16] + "-"
 
 
 def stop_earlier_workers(out, *, log=print) -> int:
@@ -150,35 +223,38 @@ def _wait_for_resources(compute, num_workers: int, *, log, timeout: float = RESO
 
 
 def run_shards_on_ray(
-    config: CacheBuildConfig, pending: list[ShardSpec], publish, *, progress: bool = True, log=print
-) -> None:
-    """Keep every actor busy with one shard; publish each finished shard in the manifest at once."""
+    config: CacheBuildConfig, pending: list[ShardSpec], publish, *, placements: list | None = None,
+    progress: bool = True, log=print,
+) -> None:  # fmt: skip
+    """Keep every actor busy with one shard; publish each finished shard in the manifest at once and
+    log which node wrote it. `placements`: one scheduling strategy per actor (plan_pool; default
+    --workers actors, SPREAD)."""
     compute = config.compute
     if not ray.is_initialized():
         ray.init(address=compute.ray_address, logging_level="WARNING", include_dashboard=False)
-    num_workers = min(compute.workers, len(pending))
-    _wait_for_resources(compute, num_workers, log=log)
-    prefix = _actor_prefix(config.out)
+    placements = (placements or plan_pool(compute, workers_per_node=None))[: len(pending)]
+    _wait_for_resources(compute, len(placements), log=log)
+    prefix, driver_target_hash = _actor_prefix(config.out), target_hash(config.target)
     options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
 
-    def new_worker():
-        return CacheWorker.options(name=prefix + uuid.uuid4().hex, **options).remote(config)
+    def new_worker(worker_index: int):
+        # A replacement keeps its slot's placement: the same node under --workers-per-node.
+        actor = CacheWorker.options(name=prefix + uuid.uuid4().hex, scheduling_strategy=placements[worker_index], **options)
+        return actor.remote(config, driver_target_hash)
 
-    workers = [new_worker() for _ in range(num_workers)]
+    workers = [new_worker(i) for i in range(len(placements))]
     queue = list(pending)
     attempts = {s.index: 0 for s in pending}
     running = {}  # future -> (worker index, spec)
     bar = tqdm(
         total=sum(s.stop - s.start for s in pending), unit="seq", desc="cache build", disable=not progress, dynamic_ncols=True
     )
-    tokens = 0
+    tokens, shards_by_node, released = 0, collections.Counter(), []
 
     def submit(worker_index: int):
         spec = queue.pop(0)
         attempts[spec.index] += 1
         running[workers[worker_index].build.remote(spec)] = (worker_index, spec)
-
-    released = []
 
     def release(worker_index: int):
         # Nothing left to assign: free its CPUs now rather than at the end of the run.
@@ -193,7 +269,7 @@ def run_shards_on_ray(
             [future], _ = ray.wait(list(running), num_returns=1)
             worker_index, spec = running.pop(future)
             try:
-                record = ray.get(future)
+                record, node = ray.get(future)
             except CacheOwnershipLost:
                 # Ray re-raises the actor's error with its traceback; one line is what the user needs.
                 raise CacheOwnershipLost(
@@ -203,14 +279,18 @@ def run_shards_on_ray(
                 # The worker died (OOM, preemption, kill): nothing of its shard was published.
                 if attempts[spec.index] >= MAX_SHARD_ATTEMPTS:
                     raise RuntimeError(f"{shard_name(spec.index, config.storage.storage_format)}: worker died {MAX_SHARD_ATTEMPTS} times")
-                workers[worker_index] = new_worker()
+                workers[worker_index] = new_worker(worker_index)
                 queue.insert(0, spec)
                 submit(worker_index)
                 continue
             except ray.exceptions.RayTaskError as error:
                 raise _plain_error(error) from None
+            record = dataclasses.replace(record, node=node)
             publish(spec, record)
             tokens += record.tokens
+            shards_by_node[node] += 1
+            with tqdm.external_write_mode():  # the line above the bar, not through it
+                log(shard_line(record, node=node))
             bar.update(record.sequences)
             bar.set_postfix(tokens=tokens, shards=f"{len(pending) - len(queue) - len(running)}/{len(pending)}")
             if queue:
@@ -220,6 +300,12 @@ def run_shards_on_ray(
     finally:
         bar.close()
         _kill_and_wait([*released, *(w for w in workers if w is not None)])
+    log("shards by node: " + ", ".join(f"{node} {count}" for node, count in sorted(shards_by_node.items())))
+
+
+def shard_line(record: ShardRecord, *, node: str) -> str:
+    """The log line of a published shard: `shard-00003.zarr: 3 sequences, 412 tokens, node 10.0.0.5/1a2b3c4d`."""
+    return f"{record.name}: {record.sequences} sequences, {record.tokens} tokens, node {node}"
 
 
 def _plain_error(error: "ray.exceptions.RayTaskError") -> Exception:

@@ -205,6 +205,9 @@ class ShardRecord:
     bytes: int  # size on disk
     checksum: str  # "sha256:<hex>", see storage.shards.shard_checksum
     status: str  # "complete" once published; only complete shards are readable
+    # Ray node that wrote the shard ("IP/first 8 hex of the node id", ray_jobs.build.this_node);
+    # None (no key): built in-process. Not content: resume and verify ignore it.
+    node: str | None = None
 
     def __post_init__(self) -> None:
         _check_str("name", self.name, nonempty=True)
@@ -220,13 +223,18 @@ class ShardRecord:
             raise ValueError(f"checksum must look like 'sha256:<hex>', got {self.checksum!r}")
         if self.status not in SHARD_STATUSES:
             raise ValueError(f"status must be one of {SHARD_STATUSES}, got {self.status!r}")
+        if self.node is not None:
+            _check_str("node", self.node, nonempty=True)
 
     @property
     def is_complete(self) -> bool:
         return self.status == SHARD_COMPLETE
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["node"] is None:  # absent rather than null: a manifest built in-process reads as before
+            del data["node"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardRecord:

@@ -67,6 +67,11 @@ class WorkerConfig:
 
     batch_tokens: int = opt("Token budget of one target batch (padded tokens).", default=8192)
     workers: int = opt("Target workers (Ray actors), each loads the target once.", default=1)
+    workers_per_node: int | None = opt(
+        "Pin this many workers to every Ray node that can hold them (e.g. 8 with --gpus-per-worker 1 on "
+        "8-GPU nodes) instead of --workers spread over the nodes (docs/cluster.md).",
+        default=None,
+    )
     gpus_per_worker: float = opt("GPUs per worker (0 = CPU).", default=0.0)
     cpus_per_worker: int = opt("CPU cores per worker (torch threads).", default=1)
     target_dtype: str = opt("Target compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.", default="auto")
@@ -75,7 +80,10 @@ class WorkerConfig:
         default="hf",
     )
     tensor_parallel_size: int = opt("vLLM tensor-parallel size of each worker (--backend vllm).", default=1)
-    ray_address: str | None = opt("Ray cluster to join ('auto' or host:port); default starts a local one.", default=None)
+    ray_address: str | None = opt(
+        "Ray cluster to join ('auto' or host:port); default: $RAY_ADDRESS (set by `ray job submit`), else a local one.",
+        default=None,
+    )
 
     def __post_init__(self):
         for name in ("batch_tokens", "workers", "cpus_per_worker", "tensor_parallel_size"):
@@ -87,6 +95,8 @@ class WorkerConfig:
             raise ValueError(f"--backend must be hf or vllm, got {self.backend!r}")
         if self.tensor_parallel_size > 1 and self.backend != "vllm":
             raise ValueError("--tensor-parallel-size needs --backend vllm")
+        if self.workers_per_node is not None and self.workers_per_node < 1:
+            raise ValueError(f"--workers-per-node must be >= 1, got {self.workers_per_node}")
         if self.gpus_per_worker < 0:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
 
