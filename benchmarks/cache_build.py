@@ -315,10 +315,14 @@ def time_worker_start(config: CacheBuildConfig, *, layer_ids: list[int]) -> floa
     """Seconds until a fresh CacheWorker actor answers: process, imports, target and corpus load."""
     import ray
 
+    from pipeline.target import target_hash
     from ray_jobs.build import CacheWorker
 
+    driver_target_hash = target_hash(config.target)  # what the driver hands every worker
     start = time.perf_counter()
-    worker = CacheWorker.options(num_cpus=config.compute.cpus_per_worker, num_gpus=0).remote(config.with_taps(layer_ids))
+    worker = CacheWorker.options(num_cpus=config.compute.cpus_per_worker, num_gpus=0).remote(
+        config.with_taps(layer_ids), driver_target_hash
+    )
     ray.get(worker.pid.remote())
     seconds = time.perf_counter() - start
     ray.kill(worker)
