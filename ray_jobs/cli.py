@@ -11,6 +11,7 @@ import click
 
 from pipeline.build.config import CacheBuildConfig
 from storage.errors import first_line
+from storage.location import is_url
 from pipeline.cli import config_from_flags, config_options, eval_compare, eval_run, eval_score, train_cli
 
 # ----------------------------------------------------------------------------------------------
@@ -36,8 +37,14 @@ def cache_build(progress: bool, **kwargs):
         raise click.ClickException(first_line(error)) from None
 
 
+# A cache is a directory or an object-store URL (s3://bucket/prefix; docs/design.md, "Caches on
+# object stores"): only a local path is checked by click.
+def _cache_argument(ctx, param, value: str) -> str:
+    return value if is_url(value) else click.Path(exists=True, file_okay=False).convert(value, param, ctx)
+
+
 @cache_cli.command("info")
-@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.argument("cache", callback=_cache_argument)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def cache_info(cache: str, as_json: bool):
     """Sequences, tokens, anchors, bytes per token, compression, and which objectives the cache serves."""
@@ -55,7 +62,7 @@ def cache_info(cache: str, as_json: bool):
     trainable = [m for m in METHODS if required_arrays(m) <= arrays]
     settings = manifest.settings
     info = {
-        "cache": str(Path(cache).resolve()),
+        "cache": cache if is_url(cache) else str(Path(cache).resolve()),
         "format": f"{manifest.format} v{manifest.format_version} ({settings.storage_format}, {settings.feature_codec} features)",
         "target": manifest.target_path,
         "layer_ids": settings.layer_ids,
@@ -86,7 +93,7 @@ def cache_info(cache: str, as_json: bool):
 
 
 @cache_cli.command("verify")
-@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.argument("cache", callback=_cache_argument)
 def cache_verify(cache: str):
     """Check every shard's checksum, shapes and probability sums; non-zero exit names bad shards."""
     from storage.verify import verify_cache

@@ -4,18 +4,34 @@ Every file the project writes that another process may read goes through here: t
 target head, shards, the tokenized corpus and the trainer's checkpoints (docs/design.md, "The
 cache contract"). The pattern is a temp name in the same directory, fsync, os.replace, fsync of
 the directory, so a crash at any point leaves no half-written file under the final name.
+
+A store URL (storage.location) has no rename: a file is written to a local temp file and uploaded
+as one object, which appears whole or not at all; a directory is uploaded file by file, so on a
+store its files are atomic one by one, not together (docs/design.md, "Caches on object stores").
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+from storage.location import is_url, remove_path, remove_path_tolerant, resolve
+
+# remove_path and remove_path_tolerant live in storage.location (its LocalDir removes with them);
+# they stay importable from here.
+__all__ = [
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_dir",
+    "atomic_write_text",
+    "fsync_path",
+    "fsync_tree",
+    "remove_path",
+    "remove_path_tolerant",
+]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -39,45 +55,12 @@ def fsync_tree(path: str | os.PathLike) -> None:
         fsync_path(root)
 
 
-def remove_path(path: str | os.PathLike) -> None:
-    """Remove a file, link or directory tree if it exists."""
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def remove_path_tolerant(path: str | os.PathLike, *, attempts: int = 20) -> None:
-    """remove_path for a tree another process may still be changing (a writer orphaned by a killed
-    build): entries vanishing under the walk are fine, and a directory that is refilled while it
-    is removed (ENOTEMPTY) is retried a few times before the error is raised."""
-    path = Path(path)
-    for attempt in range(attempts):
-        try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, onerror=_ignore_vanished)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
-            if not (path.exists() or path.is_symlink()):
-                return
-        except FileNotFoundError:
-            return
-        except OSError as error:
-            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == attempts - 1:
-                raise
-        time.sleep(0.05 * (attempt + 1))
-    raise OSError(errno.ENOTEMPTY, "still being written by another process", str(path))
-
-
-def _ignore_vanished(function, path, exc_info) -> None:
-    if not isinstance(exc_info[1], FileNotFoundError):
-        raise exc_info[1]
-
-
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Create `path` atomically: `write(tmp_path)` fills a temp file in the same directory, which
-    is fsynced and renamed over `path`."""
+    is fsynced and renamed over `path`; for a store URL, a local temp file uploaded as one object."""
+    if is_url(path):
+        _upload_written(str(path), write)
+        return
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -93,6 +76,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    if is_url(path):  # one PUT, no temp file
+        parent, _, name = str(path).rstrip("/").rpartition("/")
+        resolve(parent).write_bytes(name, data)
+        return
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
@@ -103,7 +90,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """Create directory `path` atomically: `write(tmp_dir)` fills a temp sibling directory, which is
     fsynced and renamed to `path`. An existing `path` is replaced (moved aside first, removed after
-    the rename), so callers must only point this at a directory they own."""
+    the rename), so callers must only point this at a directory they own. For a store URL the temp
+    directory is local and its files are uploaded one object each, over the objects of an older
+    write, whose other objects are removed after: each file is whole, the set is not atomic."""
+    if is_url(path):
+        _upload_written_dir(str(path), write)
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
@@ -123,3 +115,23 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], None]) -> 
     except BaseException:
         remove_path(tmp)
         raise
+
+
+def _upload_written(url: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` fills a local temp file, uploaded as the one object `url`."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        resolve(parent).put_file(tmp, name)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _upload_written_dir(url: str, write: Callable[[Path], None]) -> None:
+    """`write(tmp_dir)` fills a local temp directory, uploaded file by file under `url`."""
+    with tempfile.TemporaryDirectory(prefix=f".{url.rstrip('/').rpartition('/')[2]}.tmp-") as tmp:
+        write(Path(tmp))
+        resolve(url).upload_dir(tmp)

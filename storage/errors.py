@@ -8,3 +8,10 @@ def first_line(error: BaseException) -> str:
     report keeps of a library's multi-line error."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+class CorruptShardError(ValueError):
+    """A shard's bytes no longer match what was written (one line naming the shard and array).
+
+    Zarr shards (storage/shards.py) and WebDataset tars (storage/wds.py) raise this one class, so
+    a reader catches one error whichever format a cache has."""

@@ -2,7 +2,8 @@
 
 The manifest says what a cache is: the settings that define its content (compared when a build
 resumes), the target's identity and config, and one record per shard with counts and a checksum.
-Both files are written atomically: temp file in the same directory, fsync, os.replace, fsync dir.
+Both files are written atomically: temp file in the same directory, fsync, os.replace, fsync dir;
+on an object store (storage.location) each is one object written whole.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from storage.format import (
     check_num_slots,
     shard_name,
 )
+from storage.location import read_safetensors_header, resolve
 
 TARGET_HEAD_KEYS = ("embed_tokens.weight", "lm_head.weight")
 OPTIONAL_SETTINGS = ("system_prompt", "vision")  # CacheSettings keys written only when set
@@ -342,20 +343,21 @@ class Manifest:
 
 
 def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> None:
-    """Atomically write `cache_dir/manifest.json`."""
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    """Atomically write `cache_dir/manifest.json` (a directory or a store URL)."""
+    location = resolve(cache_dir)
+    location.make_dirs()
     text = json.dumps(manifest.to_dict(), indent=2) + "\n"
-    atomic_write_bytes(cache_dir / MANIFEST_FILE, text.encode("utf-8"))
+    atomic_write_bytes(location.join(MANIFEST_FILE), text.encode("utf-8"))
 
 
 def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
     """Read and validate `cache_dir/manifest.json`; one-line ValueError naming the file otherwise."""
-    path = Path(cache_dir) / MANIFEST_FILE
-    if not path.is_file():
+    location = resolve(cache_dir)
+    path = location.join(MANIFEST_FILE)
+    if not location.is_file(MANIFEST_FILE):
         raise ValueError(f"{path}: no cache manifest (is {cache_dir} a cache directory?)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(location.read_bytes(MANIFEST_FILE).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: corrupt manifest ({e})") from None
     if not isinstance(data, dict):
@@ -395,16 +397,23 @@ def save_target_head(
         "lm_head.weight": lm_head.detach().to("cpu").contiguous().clone(),
     }
     metadata = {"format": "pt"} if target_hash is None else {"format": "pt", TARGET_HEAD_HASH_KEY: target_hash}
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(cache_dir / TARGET_HEAD_FILE, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    location = resolve(cache_dir)
+    location.make_dirs()
+    atomic_write(location.join(TARGET_HEAD_FILE), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def target_head_hash(cache_dir: str | os.PathLike) -> str | None:
-    """The target hash a head file was written for; None if the file is missing, unreadable or untagged."""
+    """The target hash a head file was written for; None if the file is missing, unreadable or
+    untagged. On a store only the file's header is read."""
     from safetensors import SafetensorError, safe_open
 
-    path = Path(cache_dir) / TARGET_HEAD_FILE
+    location = resolve(cache_dir)
+    if not location.is_local:
+        try:
+            return (read_safetensors_header(location, TARGET_HEAD_FILE).get("__metadata__") or {}).get(TARGET_HEAD_HASH_KEY)
+        except (OSError, ValueError):
+            return None
+    path = location.join(TARGET_HEAD_FILE)
     try:
         with safe_open(str(path), framework="pt") as f:
             return (f.metadata() or {}).get(TARGET_HEAD_HASH_KEY)
@@ -416,13 +425,14 @@ def load_target_head(cache_dir: str | os.PathLike, *, target_hash: str | None = 
     """{"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} from `cache_dir`; with `target_hash`
     (the manifest's), a head written for another target is refused."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load, load_file
 
-    path = Path(cache_dir) / TARGET_HEAD_FILE
-    if not path.is_file():
+    location = resolve(cache_dir)
+    path = location.join(TARGET_HEAD_FILE)
+    if not location.is_file(TARGET_HEAD_FILE):
         raise ValueError(f"{path}: missing target head file")
     try:
-        tensors = load_file(path)
+        tensors = load_file(path) if location.is_local else load(location.read_bytes(TARGET_HEAD_FILE))
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{path}: corrupt target head ({e})") from None
     missing = [k for k in TARGET_HEAD_KEYS if k not in tensors]

@@ -8,6 +8,10 @@ overwrite the shards of the build that claimed it last (docs/design.md, "A cache
 A build deletes only what a build writes: `check_out_dir` refuses a non-empty directory that holds
 neither a manifest nor a claim, and `remove_cache_files` (for --overwrite, and for a build that
 fails before it published a shard) removes the cache's own names and never an unknown file.
+
+The same rules hold on an object store (storage.location): the claim is one object, written with
+one PUT, and is read again before a shard starts and before the manifest is written
+(docs/design.md, "Caches on object stores").
 """
 
 from __future__ import annotations
@@ -16,9 +20,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterable
-from pathlib import Path
 
-from storage.atomic import remove_path_tolerant
 from storage.format import (
     BUILD_OWNER_FILE,
     CORPUS_DIR,
@@ -27,6 +29,7 @@ from storage.format import (
     SHARD_DIR,
     TARGET_HEAD_FILE,
 )
+from storage.location import Location, resolve
 
 # Names a build writes: shards (storage.format.shard_name) and their temp directories under
 # shards/; the temp names of storage.atomic's writes of the manifest, head, claim and corpus.
@@ -51,20 +54,23 @@ def claim_cache(cache_dir: str | os.PathLike) -> str:
     its killed driver, or a second build started on the same directory, cannot overwrite shards of
     the build that claimed it last.
     """
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    location = resolve(cache_dir)
     owner = uuid.uuid4().hex
+    if not location.is_local:  # one PUT replaces the claim whole
+        location.write_bytes(BUILD_OWNER_FILE, (owner + "\n").encode())
+        return owner
+    cache_dir = location.local_path
+    cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f"{BUILD_OWNER_FILE}.{owner}.tmp"
     tmp.write_text(owner + "\n")
     os.replace(tmp, cache_dir / BUILD_OWNER_FILE)
     return owner
 
 
-def check_owner(cache_dir: str | os.PathLike, owner: str) -> None:
+def check_owner(cache_dir: str | os.PathLike | Location, owner: str) -> None:
     """Raise CacheOwnershipLost unless `owner` is the build that last claimed `cache_dir`."""
-    path = Path(cache_dir) / BUILD_OWNER_FILE
     try:
-        current = path.read_text().strip()
+        current = resolve(cache_dir).read_bytes(BUILD_OWNER_FILE).decode().strip()
     except FileNotFoundError:
         current = None
     if current != owner:
@@ -74,75 +80,71 @@ def check_owner(cache_dir: str | os.PathLike, owner: str) -> None:
         )
 
 
-def is_cache_dir(cache_dir: str | os.PathLike) -> bool:
+def is_cache_dir(cache_dir: str | os.PathLike | Location) -> bool:
     """Whether a build wrote here: a manifest, or the claim of a build that has not written one yet."""
-    cache_dir = Path(cache_dir)
-    return (cache_dir / MANIFEST_FILE).is_file() or (cache_dir / BUILD_OWNER_FILE).is_file()
+    location = resolve(cache_dir)
+    return location.is_file(MANIFEST_FILE) or location.is_file(BUILD_OWNER_FILE)
 
 
-def check_out_dir(cache_dir: str | os.PathLike) -> None:
-    """One-line ValueError unless `cache_dir` may hold a cache: missing, empty, or a cache already."""
-    cache_dir = Path(cache_dir)
-    if cache_dir.exists() and not cache_dir.is_dir():
-        raise ValueError(f"--out {cache_dir}: exists and is not a directory")
-    if cache_dir.is_dir() and not is_cache_dir(cache_dir) and any(cache_dir.iterdir()):
+def check_out_dir(cache_dir: str | os.PathLike | Location) -> None:
+    """One-line ValueError unless `cache_dir` may hold a cache: missing, empty, or a cache already
+    (on a store: a prefix with no objects under it, or a cache's)."""
+    location = resolve(cache_dir)
+    if location.exists() and not location.is_dir():
+        what = "a directory" if location.is_local else "a prefix (it is an object)"
+        raise ValueError(f"--out {location}: exists and is not {what}")
+    if location.is_dir() and not is_cache_dir(location) and location.names():
         raise ValueError(
-            f"--out {cache_dir}: not empty and not a cache (no {MANIFEST_FILE} or {BUILD_OWNER_FILE}); "
-            "use an empty or new directory"
+            f"--out {location}: not empty and not a cache (no {MANIFEST_FILE} or {BUILD_OWNER_FILE}); "
+            f"use an empty or new {'directory' if location.is_local else 'prefix'}"
         )
 
 
-def foreign_files(directory: str | os.PathLike, own_names: Iterable[str]) -> list[str]:
+def foreign_files(directory: str | os.PathLike | Location, own_names: Iterable[str]) -> list[str]:
     """Names in `directory` (if it exists) that are not among `own_names`, sorted."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
     own = set(own_names)
-    return sorted(p.name for p in directory.iterdir() if p.name not in own)
+    return [name for name in resolve(directory).names() if name not in own]
 
 
 def remove_cache_files(
-    cache_dir: str | os.PathLike, *, corpus_files: Iterable[str], shard_names: Iterable[str] = (), claim: bool = False
-) -> list[str]:
+    cache_dir: str | os.PathLike | Location, *, corpus_files: Iterable[str], shard_names: Iterable[str] = (),
+    claim: bool = False,
+) -> list[str]:  # fmt: skip
     """Remove a cache's own files from `cache_dir`: the manifest, head, temp files of atomic writes,
     `shards/` entries named like shards (or listed in `shard_names`) and their temp directories,
     the tokenized corpus files `corpus_files`, and with `claim` the `.build-owner` claim.
     `shards/`, `corpus/` and `cache_dir` are removed only if that leaves them empty; anything else
     stays. Returns the removed names (relative to `cache_dir`)."""
-    cache_dir = Path(cache_dir)
-    if not cache_dir.is_dir():
+    location = resolve(cache_dir)
+    if not location.is_dir():
         return []
     listed = set(shard_names)
     removed = []
 
     def remove(relative: str) -> None:
-        path = cache_dir / relative
-        if path.exists() or path.is_symlink():
-            remove_path_tolerant(path)
+        if location.exists(relative):
+            location.remove(relative)
             removed.append(relative)
 
     for name in (MANIFEST_FILE, TARGET_HEAD_FILE, *([BUILD_OWNER_FILE] if claim else [])):
         remove(name)
-    removed += remove_write_leftovers(cache_dir)
-    shard_dir = cache_dir / SHARD_DIR
-    if shard_dir.is_dir():
-        for entry in sorted(shard_dir.iterdir()):
-            name = entry.name
-            if name in listed or SHARD_NAME.fullmatch(name) or PARTIAL_SHARD_NAME.fullmatch(name):
-                remove(f"{SHARD_DIR}/{name}")
+    removed += remove_write_leftovers(location)
+    for name in location.names(SHARD_DIR):
+        if name in listed or SHARD_NAME.fullmatch(name) or PARTIAL_SHARD_NAME.fullmatch(name):
+            remove(f"{SHARD_DIR}/{name}")
     for name in corpus_files:
         remove(f"{CORPUS_DIR}/{name}")
-    for directory in (shard_dir, cache_dir / CORPUS_DIR):
-        if directory.is_dir() and not any(directory.iterdir()):
-            directory.rmdir()
+    for directory in (SHARD_DIR, CORPUS_DIR):
+        location.remove_dir_if_empty(directory)
     return removed
 
 
-def remove_write_leftovers(cache_dir: str | os.PathLike) -> list[str]:
+def remove_write_leftovers(cache_dir: str | os.PathLike | Location) -> list[str]:
     """Delete the temp files and directories of interrupted atomic writes of the manifest, head,
-    claim and tokenized corpus (storage.atomic's names) in `cache_dir`; return their names."""
-    cache_dir = Path(cache_dir)
-    removed = sorted(p.name for p in cache_dir.iterdir() if TEMP_NAME.fullmatch(p.name)) if cache_dir.is_dir() else []
+    claim and tokenized corpus (storage.atomic's names) in `cache_dir`; return their names. (A
+    store has none: its atomic writes are single uploads.)"""
+    location = resolve(cache_dir)
+    removed = [name for name in location.names() if TEMP_NAME.fullmatch(name)]
     for name in removed:
-        remove_path_tolerant(cache_dir / name)
+        location.remove(name)
     return removed

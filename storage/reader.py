@@ -2,7 +2,9 @@
 
 Sequences are numbered globally over the manifest's complete shards, in manifest order. Shard
 handles are opened lazily and re-opened when the process id changes, so one `CacheReader` can be
-handed to torch DataLoader workers (forked or spawned) as is.
+handed to torch DataLoader workers (forked or spawned) as is. A cache on an object store
+(`s3://...`, storage.location) reads the same way: only the shards its manifest lists complete,
+each chunk or tar member a ranged GET, the store's client opened again in each process.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from storage import codecs
 from storage.format import ALL_GROUPS, FP8_SCALE_ARRAYS, SHARD_DIR, check_contents, record_array_names
+from storage.location import Location, resolve
 from storage.manifest import Manifest, ShardRecord, load_manifest
 from storage.shards import WdsShard, ZarrShard, open_shard, shard_bytes
 
@@ -32,22 +35,30 @@ def decode_record(record: dict[str, np.ndarray], *, feature_codec: str) -> dict[
 class CacheReader:
     """Random and sequential access to the sequences of a cache's complete shards."""
 
-    def __init__(self, cache_dir: str | os.PathLike, manifest: Manifest):
-        self.cache_dir = Path(cache_dir)
+    def __init__(self, cache_dir: str | os.PathLike | Location, manifest: Manifest):
+        location = resolve(cache_dir)
+        # A Path for a local cache; the URL for a store (fsspec clients are not fork-safe, so
+        # each process resolves its own from the URL).
+        self.cache_dir: Path | str = location.local_path or location.url
         self.manifest = manifest
         self.storage_format = manifest.settings.storage_format
         self.feature_codec = manifest.settings.feature_codec
         self._shards: list[ShardRecord] = manifest.complete_shards
         self._position = {shard.index: pos for pos, shard in enumerate(self._shards)}
         self._starts = np.cumsum([0] + [s.sequences for s in self._shards])  # [num_shards + 1]
+        # One listing on a store instead of a request per shard.
+        stored = None if location.is_local else set(location.names(SHARD_DIR))
         for shard in self._shards:
-            if not self.shard_path(shard).exists():
+            if not (self.shard_path(shard).exists() if stored is None else shard.name in stored):
                 raise ValueError(f"{self.shard_path(shard)}: shard {shard.name} listed as complete is missing")
         self._pid: int | None = None
         self._handles: dict[int, ZarrShard | WdsShard] = {}
 
-    def shard_path(self, shard: ShardRecord) -> Path:
-        return self.cache_dir / SHARD_DIR / shard.name
+    def shard_path(self, shard: ShardRecord) -> Path | str:
+        """The shard's Path, or its URL on a store."""
+        if isinstance(self.cache_dir, Path):
+            return self.cache_dir / SHARD_DIR / shard.name
+        return f"{self.cache_dir}/{SHARD_DIR}/{shard.name}"
 
     @property
     def shards(self) -> list[ShardRecord]:
@@ -128,7 +139,7 @@ class CacheReader:
         self._handles = {}
 
 
-def open_cache(cache_dir: str | os.PathLike) -> CacheReader:
+def open_cache(cache_dir: str | os.PathLike | Location) -> CacheReader:
     """Load and validate the manifest of `cache_dir` and return a reader over its complete shards."""
     return CacheReader(cache_dir, load_manifest(cache_dir))
 

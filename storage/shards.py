@@ -5,12 +5,19 @@ then fsynced and renamed to `shards/<name>`, so a published name always means a 
 the records only (no timestamps, fixed member order), so a resumed build can be checked against
 an uninterrupted one by checksum.
 
+On an object store (storage.location) there is no rename: a shard is written under its final
+prefix `shards/<name>` (after the objects an interrupted write left there are removed) and is
+published by the manifest alone, which lists it only once it is whole (docs/design.md, "Caches on
+object stores"). Its objects and bytes are those of the same shard on a local disk.
+
 Zarr: one group per shard; every per-sequence array is concatenated over the shard's sequences
 into one flat array (token arrays along tokens, anchor arrays along anchors), plus `seq_offsets`,
 `anchor_offsets` (int64 [n+1]) and `source_rows` (int64 [n]). Blosc zstd with byte shuffle.
 
-WebDataset: a tar whose samples are keyed `{source_row:09d}`, one member `{key}.{array}.npy`
-(np.save bytes, no pickle) per record array, arrays sorted by name inside a sample.
+WebDataset: a tar written by storage/wds.py (webdataset's TarWriter), samples keyed
+`{source_row:09d}`, one compressed, CRC32-framed member `{key}.{array}.npy.blosc.crc32` per record
+array, sorted by name inside a sample; storage/wds.py also reads the uncompressed `.npy` tars of
+older caches.
 
 Either way a shard holds exactly the arrays of its cache's contents (storage.format.ARRAY_GROUPS).
 """
@@ -18,12 +25,9 @@ Either way a shard holds exactly the arrays of its cache's contents (storage.for
 from __future__ import annotations
 
 import hashlib
-import io
 import os
-import tarfile
 import uuid
-import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +55,12 @@ from storage.format import (
     record_array_names,
     shard_name,
 )
-from storage.atomic import fsync_path, fsync_tree, remove_path, remove_path_tolerant
-from storage.errors import first_line
+from storage.atomic import fsync_path, fsync_tree
+from storage.errors import CorruptShardError, first_line
+from storage.location import Location, StorePrefix, remove_path, remove_path_tolerant, resolve
 from storage.manifest import ShardRecord
-from storage.ownership import check_owner
+from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
+from storage.wds import WdsShard, WdsShardWriter
 
 # Record arrays by the axis they are concatenated along in a Zarr shard (fp8 scales included).
 TOKEN_INDEXED_ARRAYS = TOKEN_ARRAYS + ("feature_scales",)
@@ -70,7 +76,6 @@ ZARR_SHARD_BYTES = 16 << 20  # ~16 MiB uncompressed per file
 ANCHOR_ROW_CHUNK_ARRAYS = ("rollout_features", "rollout_feature_scales")
 ZARR_MIN_CHUNK_BYTES = 64 << 10
 ZARR_CLEVEL = 3
-WDS_CRC_HEADER = "ALRIRA.crc32"  # PAX header of each tar member: CRC32 of its bytes (hex)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -203,50 +208,45 @@ def check_record(
 # Paths, sizes, checksums
 
 
-def _shard_files(path: Path) -> list[tuple[str, Path]]:
-    """(relative posix path, path) of every file of a shard, sorted; a tar is its own file."""
-    if path.is_file():
-        return [("", path)]
-    files = []
-    for root, _, names in os.walk(path):
-        for name in names:
-            full = Path(root) / name
-            files.append((full.relative_to(path).as_posix(), full))
-    return sorted(files)
+def shard_bytes(path: str | os.PathLike | Location) -> int:
+    """Size on disk (or on the store) of a shard: the sum of its files (objects)."""
+    return sum(size for _, size in resolve(path).files())
 
 
-def shard_bytes(path: str | os.PathLike) -> int:
-    """Size on disk of a shard (sum of its files)."""
-    return sum(p.stat().st_size for _, p in _shard_files(Path(path)))
-
-
-def shard_checksum(path: str | os.PathLike) -> str:
+def shard_checksum(path: str | os.PathLike | Location) -> str:
     """"sha256:<hex>" of a shard: a tar's bytes, or a Zarr directory's sorted relative file paths,
-    sizes and bytes (so renaming, adding or dropping a chunk changes it too)."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"{path}: shard does not exist")
+    sizes and bytes (so renaming, adding or dropping a chunk changes it too). On a store the same
+    over its objects (every byte is downloaded once)."""
+    shard = resolve(path)
+    if not shard.exists():
+        raise ValueError(f"{shard}: shard does not exist")
     digest = hashlib.sha256()
-    directory = path.is_dir()
-    for rel, full in _shard_files(path):
+    files = shard.files()
+    directory = not (len(files) == 1 and files[0][0] == "")  # a tar is one file, named ""
+    for rel, size in files:
         if directory:
-            digest.update(rel.encode("utf-8") + b"\0" + full.stat().st_size.to_bytes(8, "little"))
-        with open(full, "rb") as f:
+            digest.update(rel.encode("utf-8") + b"\0" + size.to_bytes(8, "little"))
+        with shard.open(rel, "rb") as f:
             while block := f.read(1 << 20):
                 digest.update(block)
     return f"sha256:{digest.hexdigest()}"
 
 
-def clean_partial_shards(cache_dir: str | os.PathLike) -> list[str]:
-    """Delete `shards/.tmp-*` leftovers of interrupted writes; return their names (sorted). A
-    writer orphaned by a killed build may still be finishing: entries vanishing or appearing
-    while they are removed are tolerated (storage.atomic.remove_path_tolerant)."""
-    shard_dir = Path(cache_dir) / SHARD_DIR
-    if not shard_dir.is_dir():
-        return []
-    removed = sorted(p.name for p in shard_dir.iterdir() if p.name.startswith(PARTIAL_SHARD_PREFIX))
+def clean_partial_shards(cache_dir: str | os.PathLike | Location, *, published: Iterable[str] = ()) -> list[str]:
+    """Delete the leftovers of interrupted shard writes; return their names (sorted). Locally
+    these are the `shards/.tmp-*` temp entries; a writer orphaned by a killed build may still be
+    finishing, so entries vanishing or appearing while they are removed are tolerated
+    (storage.location.remove_path_tolerant). On a store, where shards are written in place, they
+    are the shard-named prefixes not among `published` (the names the manifest lists complete)."""
+    location = resolve(cache_dir)
+    published = set(published)
+    removed = [
+        name for name in location.names(SHARD_DIR)
+        if name.startswith(PARTIAL_SHARD_PREFIX)
+        or (not location.is_local and name not in published and SHARD_NAME.fullmatch(name))
+    ]  # fmt: skip
     for name in removed:
-        remove_path_tolerant(shard_dir / name)
+        location.remove(f"{SHARD_DIR}/{name}")
     return removed
 
 
@@ -287,7 +287,13 @@ class ShardWriter:
     `size` arrived, fsyncs and renames to `shards/<name>`; `abort` (or leaving a `with` block by
     an exception) removes the temp entry. With `owner` (claim_cache's id) the shard is refused,
     when the writer opens and again just before the rename, once another build has claimed the
-    directory. Bytes are a function of the appended records only."""
+    directory. Bytes are a function of the appended records only.
+
+    On a store (`cache_dir` a URL) the shard is written in place under `shards/<name>`, after the
+    objects an interrupted write left there are removed; the owner is checked also before each
+    Zarr object write, and a tar's object appears only when `publish` closes it. `abort` removes
+    what was written unless another build has claimed the prefix meanwhile (then it is that
+    build's to clean up). The manifest, written after `publish`, is what publishes the shard."""
 
     def __init__(
         self,
@@ -305,7 +311,7 @@ class ShardWriter:
         _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
         if isinstance(shard_index, bool) or not isinstance(shard_index, int) or shard_index < 0:
             raise ValueError(f"shard_index must be an int >= 0, got {shard_index!r}")
-        self.cache_dir, self.index, self.size, self.owner = Path(cache_dir), shard_index, size, owner
+        self.location, self.index, self.size, self.owner = resolve(cache_dir), shard_index, size, owner
         self.name = shard_name(shard_index, storage_format)
         if size.num_sequences < 1:
             raise ValueError(f"shard {self.name}: no records to write")
@@ -314,17 +320,27 @@ class ShardWriter:
         self.source_rows: list[int] = []
         self.seen_rows: set[int] = set()
         if owner is not None:
-            check_owner(cache_dir, owner)
-        self.shard_dir = self.cache_dir / SHARD_DIR
-        self.shard_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.shard_dir / f"{PARTIAL_SHARD_PREFIX}{self.name}-{uuid.uuid4().hex}"
+            check_owner(self.location, owner)
+        if self.location.is_local:
+            self.shard_dir = self.location.local_path / SHARD_DIR
+            self.shard_dir.mkdir(parents=True, exist_ok=True)
+            self.tmp = self.target = self.shard_dir / f"{PARTIAL_SHARD_PREFIX}{self.name}-{uuid.uuid4().hex}"
+            before_write = None
+        else:
+            self.target = self.location.child(f"{SHARD_DIR}/{self.name}")
+            self.target.remove()  # what an interrupted write of this shard left
+            before_write = self._check_owner
         try:
             if storage_format == "zarr":
-                self.body = _ZarrBody(self.tmp, size, feature_codec=feature_codec, chunk_checksums=chunk_checksums)
+                self.body = _ZarrBody(
+                    self.target, size, feature_codec=feature_codec, chunk_checksums=chunk_checksums, before_write=before_write
+                )
             else:
-                self.body = _WdsBody(self.tmp, chunk_checksums=chunk_checksums)
+                self.body = _WdsBody(
+                    self.target, feature_codec=feature_codec, contents=self.contents, chunk_checksums=chunk_checksums
+                )
         except BaseException:
-            remove_path_tolerant(self.tmp)
+            self._remove_written()
             raise
         self.names = [n for n in record_array_names(feature_codec, self.contents) if n != "source_row"]
 
@@ -357,13 +373,17 @@ class ShardWriter:
         if got != self.size:
             raise ValueError(f"shard {self.name}: records hold {got}, planned {self.size}")
         self.body.finish(np.array(self.source_rows, dtype=np.int64), self.dims)
-        fsync_tree(self.tmp)
-        if self.owner is not None:
-            check_owner(self.cache_dir, self.owner)  # the shard took a while: still ours?
-        final = self.shard_dir / self.name
-        remove_path(final)
-        os.rename(self.tmp, final)
-        fsync_path(self.shard_dir)
+        if self.location.is_local:
+            fsync_tree(self.tmp)
+            self._check_owner()  # the shard took a while: still ours?
+            final = self.shard_dir / self.name
+            remove_path(final)
+            os.rename(self.tmp, final)
+            fsync_path(self.shard_dir)
+        else:
+            self._check_owner()
+            self.body.commit()
+            final = self.target
         return ShardRecord(
             name=self.name,
             index=self.index,
@@ -377,7 +397,21 @@ class ShardWriter:
 
     def abort(self) -> None:
         self.body.close()
-        remove_path_tolerant(self.tmp)
+        self._remove_written()
+
+    def _check_owner(self) -> None:
+        if self.owner is not None:
+            check_owner(self.location, self.owner)
+
+    def _remove_written(self) -> None:
+        if self.location.is_local:
+            remove_path_tolerant(self.tmp)
+            return
+        try:
+            self._check_owner()
+        except CacheOwnershipLost:
+            return  # the prefix is another build's now: its objects there may be that build's
+        self.target.remove()
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -428,8 +462,11 @@ class _ZarrColumn:
     is there, so every write covers whole files (no read-modify-write) and the buffer stays under
     one file (~ZARR_SHARD_BYTES) plus the last record."""
 
-    def __init__(self, group, name: str, *, row_shape: tuple, dtype: np.dtype, num_rows: int, compressors: list):
+    def __init__(
+        self, group, name: str, *, row_shape: tuple, dtype: np.dtype, num_rows: int, compressors: list, before_write=None
+    ):  # fmt: skip
         self.chunk_rows, self.shard_rows = _chunk_layout(name, row_shape, dtype.itemsize, num_rows)
+        self.before_write = before_write
         self.array = group.create_array(
             name,
             shape=(num_rows, *row_shape),
@@ -459,6 +496,8 @@ class _ZarrColumn:
             self._flush(self.pending_rows)
 
     def _flush(self, num_rows: int) -> None:
+        if self.before_write is not None:
+            self.before_write()
         data = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
         self.array[self.written : self.written + num_rows] = data[:num_rows]
         self.written += num_rows
@@ -467,11 +506,15 @@ class _ZarrColumn:
 
 
 class _ZarrBody:
-    """The Zarr group of a shard being written (layout: module docstring)."""
+    """The Zarr group of a shard being written (layout: module docstring), in a local directory or
+    under a store prefix; `before_write` runs before each write of array data (ShardWriter's
+    owner check on a store)."""
 
-    def __init__(self, path: Path, size: ShardSize, *, feature_codec: str, chunk_checksums: bool):
-        self.path, self.size, self.feature_codec = path, size, feature_codec
-        self.group = zarr.open_group(store=str(path), mode="w-", zarr_format=3)
+    def __init__(
+        self, target: Path | StorePrefix, size: ShardSize, *, feature_codec: str, chunk_checksums: bool, before_write=None
+    ):  # fmt: skip
+        self.size, self.feature_codec, self.before_write = size, feature_codec, before_write
+        self.group = zarr.open_group(store=_zarr_store(target, read_only=False), mode="w-", zarr_format=3)
         # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
         # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
         self.compressors = [zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle")]
@@ -481,9 +524,12 @@ class _ZarrBody:
 
     def _column(self, name: str, num_rows: int, row_shape: tuple, dtype: np.dtype) -> _ZarrColumn:
         if name not in self.columns:
+            if self.before_write is not None:  # creating an array writes its metadata object
+                self.before_write()
             self.columns[name] = _ZarrColumn(
-                self.group, name, row_shape=row_shape, dtype=dtype, num_rows=num_rows, compressors=self.compressors
-            )
+                self.group, name, row_shape=row_shape, dtype=dtype, num_rows=num_rows, compressors=self.compressors,
+                before_write=self.before_write,
+            )  # fmt: skip
         return self.columns[name]
 
     def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
@@ -519,54 +565,56 @@ class _ZarrBody:
             }
         )
 
+    def commit(self) -> None:
+        pass  # every object is written already
+
     def close(self) -> None:
         pass
 
 
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    # (np.ascontiguousarray would turn a 0-d source_row into shape [1])
-    np.lib.format.write_array(buf, np.require(array, requirements="C"), allow_pickle=False)
-    return buf.getvalue()
-
-
-def sample_key(source_row: int) -> str:
-    """WebDataset sample key of a record."""
-    return f"{source_row:09d}"
+def _zarr_store(target: str | os.PathLike | StorePrefix, *, read_only: bool):
+    """What zarr opens: a local directory's path, or an fsspec store over a store prefix (with the
+    location's options: no listing cache, since other processes change the prefix)."""
+    if isinstance(target, StorePrefix):
+        return zarr.storage.FsspecStore.from_url(target.url, storage_options=target.storage_options, read_only=read_only)
+    return str(target)
 
 
 class _WdsBody:
-    """The tar of a shard being written: each record's sample goes out as it is appended."""
+    """The tar of a shard being written (storage/wds.py: webdataset's TarWriter, compressed
+    members): each record's sample goes out as it is appended. On a store the tar is one object,
+    created only when `commit` closes its file (an upload that is never committed leaves no object)."""
 
-    def __init__(self, path: Path, *, chunk_checksums: bool):
-        self.file = open(path, "xb")
-        self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.PAX_FORMAT)
-        self.chunk_checksums = chunk_checksums
+    def __init__(self, target: Path | StorePrefix, *, feature_codec: str, contents: tuple[str, ...], chunk_checksums: bool):
+        self.on_store = isinstance(target, StorePrefix)
+        self.file = target.open("", "wb") if self.on_store else open(target, "xb")
+        self.writer = WdsShardWriter(self.file, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums)
 
     def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
-        key = sample_key(int(record["source_row"]))
-        for name in sorted([*names, "source_row"]):
-            if name == "source_row":
-                data = _npy_bytes(np.asarray(int(record["source_row"]), dtype=np.int64))
-            else:
-                data = _npy_bytes(record[name])
-            # Fixed metadata: the tar's bytes depend only on the records.
-            info = tarfile.TarInfo(f"{key}.{name}.npy")
-            info.size = len(data)
-            info.mtime = 0
-            info.mode = 0o644
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            if self.chunk_checksums:  # checked on every read, like the Zarr chunks' CRC32C
-                info.pax_headers = {WDS_CRC_HEADER: f"{zlib.crc32(data):08x}"}
-            self.tar.addfile(info, io.BytesIO(data))
+        self.writer.append(record)
 
     def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
-        self.close()
+        self.writer.close()  # the end-of-archive blocks; the file stays the body's
+        if not self.on_store:
+            self.file.close()  # on a store it stays open until commit
+
+    def commit(self) -> None:
+        if not self.file.closed:
+            self.file.close()
 
     def close(self) -> None:
-        if not self.file.closed:
-            self.tar.close()
+        if self.file.closed:
+            return
+        if self.on_store:
+            # End the tar into the upload's buffer first (else its stream flushes into a closed file
+            # when collected), then abort the upload: no object appears.
+            try:
+                self.writer.close()
+            finally:
+                self.file.discard()
+                self.file.closed = True
+        else:
+            self.writer.close()
             self.file.close()
 
 
@@ -574,17 +622,16 @@ class _WdsBody:
 # Reading one shard
 
 
-class CorruptShardError(ValueError):
-    """A shard's bytes no longer match what was written (one line naming the shard and array)."""
-
-
 class ZarrShard:
-    """Random access to the sequences of one Zarr shard (arrays opened once, offsets cached)."""
+    """Random access to the sequences of one Zarr shard (arrays opened once, offsets cached), in a
+    local directory or under a store URL (each chunk read is then a ranged GET)."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike | Location):
+        location = resolve(path)
+        self.path = location.local_path or location.url  # for messages: a Path, or the URL
         try:
-            self.group = zarr.open_group(store=str(self.path), mode="r", zarr_format=3)
+            store = _zarr_store(location.local_path or location, read_only=True)
+            self.group = zarr.open_group(store=store, mode="r", zarr_format=3)
         except Exception as e:  # zarr raises several error types for a missing/broken group
             raise ValueError(f"{self.path}: cannot open Zarr shard ({type(e).__name__}: {e})") from None
         self.attrs = dict(self.group.attrs)
@@ -645,82 +692,13 @@ class ZarrShard:
         pass
 
 
-class WdsShard:
-    """Random access to the samples of one WebDataset tar: member offsets are indexed once, then
-    each read seeks to the members of one sample."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.file = open(self.path, "rb")
-        try:
-            self.samples = self._index()
-        except BaseException:
-            self.file.close()
-            raise
-
-    def _index(self) -> list[tuple[str, dict[str, tuple[int, int, str | None]]]]:
-        samples: list[tuple[str, dict[str, tuple[int, int, str | None]]]] = []
-        seen: set[str] = set()
-        try:
-            with tarfile.open(fileobj=self.file, mode="r:") as tar:
-                for member in tar:
-                    if not member.isfile():
-                        continue
-                    key, dot, rest = member.name.partition(".")
-                    if not dot or not rest.endswith(".npy"):
-                        raise ValueError(f"{self.path}: unexpected tar member {member.name!r}")
-                    if not samples or samples[-1][0] != key:
-                        if key in seen:
-                            raise ValueError(f"{self.path}: members of sample {key} are not contiguous")
-                        seen.add(key)
-                        samples.append((key, {}))
-                    crc = member.pax_headers.get(WDS_CRC_HEADER)
-                    samples[-1][1][rest[: -len(".npy")]] = (member.offset_data, member.size, crc)
-        except tarfile.TarError as e:
-            raise ValueError(f"{self.path}: corrupt tar shard ({e})") from None
-        return samples
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.samples)
-
-    @property
-    def array_names(self) -> set[str]:
-        return set(self.samples[0][1]) if self.samples else set()
-
-    def read(self, local: int, arrays: set[str] | None = None) -> dict[str, np.ndarray]:
-        """Encoded record of sample `local` of this tar (only `arrays` and source_row, when given)."""
-        record = {}
-        for name, (offset, size, crc) in self.samples[local][1].items():
-            if arrays is not None and name not in arrays and name != "source_row":
-                continue
-            # pread leaves the shared file offset alone, so concurrent readers cannot interfere.
-            data = os.pread(self.file.fileno(), size, offset)
-            member = f"{self.samples[local][0]}.{name}.npy"
-            if len(data) != size:
-                raise CorruptShardError(f"{self.path}: member {member} is truncated")
-            if crc is not None and f"{zlib.crc32(data):08x}" != crc:
-                raise CorruptShardError(
-                    f"{self.path}: array {name}: member {member} fails its CRC32; `alrira-cache verify` checks the whole cache"
-                )
-            record[name] = np.load(io.BytesIO(data), allow_pickle=False)
-        return record
-
-    def read_anchor_rows(self, local: int, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows `rows` of anchor array `name` (a tar member is read whole, and checked)."""
-        return self.read(local, {name})[name][np.asarray(rows, dtype=np.int64)]
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def open_shard(path: str | os.PathLike, *, storage_format: str) -> ZarrShard | WdsShard:
+def open_shard(path: str | os.PathLike | Location, *, storage_format: str) -> ZarrShard | WdsShard:
     """Open one shard for random access by local sequence index."""
     _check_choice("storage_format", storage_format, STORAGE_FORMATS)
     return ZarrShard(path) if storage_format == "zarr" else WdsShard(path)
 
 
-def read_shard_records(path: str | os.PathLike, *, storage_format: str) -> Iterator[dict[str, np.ndarray]]:
+def read_shard_records(path: str | os.PathLike | Location, *, storage_format: str) -> Iterator[dict[str, np.ndarray]]:
     """The encoded records of one shard, in written order."""
     shard = open_shard(path, storage_format=storage_format)
     try:

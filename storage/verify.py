@@ -8,7 +8,6 @@ of the manifest's `settings.contents`; array groups left out are not checked.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +19,15 @@ from storage.format import (
     MANIFEST_FILE,
     record_array_names,
 )
-from storage.manifest import TARGET_HEAD_KEYS, Manifest, ShardRecord, load_manifest, target_head_hash
+from storage.location import Location, read_safetensors_header, resolve
+from storage.manifest import (
+    TARGET_HEAD_HASH_KEY,
+    TARGET_HEAD_KEYS,
+    Manifest,
+    ShardRecord,
+    load_manifest,
+    target_head_hash,
+)
 from storage.shards import (
     ANCHOR_INDEXED_ARRAYS,
     RecordDims,
@@ -134,8 +141,8 @@ def _zarr_structure_problems(shard: ZarrShard, manifest: Manifest, record: Shard
     return problems
 
 
-def _shard_problems(cache_dir: Path, manifest: Manifest, record: ShardRecord) -> list[str]:
-    path = cache_dir / SHARD_DIR / record.name
+def _shard_problems(cache: Location, manifest: Manifest, record: ShardRecord) -> list[str]:
+    path = cache.child(f"{SHARD_DIR}/{record.name}")
     if not path.exists():
         return [f"listed in manifest as {record.status} but missing on disk ({path})"]
     problems = []
@@ -187,15 +194,26 @@ def _shard_problems(cache_dir: Path, manifest: Manifest, record: ShardRecord) ->
     return problems
 
 
-def _target_head_problems(cache_dir: Path, manifest: Manifest) -> list[str]:
+def _head_shapes_and_hash(cache: Location) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """The head's tensor shapes and the target hash it was written for. On a store only its
+    safetensors header is read (the tensors are GBs)."""
+    if not cache.is_local:
+        header = read_safetensors_header(cache, TARGET_HEAD_FILE)
+        shapes = {key: tuple(info["shape"]) for key, info in header.items() if key != "__metadata__"}
+        return shapes, (header.get("__metadata__") or {}).get(TARGET_HEAD_HASH_KEY)
     from safetensors import safe_open
 
-    path = cache_dir / TARGET_HEAD_FILE
-    if not path.is_file():
+    with safe_open(cache.join(TARGET_HEAD_FILE), framework="numpy") as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    return shapes, target_head_hash(cache.local_path)
+
+
+def _target_head_problems(cache: Location, manifest: Manifest) -> list[str]:
+    path = cache.join(TARGET_HEAD_FILE)
+    if not cache.is_file(TARGET_HEAD_FILE):
         return [f"{path}: missing target head file"]
     try:
-        with safe_open(path, framework="numpy") as f:
-            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        shapes, written_for = _head_shapes_and_hash(cache)
     except Exception as e:
         return [f"{path}: unreadable ({_one_line(e)})"]
     problems = []
@@ -204,7 +222,6 @@ def _target_head_problems(cache_dir: Path, manifest: Manifest) -> list[str]:
             problems.append(f"{path}: missing tensor {key}")
         elif shapes[key] != (manifest.vocab_size, manifest.hidden_size):
             problems.append(f"{path}: {key} has shape {shapes[key]}, expected ({manifest.vocab_size}, {manifest.hidden_size})")
-    written_for = target_head_hash(cache_dir)
     if written_for != manifest.settings.target_hash:
         problems.append(
             f"{path}: written for target {written_for or 'unknown (untagged)'}, the manifest's target is {manifest.settings.target_hash}"
@@ -212,12 +229,13 @@ def _target_head_problems(cache_dir: Path, manifest: Manifest) -> list[str]:
     return problems
 
 
-def size_problems(cache_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
+def size_problems(cache_dir: str | os.PathLike | Location, manifest: Manifest) -> list[str]:
     """The cheap check (`alrira-cache info`): every complete shard exists with the byte size the
-    manifest records. It reads no data, so it catches a truncated or missing file, not a flip."""
+    manifest records. It reads no data (on a store: listings only), so it catches a truncated or
+    missing file, not a flip."""
     problems = []
     for record in manifest.complete_shards:
-        path = Path(cache_dir) / SHARD_DIR / record.name
+        path = resolve(cache_dir).child(f"{SHARD_DIR}/{record.name}")
         if not path.exists():
             problems.append(f"{record.name}: listed in manifest as {record.status} but missing on disk ({path})")
         elif (size := shard_bytes(path)) != record.bytes:
@@ -225,19 +243,20 @@ def size_problems(cache_dir: str | os.PathLike, manifest: Manifest) -> list[str]
     return problems
 
 
-def verify_cache(cache_dir: str | os.PathLike) -> list[str]:
-    """Every problem found in the cache at `cache_dir`, one line each; empty if it is good."""
-    cache_dir = Path(cache_dir)
+def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
+    """Every problem found in the cache at `cache_dir` (a directory or a store URL), one line
+    each; empty if it is good. On a store every shard object is downloaded once."""
+    cache = resolve(cache_dir)
     try:
-        manifest = load_manifest(cache_dir)
+        manifest = load_manifest(cache)
     except ValueError as e:
         return [str(e)]
     problems = []
     if not manifest.is_complete:
         problems.append(
-            f"{cache_dir / MANIFEST_FILE}: {len(manifest.complete_shards)} of {manifest.num_shards_planned} planned shards are complete"
+            f"{cache.join(MANIFEST_FILE)}: {len(manifest.complete_shards)} of {manifest.num_shards_planned} planned shards are complete"
         )
-    problems += _target_head_problems(cache_dir, manifest)
+    problems += _target_head_problems(cache, manifest)
     for record in manifest.complete_shards:
-        problems += [f"{record.name}: {p}" for p in _shard_problems(cache_dir, manifest, record)]
+        problems += [f"{record.name}: {p}" for p in _shard_problems(cache, manifest, record)]
     return problems

@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray cluster per test session, a tiny real Qwen3 target, a toy corpus."""
+"""Shared fixtures: one local Ray cluster per test session, a tiny real Qwen3 target, a toy corpus,
+an S3 server on 127.0.0.1 (tests/s3_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from tests.s3_fixtures import s3_bucket, s3_prefix  # noqa: F401 (one S3 server per session, started on first use)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -284,8 +284,12 @@ def _build_here(config: CacheBuildConfig, log=lambda m: None):
 
 def _one_line_error(result, *needles: str) -> str:
     assert result.exit_code != 0, result.output
-    message = result.output.strip()
-    assert message.startswith("Error: ") and "\n" not in message and "Traceback" not in message, message
+    # The error is the last line, one line; the lines before it are the build's progress log
+    # (each published shard and its node, ray_jobs.build.shard_line).
+    lines = result.output.strip().splitlines()
+    message = lines[-1]
+    assert message.startswith("Error: ") and "Traceback" not in result.output, result.output
+    assert not [line for line in lines[:-1] if not line.startswith("shard-")], result.output
     for needle in needles:
         assert needle in message, message
     return message

@@ -5,9 +5,10 @@ driver joining them as `ray job submit` would (RAY_ADDRESS), workers on both nod
 the same files as a one-node Ray build, tests/test_cache_build.py), and the log must say which
 node wrote which shard.
 
-Both raylets share this machine's disk, so --out is a local path here; on a real cluster it is a
-shared filesystem or an object store. `cache_root` is the one place to add an object-store URL
-once storage/ reads and writes them: the build passes --out through untouched.
+Both raylets share this machine's disk; the build runs once with --out a local path and once
+with an s3:// prefix of a real S3 server on 127.0.0.1 (tests/s3_fixtures.py), which is what a
+real cluster without a shared disk uses. The raylets are started with the store's AWS_* variables
+in their environment, as a real cluster's nodes have credentials of their own.
 
 Teardown never runs `ray stop`, which stops every Ray session on the machine (other tests, other
 users): it kills the processes of the two `ray start` sessions this module started, found by
@@ -147,7 +148,7 @@ def _start_two_nodes(root: Path, sessions: list[int]) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes(tmp_path_factory, s3_bucket):  # the store's environment first: the workers inherit it
     """A Ray cluster of two raylets on this machine (short temp dirs: Ray's socket paths must stay
     under the 107 bytes of a Unix socket name)."""
     sessions: list[int] = []
@@ -160,10 +161,10 @@ def two_nodes(tmp_path_factory):
         _kill_sessions(sessions)
 
 
-# An object-store URL joins "local" here once storage/ supports it (docs/cluster.md).
-@pytest.fixture(params=["local"])
+@pytest.fixture(params=["local", "s3"])
 def cache_root(request, tmp_path) -> str:
-    return str(tmp_path)
+    """Where the two-node build writes: a local directory, or a prefix on the S3 server."""
+    return str(tmp_path) if request.param == "local" else request.getfixturevalue("s3_prefix")
 
 
 def _build_args(target, corpus, out: str, *extra: str) -> list[str]:

@@ -376,14 +376,17 @@ def test_write_shard_rejects_bad_records(tmp_path):
 def test_wds_shard_is_readable_by_webdataset(tmp_path):
     import webdataset
 
+    from storage.wds import decode_sample
+
     records, _ = make_shard_records(0, first_row=7, num=3, codec="bf16")
     rec = write_shard(tmp_path, shard_index=0, records=records, storage_format="wds", feature_codec="bf16")
-    samples = list(webdataset.WebDataset(str(tmp_path / SHARD_DIR / rec.name), shardshuffle=False).decode())
+    samples = list(webdataset.WebDataset(str(tmp_path / SHARD_DIR / rec.name), shardshuffle=False))
     assert [s["__key__"] for s in samples] == ["000000007", "000000010", "000000013"]
     for sample, record in zip(samples, records, strict=True):
-        np.testing.assert_array_equal(sample["input_ids.npy"], record["input_ids"])
-        np.testing.assert_array_equal(sample["rollout_features.npy"], record["rollout_features"])
-        assert int(sample["source_row.npy"]) == record["source_row"]
+        decoded = decode_sample(sample)  # members are compressed: {array}.npy.blosc.crc32
+        np.testing.assert_array_equal(decoded["input_ids"], record["input_ids"])
+        np.testing.assert_array_equal(decoded["rollout_features"], record["rollout_features"])
+        assert int(decoded["source_row"]) == record["source_row"]
 
 
 def _collate_list(batch):

@@ -113,7 +113,9 @@ class CacheBuildConfig:
 
     target: str = opt("Local HF directory of the target model (config, tokenizer, weights).")
     corpus: CorpusConfig = group(CorpusConfig)
-    out: str = opt("Cache directory to create or resume.")
+    out: str = opt(
+        "Cache directory to create or resume, or an object-store URL (s3://bucket/prefix; credentials from the environment)."
+    )
     taps: TapConfig = group(TapConfig)
     run: TargetRunConfig = group(TargetRunConfig)
     storage: StorageConfig = group(StorageConfig)

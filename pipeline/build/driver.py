@@ -7,12 +7,16 @@ Resume rule: a shard counts as done only if the manifest lists it complete AND i
 verifies; everything else (missing, corrupt, leftover temp directories) is redone. Shard content
 depends only on the settings and the shard's sequences, so a resumed cache is byte-identical to an
 uninterrupted one (docs/design.md, "A cache build").
+
+`--out` is a directory or an object-store URL (storage.location); on a store the same rules hold
+with the manifest as the only publish step (docs/design.md, "Caches on object stores").
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,11 +24,19 @@ from pathlib import Path
 
 import pipeline
 from drafter.config import default_target_layer_ids
-from pipeline.build.config import CacheBuildConfig
-from pipeline.build.corpus import CORPUS_FILES, file_sha256, ingest_corpus, load_tokenized_corpus, save_tokenized_corpus
+from pipeline.build.config import CacheBuildConfig, vision_cache_settings
+from pipeline.build.corpus import (
+    CORPUS_FILES,
+    corpus_vision_inputs,
+    file_sha256,
+    ingest_corpus,
+    load_tokenized_corpus,
+    save_tokenized_corpus,
+)
 from pipeline.chat import iter_corpus_rows
 from pipeline.target import load_tokenizer, read_generation_config, read_target_config, read_target_head, stop_token_ids, target_hash
-from storage.format import CORPUS_DIR, MANIFEST_FILE, SHARD_DIR
+from storage.format import CORPUS_DIR, MANIFEST_FILE, SHARD_COMPLETE, SHARD_DIR
+from storage.location import Location, resolve
 from storage.manifest import (
     CacheSettings,
     Manifest,
@@ -105,6 +117,7 @@ def cache_settings(config: CacheBuildConfig, *, layer_ids: list[int]) -> CacheSe
         skip_bad_rows=corpus.skip_bad_rows,
         contents=config.contents,
         backend=config.compute.backend,
+        **vision_cache_settings(config),  # system prompt and vision settings, when set (docs/vision.md)
     )
 
 
@@ -115,14 +128,14 @@ def build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: bo
     cache is refused, and a build that fails before it published a shard into a directory that held
     no cache removes what it wrote. A failing filesystem (read-only, full, ...) is a one-line
     ValueError naming the path; published shards and the manifest stay consistent."""
-    out = Path(config.out)
+    out = resolve(config.out)
     try:
         return _build_cache(config, run_shards=run_shards, progress=progress, log=log)
     except OSError as error:
         raise ValueError(_os_error_line(error, out)) from None
 
 
-def _os_error_line(error: OSError, out: Path) -> str:
+def _os_error_line(error: OSError, out: Location) -> str:
     """One line for a failing filesystem: the path, the reason, and for a full disk what to do."""
     line = f"{error.filename or out}: {error.strerror or error}"
     if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -133,7 +146,7 @@ def _os_error_line(error: OSError, out: Path) -> str:
 
 def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: bool, log) -> Manifest:
     started = time.time()
-    out = Path(config.out)
+    out = resolve(config.out)
     check_out_dir(out)
     iter_corpus_rows(config.corpus.path)  # a missing or unreadable corpus stops here, before --out is touched
     target_config = read_target_config(config.target)
@@ -143,11 +156,11 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
     settings = cache_settings(config, layer_ids=layer_ids)
 
     previous, replacing = _previous_manifest(out, settings, overwrite=config.overwrite)
-    reuse_corpus = previous is not None and (out / CORPUS_DIR).is_dir()
-    foreign = [] if reuse_corpus else foreign_files(out / CORPUS_DIR, CORPUS_FILES)
+    reuse_corpus = previous is not None and out.is_dir(CORPUS_DIR)
+    foreign = [] if reuse_corpus else foreign_files(out.child(CORPUS_DIR), CORPUS_FILES)
     if foreign:
         raise ValueError(
-            f"{out / CORPUS_DIR}: holds files a cache build did not write ({', '.join(foreign[:3])}); "
+            f"{out.join(CORPUS_DIR)}: holds files a cache build did not write ({', '.join(foreign[:3])}); "
             "move them or use another --out"
         )
     had_cache, created = is_cache_dir(out), not out.exists()
@@ -176,7 +189,7 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
 
 
 def _build_claimed(
-    config: CacheBuildConfig, *, out: Path, owner: str, settings: CacheSettings, target_config: dict,
+    config: CacheBuildConfig, *, out: Location, owner: str, settings: CacheSettings, target_config: dict,
     previous: Manifest | None, reuse_corpus: bool, run_shards: RunShards, num_published: list[int], progress: bool, log,
 ) -> Manifest:  # fmt: skip
     """The build once `owner` has claimed `out`: corpus, head, shard plan, manifest, shards."""
@@ -199,7 +212,8 @@ def _build_claimed(
         ShardSpec(index=i, start=start, stop=min(start + shard_size, len(corpus)), owner=owner)
         for i, start in enumerate(range(0, len(corpus), shard_size))
     ]
-    removed = clean_partial_shards(out)
+    listed = [s.name for s in previous.shards if s.status == SHARD_COMPLETE] if previous else []
+    removed = clean_partial_shards(out, published=listed)
     if removed:
         log(f"removed {len(removed)} partial shard(s) left by an interrupted build")
     done = _verified_shards(out, previous, log=log)
@@ -232,8 +246,9 @@ def _build_claimed(
         log(f"resuming: {len(done)} of {len(specs)} shards verified, {len(pending)} to build")
     if pending:
         run_shards(config, pending, publish, progress=progress)
-    # Every writer of this build has finished; a temp directory now is an orphaned writer's.
-    removed = clean_partial_shards(out)
+    # Every writer of this build has finished; a temp directory now is an orphaned writer's (on a
+    # store: a shard prefix the manifest does not list complete).
+    removed = clean_partial_shards(out, published=[s.name for s in manifest.shards])
     if removed:
         log(f"removed {len(removed)} partial shard(s) left by writers of an earlier build")
     return manifest
@@ -248,10 +263,10 @@ def run_shards_here(config: CacheBuildConfig, pending: list[ShardSpec], publish,
         publish(spec, builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner))
 
 
-def _previous_manifest(out: Path, settings: CacheSettings, *, overwrite: bool) -> tuple[Manifest | None, bool]:
+def _previous_manifest(out: Location, settings: CacheSettings, *, overwrite: bool) -> tuple[Manifest | None, bool]:
     """(the manifest to resume from or None, whether the existing cache is to be replaced);
     refuses a changed setting without --overwrite."""
-    if not (out / MANIFEST_FILE).exists():
+    if not out.exists(MANIFEST_FILE):
         return None, False
     previous = load_manifest(out)
     changed = settings_diff(previous.settings, settings)
@@ -265,7 +280,7 @@ def _previous_manifest(out: Path, settings: CacheSettings, *, overwrite: bool) -
     return None, True
 
 
-def _remove_failed_build(out: Path, *, owner: str, created: bool) -> None:
+def _remove_failed_build(out: Location, *, owner: str, created: bool) -> None:
     """After a build that published no shard into a directory that held no cache: remove what it
     wrote (the claim, corpus, head, manifest), unless another build has claimed the directory."""
     try:
@@ -273,25 +288,35 @@ def _remove_failed_build(out: Path, *, owner: str, created: bool) -> None:
     except CacheOwnershipLost:
         return
     remove_cache_files(out, corpus_files=CORPUS_FILES, claim=True)
-    if created and out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
+    if created:
+        out.remove_dir_if_empty()
 
 
 def _tokenized_corpus(config: CacheBuildConfig, tokenizer, *, reuse: bool, progress: bool):
-    """Tokenize the corpus once per cache; a resumed build reuses the saved copy."""
-    corpus_dir = Path(config.out) / CORPUS_DIR
+    """Tokenize the corpus once per cache; a resumed build reuses the saved copy. On a store the
+    corpus is saved to a local temp directory and uploaded (one object per file, published with
+    the cache by the manifest written after it), and read, as the workers read it, from a
+    node-local copy they memory-map (docs/design.md, "Caches on object stores")."""
+    corpus_dir = resolve(config.out).child(CORPUS_DIR)
     if reuse and corpus_dir.exists():
-        return load_tokenized_corpus(corpus_dir, mmap=True)
-    corpus = ingest_corpus(config.corpus, tokenizer, progress=progress)
-    save_tokenized_corpus(corpus, corpus_dir)
-    return load_tokenized_corpus(corpus_dir, mmap=True)
+        return load_tokenized_corpus(corpus_dir.local_copy(), mmap=True)
+    vision = corpus_vision_inputs(config.target, config.corpus)  # None for a text target
+    corpus = ingest_corpus(config.corpus, tokenizer, progress=progress, vision=vision)
+    if corpus_dir.is_local:
+        save_tokenized_corpus(corpus, corpus_dir.local_path)
+    else:
+        with tempfile.TemporaryDirectory(prefix="alrira-corpus-") as staged:
+            save_tokenized_corpus(corpus, Path(staged) / CORPUS_DIR)
+            corpus_dir.upload_dir(Path(staged) / CORPUS_DIR)
+    return load_tokenized_corpus(corpus_dir.local_copy(), mmap=True)
 
 
-def _verified_shards(out: Path, previous: Manifest | None, *, log) -> dict[int, ShardRecord]:
-    """Shards of the previous run that are listed complete and whose checksum still verifies."""
+def _verified_shards(out: Location, previous: Manifest | None, *, log) -> dict[int, ShardRecord]:
+    """Shards of the previous run that are listed complete and whose checksum still verifies
+    (on a store: every listed shard is downloaded once)."""
     done = {}
     for record in previous.shards if previous else []:
-        path = out / SHARD_DIR / record.name
+        path = out.child(f"{SHARD_DIR}/{record.name}")
         if record.status == "complete" and path.exists() and shard_checksum(path) == record.checksum:
             done[record.index] = record
         else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ from pipeline.build.rollouts import TargetSequence, anchor_pool, run_target_batc
 from pipeline.target import load_target
 from storage.codecs import encode_features
 from storage.format import ALL_GROUPS, CORPUS_DIR, record_array_names
+from storage.location import resolve
 from storage.manifest import ShardRecord
 from storage.shards import ShardSize, ShardWriter
 
@@ -104,7 +104,8 @@ class ShardBuilder:
         else:
             model = load_target(config.target, device=device, dtype=dtype)
             self.run_batch = lambda sequences: run_target_batch(model, sequences, config.run)
-        self.corpus = load_tokenized_corpus(Path(config.out) / CORPUS_DIR, mmap=True)
+        # --out on a store: a node-local copy of the tokenized corpus, shared by this node's workers.
+        self.corpus = load_tokenized_corpus(resolve(config.out).child(CORPUS_DIR).local_copy(), mmap=True)
         self.vision = corpus_vision_inputs(config.target, config.corpus)  # None for a text target
         fix_mmap_threshold()
 

@@ -1,0 +1,183 @@
+"""The trainer's reads from an object store next to a local disk (docs/benchmarks.md, "Object store").
+
+Writes the same synthetic records (benchmarks/read_checksums.py: random bf16 features, real
+array shapes) as one Zarr and one WebDataset shard to a local directory and, through the same
+ShardWriter, to an S3 bucket on a moto server this script starts on 127.0.0.1, then times
+`CacheReader.read` over every sequence from each (all arrays, and only what `alr` trains on),
+median of repeats, and counts the GET requests a pass sends (from the server's request log):
+
+    .venv/bin/python benchmarks/object_store.py [--quick] [--threads 1]
+
+moto is a server in one Python process on this machine: it measures the requests (one ranged GET
+per Zarr chunk or tar member read) without a network, not S3's bandwidth, and a ranged GET costs
+it more the larger the object (it reads an object above 16 MiB from a temp file per request; the
+script prints the latency for a small and a shard-sized object). Every record read from the store
+is compared with the local one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+from _common import print_table
+from read_checksums import FULL, QUICK, make_record
+
+from pipeline.train.methods import required_arrays
+from storage.location import resolve
+from storage.manifest import CacheSettings, Manifest
+from storage.reader import CacheReader
+from storage.shards import write_shard
+
+
+def start_moto(port: int, log) -> subprocess.Popen:
+    """moto's S3 server on 127.0.0.1:`port` logging its requests to `log` (a file: a pipe nobody
+    reads would fill up and stall it), with this process's AWS_* variables pointing at it."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # each request's log line at once: they are counted
+    )  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint, AWS_EC2_METADATA_DISABLED="true",
+    )  # fmt: skip
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+            return server
+        except OSError:
+            time.sleep(0.2)
+    server.kill()
+    raise SystemExit(f"error: moto server on {endpoint} did not start")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def manifest_of(shard, sizes, storage_format: str, num_records: int) -> Manifest:
+    settings = CacheSettings(
+        target_hash="sha256:bench", layer_ids=[0], num_slots=sizes.num_slots, top_k=sizes.top_k,
+        anchors_per_sequence=sizes.num_anchors, seed=0, max_length=sizes.seq_len, min_supervised_tokens=0,
+        feature_codec="bf16", storage_format=storage_format, shard_size=num_records, corpus_hash="sha256:bench",
+        skip_bad_rows=False,
+    )  # fmt: skip
+    return Manifest(
+        settings=settings, target_path="-", target_config={}, num_target_layers=2, hidden_size=sizes.feature_dim,
+        vocab_size=150_000, stop_token_ids=[1], mask_token_id=2, corpus_path="-", corpus_stats={},
+        shards=[shard], num_shards_planned=1, created_with="benchmarks/object_store.py",
+    )  # fmt: skip
+
+
+def read_all_seconds(where: str, manifest: Manifest, arrays: set[str] | None, want: list[dict] | None = None) -> float:
+    """Seconds to read every sequence in a fresh reader (shard opened inside the timing, as a
+    DataLoader worker does); with `want`, each record is compared with it."""
+    start = time.perf_counter()
+    reader = CacheReader(where, manifest)
+    for index in range(len(reader)):
+        record = reader.read(index, decode_features=False, arrays=arrays)
+        if want is not None:
+            for name, value in record.items():
+                np.testing.assert_array_equal(value, want[index][name], err_msg=f"{where} sequence {index} {name}")
+    seconds = time.perf_counter() - start
+    reader.close()
+    return seconds
+
+
+def get_requests(log_path: Path) -> int:
+    """GET requests the server has logged so far (a line per request, its method after a quote and
+    maybe a terminal colour code)."""
+    return len(re.findall(r'"(?:\x1b\[[0-9;]*m)*GET ', log_path.read_text(errors="replace")))
+
+
+def range_get_ms(store_root: str, size: int) -> float:
+    """Milliseconds of one 4 KiB ranged GET on an object of `size` bytes (median of 20)."""
+    location = resolve(store_root)
+    location.write_bytes(f"latency-{size}", os.urandom(size))
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        location.read_range(f"latency-{size}", size // 2, 4096)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def measure(records: list[dict], sizes, *, local_root: str, store_root: str, log_path: Path) -> list[list[str]]:
+    rows = []
+    for storage_format in ("zarr", "wds"):
+        manifests = {}
+        for label, root in (("local disk", local_root), ("moto S3", store_root)):
+            shard = write_shard(root, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16")
+            manifests[label] = (root, manifest_of(shard, sizes, storage_format, len(records)))
+        assert manifests["local disk"][1].shards == manifests["moto S3"][1].shards  # the same bytes
+        read_all_seconds(*manifests["moto S3"], None, want=records)  # every record equal; warms both caches
+        for arrays_label, arrays in (("all arrays", None), ("alr arrays", required_arrays("alr"))):
+            mb = sum(v.nbytes for r in records for n, v in r.items() if arrays is None or n in arrays | {"source_row"}) / 1e6
+            before = get_requests(log_path)
+            read_all_seconds(*manifests["moto S3"], arrays)
+            gets = get_requests(log_path) - before
+            times = {label: [] for label in manifests}
+            for _ in range(sizes.repeats):
+                for label, (root, manifest) in manifests.items():
+                    times[label].append(read_all_seconds(root, manifest, arrays))
+            local, store = statistics.median(times["local disk"]), statistics.median(times["moto S3"])
+            n = len(records)
+            rows.append([
+                storage_format, arrays_label, f"{n / local:.1f}", f"{n / store:.1f}", f"{mb / local:.0f}", f"{mb / store:.0f}",
+                f"{store / local:.1f}x", f"{gets / n:.0f}",
+            ])  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="Tiny sizes (a smoke run for CI).")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads.")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else FULL
+    rng = np.random.default_rng(0)
+    records = [make_record(rng, sizes, source_row=i) for i in range(sizes.num_sequences)]
+    raw_mb = sum(v.nbytes for r in records for v in r.values()) / 1e6
+    print(f"{sizes.num_sequences} sequences, T={sizes.seq_len}, F={sizes.feature_dim}, A={sizes.num_anchors}, "
+          f"K={sizes.num_slots}, top-k {sizes.top_k}: {raw_mb:.1f} MB of records; median of {sizes.repeats}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "moto.log"
+        with open(log_path, "wb") as log:
+            server = start_moto(free_port(), log)
+        try:
+            import fsspec
+
+            fsspec.filesystem("s3").mkdir("bench")
+            store_root = f"s3://bench/{uuid.uuid4().hex[:8]}"
+            (Path(tmp) / "local").mkdir()
+            rows = measure(records, sizes, local_root=str(Path(tmp) / "local"), store_root=store_root, log_path=log_path)
+            latency = {size: range_get_ms(store_root, size) for size in (1 << 20, int(raw_mb * 1e6))}
+        finally:
+            server.terminate()
+            server.wait()
+    print_table(
+        "reading every record with CacheReader (decode_features=False, one process, shard opened per pass)",
+        ["format", "arrays", "seq/s local", "seq/s moto", "MB/s local", "MB/s moto", "time ratio", "GETs/seq"],
+        rows,
+    )
+    print("\nmoto: one 4 KiB ranged GET " + ", ".join(f"{ms:.1f} ms on a {size / 1e6:.0f} MB object" for size, ms in latency.items()))
+
+
+if __name__ == "__main__":
+    main()

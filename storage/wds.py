@@ -1,0 +1,315 @@
+"""WebDataset shards: one tar per shard, one sample per sequence, written with webdataset's own
+`TarWriter` and read back by random access (`WdsShard`: the map-style loader, verify) or as a
+stream through webdataset's pipeline (`decode_sample`: pipeline/train/streaming.py).
+
+Layout (docs/design.md, "The cache contract"): samples keyed `{source_row:09d}`, in written
+order; one member per record array, named `{key}.{array}.npy.blosc.crc32`, read right to left:
+
+    crc32   numcodecs' CRC32 codec: 4 bytes, the little-endian CRC32 of what follows, checked on
+            every read (TarWriter sets no PAX headers, so the checksum travels inside the member)
+    blosc   numcodecs' Blosc frame (self-describing): zstd level 3, byte shuffle over the array's
+            item size, as the Zarr shards' chunks (storage/shards.py), in 256 KiB blocks
+    npy     the array's np.save bytes, no pickle (the header is padded to 64 bytes, so the data
+            stays aligned to its item size for the shuffle)
+
+`chunk_checksums=False` leaves the CRC out (`.npy.blosc`). Tars written before compression hold
+`{key}.{array}.npy` members, each with its CRC32 in a PAX header `ALRIRA.crc32`; they still read
+(the stream reader cannot see PAX headers, so it reads such members unchecked).
+
+Member metadata is fixed (mtime 0, uid/gid 0, empty user and group names, mode 0o644) and a
+sample's members go out sorted by name, so a tar's bytes are a function of its records: the
+build's resume rule compares shard checksums.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO, NamedTuple
+
+import numpy as np
+import webdataset
+from numcodecs import CRC32, Blosc
+
+from storage.errors import CorruptShardError, first_line
+from storage.format import record_array_names
+from storage.location import Location, resolve
+
+BLOSC_CNAME = "zstd"
+BLOSC_CLEVEL = 3  # the Zarr shards' ZARR_CLEVEL: one codec for both formats
+# Blosc compresses a buffer in independent blocks. A member is one sequence's array (a Zarr chunk
+# ~256 KiB of rows); 256 KiB blocks, the Zarr chunk's size, make bf16 features 7% smaller than
+# Blosc's automatic choice (docs/benchmarks.md, "WebDataset shards").
+BLOSC_BLOCK_BYTES = 256 << 10
+NPY, NPY_BLOSC, NPY_BLOSC_CRC32 = "npy", "npy.blosc", "npy.blosc.crc32"
+MEMBER_ENCODINGS = (NPY_BLOSC_CRC32, NPY_BLOSC, NPY)  # longest first: matched as name suffixes
+LEGACY_CRC_HEADER = "ALRIRA.crc32"  # PAX header of an uncompressed `.npy` member: its CRC32 (hex)
+MEMBER_MODE = 0o644
+# Reading a tar's member headers from a store: each read past the buffer is one ranged GET.
+STORE_TAR_INDEX_BLOCK = 1 << 20
+VERIFY_HINT = "`alrira-cache verify` checks the whole cache"
+
+_CRC32 = CRC32(location="start")
+_BLOSC_DECODER = Blosc()  # decoding reads codec, level and shuffle from each frame
+
+
+def sample_key(source_row: int) -> str:
+    """WebDataset sample key of a record."""
+    return f"{source_row:09d}"
+
+
+def _blosc(itemsize: int) -> Blosc:
+    # typesize: the shuffle groups the bytes of each item (np.save bytes would otherwise count as 1).
+    return Blosc(cname=BLOSC_CNAME, clevel=BLOSC_CLEVEL, shuffle=Blosc.SHUFFLE, blocksize=BLOSC_BLOCK_BYTES, typesize=itemsize)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    # (np.ascontiguousarray would turn a 0-d source_row into shape [1])
+    np.lib.format.write_array(buf, np.require(array, requirements="C"), allow_pickle=False)
+    return buf.getvalue()
+
+
+def encode_member(array: np.ndarray, *, chunk_checksums: bool) -> tuple[str, bytes]:
+    """(encoding, member bytes) of one record array."""
+    raw = np.frombuffer(npy_bytes(array), dtype=np.uint8)
+    frame = _blosc(array.dtype.itemsize).encode(raw)
+    if not chunk_checksums:
+        return NPY_BLOSC, bytes(frame)
+    return NPY_BLOSC_CRC32, _CRC32.encode(frame).tobytes()
+
+
+def split_suffix(suffix: str) -> tuple[str, str] | None:
+    """(array name, encoding) of a member name without its sample key, e.g.
+    `features.npy.blosc.crc32` -> (`features`, `npy.blosc.crc32`); None for anything else."""
+    for encoding in MEMBER_ENCODINGS:
+        name = suffix.removesuffix(f".{encoding}")
+        if name != suffix and name and "." not in name:
+            return name, encoding
+    return None
+
+
+def decode_member(data: bytes, *, encoding: str, where: str, pax_crc32: str | None = None) -> np.ndarray:
+    """The array of one member's bytes; CorruptShardError starting with `where` (shard, array and
+    member) when its checksum fails or it does not decode."""
+    if encoding == NPY_BLOSC_CRC32:
+        try:
+            data = _CRC32.decode(data)
+        except (RuntimeError, ValueError):
+            raise CorruptShardError(f"{where} fails its CRC32; {VERIFY_HINT}") from None
+    elif encoding == NPY and pax_crc32 is not None and f"{zlib.crc32(data):08x}" != pax_crc32:
+        raise CorruptShardError(f"{where} fails its CRC32; {VERIFY_HINT}")
+    try:
+        if encoding != NPY:
+            data = _BLOSC_DECODER.decode(data)  # the frame records its own codec, level and shuffle
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as error:  # numcodecs and numpy raise several types for bytes that do not decode
+        raise CorruptShardError(f"{where} does not decode ({first_line(error)}); {VERIFY_HINT}") from None
+
+
+def member_selector(arrays: set[str] | None) -> Callable[[str], bool] | None:
+    """webdataset's `select_files` predicate keeping the members of `arrays` and source_row (all
+    members when None); other members' bytes pass by in the stream without being kept."""
+    if arrays is None:
+        return None
+    wanted = set(arrays) | {"source_row"}
+
+    def selected(member_name: str) -> bool:
+        parts = split_suffix(member_name.partition(".")[2])
+        return parts is not None and parts[0] in wanted
+
+    return selected
+
+
+def decode_sample(sample: dict, *, arrays: set[str] | None = None) -> dict[str, np.ndarray]:
+    """The encoded record of one sample as webdataset's `tarfile_to_samples` yields it
+    ({"__key__", "__url__", "features.npy.blosc.crc32": bytes, ...}); only `arrays` and
+    source_row when given."""
+    record = {}
+    for suffix, data in sample.items():
+        if suffix.startswith("__"):
+            continue
+        parts = split_suffix(suffix)
+        if parts is None:
+            raise ValueError(f"{sample.get('__url__')}: unexpected tar member {sample['__key__']}.{suffix}")
+        name, encoding = parts
+        if arrays is None or name in arrays or name == "source_row":
+            where = f"{sample.get('__url__')}: array {name}: member {sample['__key__']}.{suffix}"
+            record[name] = decode_member(data, encoding=encoding, where=where)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+class WdsShardWriter:
+    """One shard's tar, written sample by sample with webdataset's TarWriter as records arrive.
+
+    `file_obj_or_path`: a path (created; an existing file is an error) or a binary file object
+    opened for writing (a local file, an fsspec/S3 file), which the writer does not close.
+    Records must already be validated and encoded (storage.shards.check_record,
+    storage.codecs.encode_features) and hold exactly the arrays of `feature_codec` and `contents`.
+    Memory does not grow with the number of records: each sample goes out on `append`."""
+
+    def __init__(
+        self, file_obj_or_path: str | os.PathLike | BinaryIO, *, feature_codec: str, contents: tuple[str, ...],
+        chunk_checksums: bool = True,
+    ):  # fmt: skip
+        self.names = sorted(record_array_names(feature_codec, contents))
+        self.chunk_checksums = chunk_checksums
+        self.num_records = 0
+        self._owned = isinstance(file_obj_or_path, (str, os.PathLike))
+        self._file = open(file_obj_or_path, "xb") if self._owned else file_obj_or_path
+        try:
+            # encoder=False: members are given as bytes. Fixed metadata: bytes depend on records only.
+            self._tar = webdataset.TarWriter(self._file, user="", group="", mode=MEMBER_MODE, mtime=0, encoder=False)
+        except BaseException:
+            if self._owned:
+                self._file.close()
+            raise
+
+    def append(self, record: dict[str, np.ndarray]) -> None:
+        """Write one record's sample (its members sorted by name, TarWriter's order)."""
+        source_row = int(record["source_row"])
+        sample = {"__key__": sample_key(source_row)}
+        for name in self.names:
+            array = np.asarray(source_row, dtype=np.int64) if name == "source_row" else record[name]
+            encoding, data = encode_member(array, chunk_checksums=self.chunk_checksums)
+            sample[f"{name}.{encoding}"] = data
+        self._tar.write(sample)
+        # tarfile keeps a TarInfo per member it wrote; nothing here reads them back, so drop them
+        # (webdataset's reader does the same, tariterators.tar_file_iterator) to keep memory flat.
+        self._tar.tarstream.members = []
+        self.num_records += 1
+
+    def close(self) -> None:
+        """End the tar (its end-of-archive blocks) and close the file if the writer opened it;
+        a second call does nothing."""
+        if self._tar is None:
+            return
+        tar, self._tar = self._tar, None
+        try:
+            tar.close()
+        finally:
+            if self._owned:
+                self._file.close()
+
+    def __enter__(self) -> WdsShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Random access
+
+
+@dataclass(frozen=True)
+class MemberCodec:
+    """How one member's bytes turn into an array: its encoding, and for an uncompressed `.npy`
+    member of an older tar the CRC32 of its PAX header (None: unchecked)."""
+
+    encoding: str
+    pax_crc32: str | None = None
+
+
+class Member(NamedTuple):
+    offset: int  # of the member's data in the tar
+    size: int
+    codec: MemberCodec
+
+
+def open_tar(url: str | os.PathLike | Location) -> BinaryIO:
+    """A tar for reading front to back: a local file, or a store object through fsspec, read
+    ahead in large blocks (webdataset's own opener knows no s3://)."""
+    location = resolve(url)
+    if location.is_local:
+        return open(location.local_path, "rb")
+    return location.open("", "rb", block_size=STORE_TAR_INDEX_BLOCK, cache_type="readahead")
+
+
+class WdsShard:
+    """Random access to the samples of one WebDataset tar, a local file or a store object: member
+    offsets are indexed once, then each read fetches just the members it needs (pread, or one
+    ranged GET each on a store), so reading a few arrays costs only their bytes."""
+
+    def __init__(self, path: str | os.PathLike | Location):
+        self.location = resolve(path)
+        self.path = self.location.local_path or self.location.url  # for messages: a Path, or the URL
+        self.file = open_tar(self.location)
+        try:
+            self.samples = self._index()
+        except BaseException:
+            self.file.close()
+            raise
+        if not self.location.is_local:
+            self.file.close()  # members are read by range from here on
+
+    def _index(self) -> list[tuple[str, dict[str, Member]]]:
+        samples: list[tuple[str, dict[str, Member]]] = []
+        seen: set[str] = set()
+        try:
+            with tarfile.open(fileobj=self.file, mode="r:") as tar:
+                for info in tar:
+                    if not info.isfile():
+                        continue
+                    key, _, suffix = info.name.partition(".")
+                    parts = split_suffix(suffix)
+                    if parts is None:
+                        raise ValueError(f"{self.path}: unexpected tar member {info.name!r}")
+                    if not samples or samples[-1][0] != key:
+                        if key in seen:
+                            raise ValueError(f"{self.path}: members of sample {key} are not contiguous")
+                        seen.add(key)
+                        samples.append((key, {}))
+                    name, encoding = parts
+                    codec = MemberCodec(encoding, info.pax_headers.get(LEGACY_CRC_HEADER) if encoding == NPY else None)
+                    samples[-1][1][name] = Member(info.offset_data, info.size, codec)
+        except tarfile.TarError as e:
+            raise ValueError(f"{self.path}: corrupt tar shard ({e})") from None
+        return samples
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.samples)
+
+    @property
+    def array_names(self) -> set[str]:
+        """Record arrays stored (source_row included), read from the first sample."""
+        return set(self.samples[0][1]) if self.samples else set()
+
+    @property
+    def source_rows(self) -> np.ndarray:
+        """int64 [n]: the records' source_row, from the sample keys."""
+        return np.array([int(key) for key, _ in self.samples], dtype=np.int64)
+
+    def read(self, local: int, arrays: set[str] | None = None) -> dict[str, np.ndarray]:
+        """Encoded record of sample `local` of this tar (only `arrays` and source_row, when given)."""
+        key, members = self.samples[local]
+        record = {}
+        for name, member in members.items():
+            if arrays is not None and name not in arrays and name != "source_row":
+                continue
+            # pread (or a ranged GET) leaves the shared file offset alone: concurrent readers cannot interfere.
+            if self.location.is_local:
+                data = os.pread(self.file.fileno(), member.size, member.offset)
+            else:
+                data = self.location.read_range("", member.offset, member.size)
+            where = f"{self.path}: array {name}: member {key}.{name}.{member.codec.encoding}"
+            if len(data) != member.size:
+                raise CorruptShardError(f"{where} is truncated; {VERIFY_HINT}")
+            record[name] = decode_member(data, encoding=member.codec.encoding, where=where, pax_crc32=member.codec.pax_crc32)
+        return record
+
+    def read_anchor_rows(self, local: int, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` of anchor array `name` (a tar member is read whole, and checked)."""
+        return self.read(local, {name})[name][np.asarray(rows, dtype=np.int64)]
+
+    def close(self) -> None:
+        self.file.close()
