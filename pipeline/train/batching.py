@@ -74,36 +74,53 @@ class CacheTrainDataset(torch.utils.data.Dataset):
             record = self.reader.read(index, decode_features=not self.feature_bits, arrays=self.arrays)
         except ValueError as error:
             return ReadFailure(message=str(error))
-        tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
-        generator = torch.Generator().manual_seed(example_seed(seed=self.seed, epoch=epoch, index=index))
-        targets = build_block_targets(tensors, config=self.objective, generator=generator)
 
-        corpus_features = torch.from_numpy(np.ascontiguousarray(record["features"]))  # [T, F] uint16 bits or float32
-        num_tokens = corpus_features.shape[0]
-        features, positions, owners = [corpus_features], [torch.arange(num_tokens)], [torch.full((num_tokens,), SHARED_OWNER)]
-        # IRA secondaries also see the parent's rollout features of y*[1..j-1] at positions a+1..a+j-1.
-        secondary = [b for b in torch.nonzero(targets.private_parent >= 0).flatten().tolist() if targets.private_len[b] > 0]
-        if secondary:
-            parents = sorted({int(targets.private_parent[b]) for b in secondary})
-            try:
-                rows = self.reader.read_rollout_features(index, np.asarray(parents), decode_features=not self.feature_bits)
-            except ValueError as error:
-                return ReadFailure(message=str(error))
-            parent_features = dict(zip(parents, rows))
-            anchor_pos = tensors["anchor_pos"].long()
-            for block in secondary:
-                parent, length = int(targets.private_parent[block]), int(targets.private_len[block])
-                features.append(torch.from_numpy(np.ascontiguousarray(parent_features[parent][:length])))  # [j-1, F]
-                positions.append(anchor_pos[parent] + 1 + torch.arange(length))
-                owners.append(torch.full((length,), block))
-        return SequenceExample(
-            index=index,
-            num_tokens=num_tokens,
-            context_features=torch.cat(features),
-            context_positions=torch.cat(positions).long(),
-            context_owner=torch.cat(owners).long(),
-            targets=targets,
+        def parent_rows(parents: np.ndarray) -> np.ndarray:
+            return self.reader.read_rollout_features(index, parents, decode_features=not self.feature_bits)
+
+        return example_from_record(
+            record, epoch=epoch, index=index, objective=self.objective, seed=self.seed, parent_rollout_features=parent_rows
         )
+
+
+def example_from_record(
+    record: dict[str, np.ndarray], *, epoch: int, index: int, objective: ObjectiveConfig, seed: int,
+    parent_rollout_features,
+) -> SequenceExample | ReadFailure:
+    """The example of sequence `index` in `epoch` from its record (the method's arrays; features as
+    bf16 bits or float32). `parent_rollout_features(pool_rows)` returns the rollout features of
+    those anchors ([len, K-2, F]): the map loader reads just them, the stream has the whole array.
+    Both loaders build their examples here, so they differ only in which sequences a step sees."""
+    tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
+    generator = torch.Generator().manual_seed(example_seed(seed=seed, epoch=epoch, index=index))
+    targets = build_block_targets(tensors, config=objective, generator=generator)
+
+    corpus_features = torch.from_numpy(np.ascontiguousarray(record["features"]))  # [T, F] uint16 bits or float32
+    num_tokens = corpus_features.shape[0]
+    features, positions, owners = [corpus_features], [torch.arange(num_tokens)], [torch.full((num_tokens,), SHARED_OWNER)]
+    # IRA secondaries also see the parent's rollout features of y*[1..j-1] at positions a+1..a+j-1.
+    secondary = [b for b in torch.nonzero(targets.private_parent >= 0).flatten().tolist() if targets.private_len[b] > 0]
+    if secondary:
+        parents = sorted({int(targets.private_parent[b]) for b in secondary})
+        try:
+            rows = parent_rollout_features(np.asarray(parents))
+        except ValueError as error:
+            return ReadFailure(message=str(error))
+        parent_features = dict(zip(parents, rows))
+        anchor_pos = tensors["anchor_pos"].long()
+        for block in secondary:
+            parent, length = int(targets.private_parent[block]), int(targets.private_len[block])
+            features.append(torch.from_numpy(np.ascontiguousarray(parent_features[parent][:length])))  # [j-1, F]
+            positions.append(anchor_pos[parent] + 1 + torch.arange(length))
+            owners.append(torch.full((length,), block))
+    return SequenceExample(
+        index=index,
+        num_tokens=num_tokens,
+        context_features=torch.cat(features),
+        context_positions=torch.cat(positions).long(),
+        context_owner=torch.cat(owners).long(),
+        targets=targets,
+    )
 
 
 @dataclass(kw_only=True)
@@ -123,6 +140,7 @@ class TrainBatch:
     slot_weights: Tensor  # [B, N, K]
     num_tokens: int  # corpus tokens in the batch (for throughput)
     num_sequences: int
+    indices: tuple[int, ...] = ()  # the cache's sequence index of each row (which data a step saw)
 
     def to(self, device) -> TrainBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
@@ -188,6 +206,7 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         slot_weights=slot_weights,
         num_tokens=sum(e.num_tokens for e in examples),
         num_sequences=batch,
+        indices=tuple(e.index for e in examples),
     )
 
 

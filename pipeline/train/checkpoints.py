@@ -1,6 +1,8 @@
 """Training checkpoints: model, optimizer, step and RNG (the schedule and the data position are
 functions of the step, docs/design.md "A training step"), plus the run's flat settings, which a
-resume compares with its own.
+resume compares with its own, and the data position after the step (epoch, steps into it and, for
+`--loader stream`, the micro-batches each of rank 0's workers delivered), which a resume checks
+against the one it computes.
 
 Layout: RUN/checkpoints/step-00000040/state.pt, and RUN/checkpoints/latest naming the newest one.
 Both are written atomically (storage/atomic.py), so a crash leaves the previous checkpoint whole.
@@ -24,13 +26,23 @@ LATEST_FILE = "latest"
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "max_steps", "save_every", "resume", "progress", "num_workers", "prefetch", "out", "attention"}
 )
+# Settings added after checkpoints were first written: the value an older checkpoint's run had.
+ADDED_SETTINGS = {"loader": "map"}
+
+
+def resumable_changes(loader: str) -> frozenset[str]:
+    """A stream's order depends on its workers (each streams its own shards), the map loader's not,
+    and the map loader has no shuffle buffer (docs/design.md, "A training step")."""
+    if loader == "stream":
+        return RESUMABLE_CHANGES - {"num_workers"}
+    return RESUMABLE_CHANGES | {"shuffle_buffer"}
 
 
 def checkpoint_dir(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step-{step:08d}"
 
 
-def save_checkpoint(run: Path, *, step: int, model, optimizer, settings: dict) -> Path:
+def save_checkpoint(run: Path, *, step: int, model, optimizer, settings: dict, data_position: dict | None = None) -> Path:
     final = checkpoint_dir(run, step)
     state = {
         "step": step,
@@ -39,6 +51,7 @@ def save_checkpoint(run: Path, *, step: int, model, optimizer, settings: dict) -
         "optimizer": optimizer.state_dict(),
         "rng": torch.get_rng_state(),
         "config": settings,
+        "data_position": data_position,
     }
     atomic_write_dir(final, lambda tmp: torch.save(state, tmp / STATE_FILE))
     atomic_write_text(run / "checkpoints" / LATEST_FILE, final.name)
@@ -79,10 +92,23 @@ def load_latest_checkpoint(run: Path, *, log=print) -> dict | None:
 
 def check_resume_settings(saved: dict, current: dict, *, run: Path) -> None:
     """Refuse a resume whose settings change the objective or the data (one line naming them)."""
+    saved = {**ADDED_SETTINGS, **saved}
+    resumable = resumable_changes(saved["loader"]) & resumable_changes(current.get("loader", "map"))
     changed = [
         name for name in sorted(set(saved) | set(current))
-        if name not in RESUMABLE_CHANGES and saved.get(name) != current.get(name)
+        if name not in resumable and saved.get(name) != current.get(name)
     ]  # fmt: skip
     if changed:
         details = "; ".join(f"--{n.replace('_', '-')} was {saved.get(n)!r}, now {current.get(n)!r}" for n in changed)
         raise ValueError(f"{run}: --resume with different settings ({details}); use a new --out or the same settings")
+
+
+def check_data_position(state: dict, expected: dict, *, run: Path) -> None:
+    """Refuse a resume whose data would not continue where the checkpoint's stopped (the cache's
+    shards changed under the run, say). Checkpoints written before positions were stored pass."""
+    stored = state.get("data_position")
+    if stored is not None and stored != expected:
+        raise ValueError(
+            f"{run}: the checkpoint at step {state['step']} stopped at data position {stored}, resuming would "
+            f"continue from {expected} (did the cache change?); use a new --out"
+        )

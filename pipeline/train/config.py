@@ -11,6 +11,7 @@ from pipeline.train.labels import ObjectiveConfig
 PRECISIONS = ("auto", "bf16", "fp32")
 ATTENTIONS = ("auto", "flex", "sdpa")
 SAVE_DTYPES = ("bfloat16", "float32")
+LOADERS = ("map", "stream")
 
 
 @dataclass(kw_only=True)
@@ -65,14 +66,30 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class LoaderConfig:
-    """DataLoader workers that read the cache and build labels."""
+    """DataLoader workers that read the cache and build labels (docs/design.md, "A training step")."""
 
+    kind: str = opt(
+        "map: random access to any cache, each epoch a seeded permutation of all sequences. stream: a wds cache "
+        "read front to back through webdataset's pipeline (shards split over ranks and workers, then a shuffle "
+        "buffer); its order also depends on --num-workers, which a resume must keep.",
+        flag="loader",
+        default="map",
+    )
     num_workers: int = opt("DataLoader worker processes reading the cache.", default=2)
     prefetch: int = opt("Batches each worker prepares ahead.", default=2)
+    shuffle_buffer: int = opt(
+        "--loader stream: samples each worker holds to shuffle, compressed, with only the arrays the method reads "
+        "(real shapes: tens of MB each).",
+        default=32,
+    )
 
     def __post_init__(self):
+        if self.kind not in LOADERS:
+            raise ValueError(f"--loader must be map or stream, got {self.kind!r}")
         if self.num_workers < 0:
             raise ValueError("--num-workers must be >= 0")
+        if self.shuffle_buffer < 1:
+            raise ValueError(f"--shuffle-buffer must be >= 1, got {self.shuffle_buffer}")
 
 
 @dataclass(kw_only=True)
@@ -92,7 +109,9 @@ class CheckpointConfig:
 class TrainConfig:
     """`alrira-train`: train a DFlash drafter from a cache."""
 
-    cache: str = opt("Stage-1 cache directory.")
+    cache: str = opt(
+        "Stage-1 cache: a directory or an object-store URL (s3://bucket/prefix; credentials from the environment)."
+    )
     out: str = opt("Run directory (checkpoints, metrics.jsonl, the final drafter/).")
     objective: ObjectiveConfig = group(ObjectiveConfig)
     drafter: DrafterInit = group(DrafterInit)

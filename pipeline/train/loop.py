@@ -14,12 +14,15 @@ any number of ranks and micro-batches (docs/design.md, "A training step").
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import json
 import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,9 +45,16 @@ from pipeline.train.batching import (
     decode_feature_bits,
     steps_per_epoch,
 )
-from pipeline.train.checkpoints import check_resume_settings, load_latest_checkpoint, save_checkpoint
+from pipeline.train.checkpoints import check_data_position, check_resume_settings, load_latest_checkpoint, save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.methods import check_cache_serves
+from pipeline.train.streaming import (
+    StreamTrainDataset,
+    stream_array_names,
+    stream_batches,
+    stream_plan,
+    stream_position,
+)
 from pipeline.train.objectives import topk_tail_loss
 from storage.manifest import load_target_head
 from storage.reader import available_arrays, open_cache
@@ -213,18 +223,28 @@ class TrainState:
     attention: str  # "flex" or "sdpa"
     batches: object  # iterator over this rank's micro-batches, from start_step on
     start_step: int
-    steps_per_epoch: int
+    epoch_ends: list[int]  # global step count at the end of each epoch (stream epochs can differ)
+    data_position: object  # step -> where the data stream stands after it (stored in checkpoints)
     total_steps: int
     last_step: int
+
+    def epoch_of(self, step: int) -> int:
+        return bisect.bisect_right(self.epoch_ends, step)
 
 
 def setup(config: TrainConfig) -> TrainState:
     rank, world_size, device = _distributed()
-    run, optim = Path(config.out), config.optim
+    run, optim, stream = Path(config.out), config.optim, config.loader.kind == "stream"
     reader = open_cache(config.cache)
     manifest = reader.manifest
     settings = manifest.settings
-    check_cache_serves(config.objective.method, available_arrays(reader), config.cache)
+    # --loader stream: which shards every rank and worker streams (a Zarr cache is refused here).
+    plan = stream_plan(
+        reader, seed=config.seed, rank=rank, world_size=world_size, num_workers=config.loader.num_workers,
+        micro_batch=optim.batch_size // (world_size * optim.grad_accum), grad_accum=optim.grad_accum,
+        shuffle_buffer=config.loader.shuffle_buffer,
+    ) if stream else None  # fmt: skip
+    check_cache_serves(config.objective.method, stream_array_names(reader) if stream else available_arrays(reader), config.cache)
     if optim.batch_size % (world_size * optim.grad_accum):
         raise ValueError(f"--batch-size {optim.batch_size} must be a multiple of ranks x --grad-accum ({world_size * optim.grad_accum})")
     if len(reader) < optim.batch_size:
@@ -232,6 +252,10 @@ def setup(config: TrainConfig) -> TrainState:
     objective = config.objective.for_cache(
         num_slots=settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids
     )
+    per_epoch = steps_per_epoch(len(reader), batch_size=optim.batch_size)
+    epoch_steps = _stream_epoch_steps(plan, optim.epochs) if stream else [per_epoch] * optim.epochs
+    epoch_ends = list(itertools.accumulate(epoch_steps))
+    data_position = partial(_data_position, epoch_ends=epoch_ends, plan=plan)
 
     head = load_target_head(config.cache, target_hash=settings.target_hash)
     drafter = build_drafter(config, manifest).to(device)
@@ -240,6 +264,7 @@ def setup(config: TrainConfig) -> TrainState:
     state = load_latest_checkpoint(run) if config.checkpoint.resume else None
     if state is not None:
         check_resume_settings(state["config"], to_flags(config), run=run)
+        check_data_position(state, data_position(state["step"]), run=run)
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -250,21 +275,11 @@ def setup(config: TrainConfig) -> TrainState:
     if attention == "flex" and device.type != "cuda":
         raise ValueError(f"--attention flex needs a CUDA device (PyTorch has no flex-attention backward on {device.type}); use sdpa or auto")
 
-    per_epoch = steps_per_epoch(len(reader), batch_size=optim.batch_size)
-    total_steps = per_epoch * optim.epochs
-    sampler = StepSampler(
-        len(reader), batch_size=optim.batch_size, grad_accum=optim.grad_accum, epochs=optim.epochs,
-        seed=config.seed, rank=rank, world_size=world_size, start_step=start_step,
+    batches = _batches(
+        config, reader, objective, plan=plan, epoch_steps=epoch_steps, start_step=start_step, rank=rank,
+        world_size=world_size, device=device,
     )  # fmt: skip
-    loader = torch.utils.data.DataLoader(
-        CacheTrainDataset(reader, objective=objective, seed=config.seed),
-        batch_sampler=sampler,
-        collate_fn=collate,
-        num_workers=config.loader.num_workers,
-        prefetch_factor=config.loader.prefetch if config.loader.num_workers else None,
-        pin_memory=device.type == "cuda",
-        worker_init_fn=_single_threaded_worker,
-    )
+    total_steps = epoch_ends[-1]
     return TrainState(
         run=run, rank=rank, world_size=world_size, device=device, num_slots=settings.num_slots,
         drafter=drafter,
@@ -274,12 +289,67 @@ def setup(config: TrainConfig) -> TrainState:
         lm_head=head["lm_head.weight"].to(device, compute_dtype),
         autocast=torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext(),
         attention=attention,
-        batches=iter(loader),
+        batches=batches,
         start_step=start_step,
-        steps_per_epoch=per_epoch,
+        epoch_ends=epoch_ends,
+        data_position=data_position,
         total_steps=total_steps,
         last_step=min(total_steps, config.max_steps) if config.max_steps else total_steps,
     )  # fmt: skip
+
+
+def _batches(config: TrainConfig, reader, objective, *, plan, epoch_steps: list[int], start_step: int, rank: int,
+             world_size: int, device: torch.device):  # fmt: skip
+    """Iterator over this rank's micro-batches from `start_step` on: the map loader (a sampler of
+    (epoch, index) keys) or the stream (one webdataset pipeline per epoch), as --loader says."""
+    optim = config.optim
+    if plan is not None:
+        dataset = StreamTrainDataset(plan, objective=objective, feature_codec=reader.feature_codec)
+        make_loader = partial(_data_loader, config=config, device=device, batch_size=None, collate_fn=_as_is)
+        return stream_batches(dataset, epoch_steps=epoch_steps, start_step=start_step, make_loader=make_loader)
+    sampler = StepSampler(
+        len(reader), batch_size=optim.batch_size, grad_accum=optim.grad_accum, epochs=optim.epochs,
+        seed=config.seed, rank=rank, world_size=world_size, start_step=start_step,
+    )  # fmt: skip
+    dataset = CacheTrainDataset(reader, objective=objective, seed=config.seed)
+    return iter(_data_loader(dataset, config=config, device=device, batch_sampler=sampler, collate_fn=collate))
+
+
+def _data_position(step: int, *, epoch_ends: list[int], plan) -> dict:
+    """Where the data stands after `step` steps (stored in checkpoints, checked on resume)."""
+    epoch = bisect.bisect_right(epoch_ends, step)
+    done = step - (epoch_ends[epoch - 1] if epoch else 0)
+    if plan is None or done == 0:  # (at an epoch's start no worker has delivered anything yet)
+        return {"loader": "map" if plan is None else "stream", "epoch": epoch, "steps_into_epoch": done}
+    # Rank 0's: the one every rank computes alike (each checks a resume against what rank 0 stored).
+    return {"loader": "stream", **stream_position(plan, epoch=epoch, steps_done=done, rank=0)}
+
+
+def _stream_epoch_steps(plan, num_epochs: int) -> list[int]:
+    steps = [plan.epoch_steps(epoch) for epoch in range(num_epochs)]
+    if min(steps) == 0:
+        epoch = steps.index(0)
+        raise ValueError(
+            f"--loader stream: epoch {epoch} has no full step on some rank ({len(plan.shards)} shards split over "
+            f"{plan.world_size} rank(s) x {plan.num_streams} stream(s), micro-batches of {plan.micro_batch}); "
+            "use fewer --num-workers, a smaller --batch-size or more, smaller shards"
+        )
+    return steps
+
+
+def _data_loader(dataset, *, config: TrainConfig, device: torch.device, **kwargs) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(
+        dataset,
+        num_workers=config.loader.num_workers,
+        prefetch_factor=config.loader.prefetch if config.loader.num_workers else None,
+        pin_memory=device.type == "cuda",
+        worker_init_fn=_single_threaded_worker,
+        **kwargs,
+    )
+
+
+def _as_is(item):
+    return item
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,7 +385,7 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
     slot_acc = (totals.slot_correct / totals.slot_count.clamp_min(1)).tolist()
     return {
         "step": step + 1,
-        "epoch": step // s.steps_per_epoch,
+        "epoch": s.epoch_of(step),
         "loss": (totals.loss_sum / (totals.weight_sum + 1e-6)).item(),
         "lr": lr,
         "grad_norm": float(grad_norm),
@@ -355,9 +425,12 @@ def train(config: TrainConfig) -> dict:
                 writer.add_scalar(f"train/{key}", record[key], step + 1)
         bar.set_postfix(loss=f"{record['loss']:.4f}", acc1=f"{record['slot_acc'][0]:.3f}")
         bar.update(1)
-        end_of_epoch = (step + 1) % s.steps_per_epoch == 0
+        end_of_epoch = (step + 1) in s.epoch_ends
         if end_of_epoch or (config.checkpoint.save_every and (step + 1) % config.checkpoint.save_every == 0):
-            save_checkpoint(s.run, step=step + 1, model=s.drafter, optimizer=s.optimizer, settings=settings)
+            save_checkpoint(
+                s.run, step=step + 1, model=s.drafter, optimizer=s.optimizer, settings=settings,
+                data_position=s.data_position(step + 1),
+            )  # fmt: skip
     bar.close()
     if metrics_file is not None:
         metrics_file.close()
