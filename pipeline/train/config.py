@@ -122,4 +122,12 @@ class TrainConfig:
     max_steps: int | None = opt("Stop after this many steps (smoke tests, benchmarks).", default=None)
     progress: bool = opt("Show a progress bar.", default=True)
 
+    def __post_init__(self):
+        # Object stores: the cache may be on one (map loader), a run is written to a local directory
+        # (docs/design.md, "Caches on object stores").
+        if "://" in str(self.out):
+            raise ValueError(f"--out {self.out}: a run directory must be a local path (copy its drafter/ to a store afterwards)")
+        if "://" in str(self.cache) and self.loader.kind == "stream":
+            raise ValueError(f"--cache {self.cache}: --loader stream reads local caches only; use --loader map on a store")
+
     from_flags = classmethod(from_flags)
