@@ -120,6 +120,11 @@ class CacheReader:
         scales = handle.read_anchor_rows(local, "rollout_feature_scales", pool_rows) if self.feature_codec == "fp8" else None
         return codecs.decode_features(bits, scales, codec=self.feature_codec)
 
+    def read_rollout_feature_scales(self, index: int, pool_rows) -> np.ndarray:
+        """fp8 caches: the per-row scales [len(pool_rows), K-2] of those anchors' rollout features."""
+        shard_index, local = self.shard_of(index)
+        return self._handle(self._position[shard_index]).read_anchor_rows(local, "rollout_feature_scales", pool_rows)
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return self.read(index)
 

@@ -413,3 +413,36 @@ def test_bf16_features_travel_as_bits_and_decode_exactly(cache):
     decoded = decode_feature_bits(batch.context_features)[0]
     corpus = torch.from_numpy(reader.read(0)["features"])  # float32, decoded by the reader
     assert decoded.dtype == torch.float32 and torch.equal(decoded[: corpus.shape[0]], corpus)
+
+
+@pytest.mark.parametrize("storage_format", ["zarr", "wds"])
+def test_fp8_features_travel_as_bits_and_scales_and_decode_exactly(tmp_path, storage_format):
+    """fp8 caches: the loader hands the device uint8 bits and one float32 scale per context row
+    (the IRA parents' rollout rows included); decoded there, they equal the float32 context the
+    same example gets from the reader's decoded record."""
+    from pipeline.train.batching import CacheTrainDataset, collate, decode_feature_bits, example_from_record
+    from pipeline.train.labels import ObjectiveConfig
+    from storage.reader import open_cache
+    from test_storage import K, build_cache
+
+    build_cache(tmp_path / "cache", storage_format=storage_format, codec="fp8", sizes=(4, 3))
+    reader = open_cache(tmp_path / "cache")
+    manifest = reader.manifest
+    objective = ObjectiveConfig(method="alr_ira", rollout_depth=K - 1).for_cache(
+        num_slots=manifest.settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids
+    )
+    dataset = CacheTrainDataset(reader, objective=objective, seed=0)
+    secondaries = 0
+    for index in range(len(reader)):
+        example = dataset[(0, index)]
+        batch = collate([example])
+        assert batch.context_features.dtype == torch.uint8 and batch.context_feature_scales.dtype == torch.float32
+        floats = reader.read(index)  # features decoded to float32 by the reader
+        want = example_from_record(
+            floats, epoch=0, index=index, objective=objective, seed=0,
+            parent_rollout_features=lambda rows, floats=floats: floats["rollout_features"][rows],
+        )  # fmt: skip
+        decoded = decode_feature_bits(batch.context_features, batch.context_feature_scales)[0]
+        assert decoded.dtype == torch.float32 and torch.equal(decoded, want.context_features)
+        secondaries += int(example.context_features.shape[0] > example.num_tokens)
+    assert secondaries > 0  # some IRA parents' rollout rows were decoded too

@@ -16,6 +16,7 @@ from torch import Tensor
 from drafter.masks import SHARED_OWNER
 from pipeline.train.labels import BlockTargets, ObjectiveConfig, build_block_targets
 from pipeline.train.methods import required_arrays
+from storage.codecs import FP8_E4M3FN_TABLE
 from storage.format import ANCHOR_ARRAYS, TOKEN_ARRAYS
 
 # Record arrays the label builder reads (features are handled separately, below).
@@ -37,10 +38,11 @@ class SequenceExample:
 
     index: int
     num_tokens: int
-    context_features: Tensor  # [C, F] corpus features, then private (IRA) rollout features (bf16 bits or float32)
+    context_features: Tensor  # [C, F] corpus features, then private (IRA) rollout features (bf16/fp8 bits or float32)
     context_positions: Tensor  # [C] long
     context_owner: Tensor  # [C] long: -1 shared corpus token, else the block index that owns it
     targets: BlockTargets
+    context_feature_scales: Tensor | None = None  # [C] float32: fp8 bits' per-row scales
 
 
 @dataclass(kw_only=True)
@@ -61,9 +63,9 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         # Only what the method needs is read; an IRA secondary's parent rollout features are read
         # afterwards for the drawn parents alone (docs/design.md, "A training step").
         self.arrays = required_arrays(objective.method) - {"rollout_features"}
-        # bf16 features travel as their uint16 bits, half of float32, and are decoded on the
-        # training device (decode_feature_bits); fp8 ones are decoded here (they need their scales).
-        self.feature_bits = reader.feature_codec == "bf16"
+        # Features travel as their stored bits (bf16: uint16, half of float32; fp8: uint8 plus a
+        # float32 scale per row) and are decoded on the training device (decode_feature_bits).
+        self.fp8 = reader.feature_codec == "fp8"
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -71,12 +73,13 @@ class CacheTrainDataset(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, int]) -> SequenceExample | ReadFailure:
         epoch, index = key
         try:
-            record = self.reader.read(index, decode_features=not self.feature_bits, arrays=self.arrays)
+            record = self.reader.read(index, decode_features=False, arrays=self.arrays)
         except ValueError as error:
             return ReadFailure(message=str(error))
 
-        def parent_rows(parents: np.ndarray) -> np.ndarray:
-            return self.reader.read_rollout_features(index, parents, decode_features=not self.feature_bits)
+        def parent_rows(parents: np.ndarray):
+            bits = self.reader.read_rollout_features(index, parents, decode_features=False)
+            return (bits, self.reader.read_rollout_feature_scales(index, parents)) if self.fp8 else bits
 
         return example_from_record(
             record, epoch=epoch, index=index, objective=self.objective, seed=self.seed, parent_rollout_features=parent_rows
@@ -88,9 +91,10 @@ def example_from_record(
     parent_rollout_features,
 ) -> SequenceExample | ReadFailure:
     """The example of sequence `index` in `epoch` from its record (the method's arrays; features as
-    bf16 bits or float32). `parent_rollout_features(pool_rows)` returns the rollout features of
-    those anchors ([len, K-2, F]): the map loader reads just them, the stream has the whole array.
-    Both loaders build their examples here, so they differ only in which sequences a step sees."""
+    bf16 bits, fp8 bits with their `feature_scales`, or float32). `parent_rollout_features(pool_rows)`
+    returns the rollout features of those anchors ([len, K-2, F]; for fp8 bits a pair (bits, scales
+    [len, K-2])): the map loader reads just them, the stream has the whole array. Both loaders build
+    their examples here, so they differ only in which sequences a step sees."""
     tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
     generator = torch.Generator().manual_seed(example_seed(seed=seed, epoch=epoch, index=index))
     targets = build_block_targets(tensors, config=objective, generator=generator)
@@ -98,6 +102,8 @@ def example_from_record(
     corpus_features = torch.from_numpy(np.ascontiguousarray(record["features"]))  # [T, F] uint16 bits or float32
     num_tokens = corpus_features.shape[0]
     features, positions, owners = [corpus_features], [torch.arange(num_tokens)], [torch.full((num_tokens,), SHARED_OWNER)]
+    fp8 = "feature_scales" in record and record["features"].dtype == np.uint8  # fp8 bits travel with their scales
+    scales = [torch.from_numpy(np.ascontiguousarray(record["feature_scales"]))] if fp8 else []  # [T]
     # IRA secondaries also see the parent's rollout features of y*[1..j-1] at positions a+1..a+j-1.
     secondary = [b for b in torch.nonzero(targets.private_parent >= 0).flatten().tolist() if targets.private_len[b] > 0]
     if secondary:
@@ -106,11 +112,15 @@ def example_from_record(
             rows = parent_rollout_features(np.asarray(parents))
         except ValueError as error:
             return ReadFailure(message=str(error))
+        rows, scale_rows = rows if isinstance(rows, tuple) else (rows, None)
         parent_features = dict(zip(parents, rows))
+        parent_scales = dict(zip(parents, scale_rows)) if scale_rows is not None else {}
         anchor_pos = tensors["anchor_pos"].long()
         for block in secondary:
             parent, length = int(targets.private_parent[block]), int(targets.private_len[block])
             features.append(torch.from_numpy(np.ascontiguousarray(parent_features[parent][:length])))  # [j-1, F]
+            if fp8:
+                scales.append(torch.from_numpy(np.ascontiguousarray(parent_scales[parent][:length])))  # [j-1]
             positions.append(anchor_pos[parent] + 1 + torch.arange(length))
             owners.append(torch.full((length,), block))
     return SequenceExample(
@@ -120,6 +130,7 @@ def example_from_record(
         context_positions=torch.cat(positions).long(),
         context_owner=torch.cat(owners).long(),
         targets=targets,
+        context_feature_scales=torch.cat(scales).float() if fp8 else None,
     )
 
 
@@ -127,7 +138,7 @@ def example_from_record(
 class TrainBatch:
     """A padded micro-batch of B sequences, N blocks each (after padding), C context tokens."""
 
-    context_features: Tensor  # [B, C, F] float32, or uint16 bf16 bits (decode_feature_bits, on the device)
+    context_features: Tensor  # [B, C, F] float32, or bf16 (uint16) / fp8 (uint8) bits: decode_feature_bits, on the device
     context_positions: Tensor  # [B, C]
     context_owner: Tensor  # [B, C]
     context_valid: Tensor  # [B, C] bool
@@ -141,6 +152,7 @@ class TrainBatch:
     num_tokens: int  # corpus tokens in the batch (for throughput)
     num_sequences: int
     indices: tuple[int, ...] = ()  # the cache's sequence index of each row (which data a step saw)
+    context_feature_scales: Tensor | None = None  # [B, C] float32: fp8 bits' per-row scales
 
     def to(self, device) -> TrainBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
@@ -168,6 +180,8 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
     num_slots, top_k = examples[0].targets.label_ids.shape[1:]
 
     context_features = torch.zeros((batch, num_context, feature_dim), dtype=examples[0].context_features.dtype)
+    fp8 = examples[0].context_feature_scales is not None
+    context_feature_scales = torch.zeros((batch, num_context)) if fp8 else None
     context_positions = torch.zeros((batch, num_context), dtype=torch.long)
     context_owner = torch.full((batch, num_context), SHARED_OWNER, dtype=torch.long)
     context_valid = torch.zeros((batch, num_context), dtype=torch.bool)
@@ -182,6 +196,8 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         c, t = e.context_features.shape[0], e.targets
         n = t.block_tokens.shape[0]
         context_features[b, :c] = e.context_features
+        if fp8:
+            context_feature_scales[b, :c] = e.context_feature_scales
         context_positions[b, :c] = e.context_positions
         context_owner[b, :c] = e.context_owner
         context_valid[b, :c] = True
@@ -207,14 +223,22 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         num_tokens=sum(e.num_tokens for e in examples),
         num_sequences=batch,
         indices=tuple(e.index for e in examples),
+        context_feature_scales=context_feature_scales,
     )
 
 
-def decode_feature_bits(features: Tensor) -> Tensor:
-    """bf16 bits (uint16) -> float32, exactly (bf16 is the top half of a float32); float passes."""
-    if features.dtype != torch.uint16:
-        return features
-    return (features.to(torch.int32) << 16).view(torch.float32)
+def decode_feature_bits(features: Tensor, scales: Tensor | None = None) -> Tensor:
+    """Stored feature bits -> float32 on their device, exactly as storage.codecs.decode_features:
+    bf16 bits (uint16) are the top half of a float32; fp8-e4m3fn bits (uint8) [..., F] are looked up
+    in the 256-entry table and times their row's scale [...]. Float features pass."""
+    if features.dtype == torch.uint16:
+        return (features.to(torch.int32) << 16).view(torch.float32)
+    if features.dtype == torch.uint8:
+        if scales is None:
+            raise ValueError("fp8 feature bits need their per-row scales")
+        table = torch.tensor(FP8_E4M3FN_TABLE, device=features.device)  # [256] float32 (a copy: the array is read-only)
+        return table[features.long()] * scales.to(features.device, torch.float32)[..., None]
+    return features
 
 
 def steps_per_epoch(num_sequences: int, *, batch_size: int) -> int:

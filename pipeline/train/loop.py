@@ -118,7 +118,7 @@ def forward_loss(
         attention_mask = visibility_mask(**mask_inputs)  # [B, 1, Q, C + Q]
     with autocast:
         hidden = model(
-            context_features=decode_feature_bits(batch.context_features),  # decoded here, on the device
+            context_features=decode_feature_bits(batch.context_features, batch.context_feature_scales),  # on the device
             context_positions=batch.context_positions,
             block_embeds=F.embedding(batch.block_tokens, embed_tokens).float(),  # fp32 residual stream
             block_positions=batch.block_positions,

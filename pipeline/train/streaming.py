@@ -45,7 +45,7 @@ from pipeline.train.labels import ObjectiveConfig
 from pipeline.train.methods import required_arrays
 from storage.errors import first_line
 from storage.format import FP8_SCALE_ARRAYS
-from storage.reader import CacheReader, decode_record
+from storage.reader import CacheReader
 from storage.wds import WdsShard, decode_sample, member_selector, open_tar
 
 
@@ -159,7 +159,6 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
         self.plan, self.objective, self.feature_codec = plan, objective, feature_codec
         arrays = set(required_arrays(objective.method))
         self.arrays = arrays | {FP8_SCALE_ARRAYS[n] for n in arrays if n in FP8_SCALE_ARRAYS}
-        self.feature_bits = feature_codec == "bf16"  # decoded on the device, as in the map loader
         self.epoch, self.skip_batches = 0, [0] * plan.num_streams
 
     def start_epoch(self, epoch: int, *, skip_batches: list[int]) -> None:
@@ -203,15 +202,18 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
 
     def _example(self, sample: dict):
         try:
-            record = decode_sample(sample, arrays=self.arrays)
-            if not self.feature_bits:
-                record = decode_record(record, feature_codec=self.feature_codec)
+            record = decode_sample(sample, arrays=self.arrays)  # features stay bits: decoded on the device
         except ValueError as error:
             return ReadFailure(message=str(error))
         rollout_features = record.get("rollout_features")  # [A, K-2, F]: the whole member came with the sample
+        rollout_scales = record.get("rollout_feature_scales")  # [A, K-2], fp8 only
+
+        def parent_rows(rows):
+            return rollout_features[rows] if rollout_scales is None else (rollout_features[rows], rollout_scales[rows])
+
         return example_from_record(
             record, epoch=self.epoch, index=sample["__index__"], objective=self.objective, seed=self.plan.seed,
-            parent_rollout_features=lambda rows: rollout_features[rows],
+            parent_rollout_features=parent_rows,
         )  # fmt: skip
 
 
