@@ -172,7 +172,8 @@ def drafters(k7_cache, tmp_path_factory):
     from tests.conftest import train_alr_drafter
 
     root = tmp_path_factory.mktemp("serving")
-    return {layers: train_alr_drafter(k7_cache, root / f"run{layers}", epochs=8, draft_layers=layers) for layers in (1, 2)}
+    # 12 epochs, as tests/test_tree.py: enough that some rounds accept 2+ drafts (the drift check needs it).
+    return {layers: train_alr_drafter(k7_cache, root / f"run{layers}", epochs=12, draft_layers=layers) for layers in (1, 2)}
 
 
 def alrira_eval(toy_target, drafter_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]], int]:
