@@ -45,6 +45,7 @@ from pipeline.build.shard_builder import ShardBuilder
 from pipeline.target import target_hash
 from storage.errors import first_line
 from storage.format import shard_name
+from storage.location import is_url
 from storage.manifest import Manifest, ShardRecord
 from storage.ownership import CacheOwnershipLost
 
@@ -145,7 +146,7 @@ def plan_pool(compute, *, workers_per_node: int | None) -> list:
 def _actor_prefix(out) -> str:
     """Name prefix of the actors of every build on cache `out` (a path, or an object-store URL
     taken as it is)."""
-    key = str(out) if "://" in str(out) else str(Path(out).resolve())
+    key = str(out) if is_url(out) else str(Path(out).resolve())
     return "cache-worker-" + hashlib.sha256(key.encode()).hexdigest()[:16] + "-"
 
 

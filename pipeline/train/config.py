@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.config import from_flags, group, opt
+from storage.location import is_url
 from pipeline.train.labels import ObjectiveConfig
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -125,9 +126,9 @@ class TrainConfig:
     def __post_init__(self):
         # Object stores: the cache may be on one (map loader), a run is written to a local directory
         # (docs/design.md, "Caches on object stores").
-        if "://" in str(self.out):
+        if is_url(self.out):
             raise ValueError(f"--out {self.out}: a run directory must be a local path (copy its drafter/ to a store afterwards)")
-        if "://" in str(self.cache) and self.loader.kind == "stream":
+        if is_url(self.cache) and self.loader.kind == "stream":
             raise ValueError(f"--cache {self.cache}: --loader stream reads local caches only; use --loader map on a store")
 
     from_flags = classmethod(from_flags)
