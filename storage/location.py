@@ -266,6 +266,10 @@ class StorePrefix:
         """Upload a local file as one object (multipart for large ones: still visible only once whole)."""
         self._call(relative, lambda path: self.fs.put_file(os.fspath(local), path))
 
+    def download(self, relative: str, local: str | os.PathLike) -> None:
+        """Copy one object to a local file (streamed, not held in memory)."""
+        self._call(relative, lambda path: self.fs.get_file(path, os.fspath(local)))
+
     def upload_dir(self, local_dir: str | os.PathLike) -> None:
         """Upload every file under `local_dir` as one object each under this prefix, then remove the
         objects here that `local_dir` does not hold: each object is whole, the set is not atomic."""
@@ -311,7 +315,7 @@ class StorePrefix:
         try:
             for relative, _, _ in keys:
                 (partial / relative).parent.mkdir(parents=True, exist_ok=True)
-                self._call(relative, lambda path: self.fs.get_file(path, str(partial / relative)))
+                self.download(relative, partial / relative)
             try:
                 os.rename(partial, final)
             except OSError as error:  # another process on this node finished the same copy first

@@ -387,14 +387,3 @@ def test_a_flipped_byte_on_the_store_is_caught_by_verify_and_by_training(store_c
         _train(s3_prefix, tmp_path / "run", num_workers=0)
     message = str(corrupt.value)
     assert message.startswith(f"{s3_prefix}/{SHARD_DIR}/{shard}: array features: corrupt chunk") and "\n" not in message
-
-
-
-def test_a_run_directory_on_a_store_and_a_streamed_store_cache_are_refused_in_one_line():
-    """What is not supported yet is said up front, not discovered as a local `s3:` directory."""
-    from pipeline.train.config import TrainConfig
-
-    with pytest.raises(ValueError, match=r"^--out s3://bucket/run: a run directory must be a local path"):
-        TrainConfig.from_flags(cache="cache", out="s3://bucket/run")
-    with pytest.raises(ValueError, match=r"^--cache s3://bucket/cache: --loader stream reads local caches only"):
-        TrainConfig.from_flags(cache="s3://bucket/cache", out="run", loader="stream")

@@ -223,7 +223,7 @@ def test_the_plan_every_rank_computes_alike():
     from pipeline.train.streaming import StreamPlan, StreamShard, stream_position, turn_order, wholly_consumed_shards
 
     assert turn_order([3, 1, 2]) == [0, 1, 2, 0, 2, 0]
-    shards = tuple(StreamShard(url=f"s{i}", start=10 * i, sequences=n) for i, n in enumerate([6, 6, 2, 4, 2, 6]))
+    shards = tuple(StreamShard(url=f"s{i}", start=10 * i, sequences=n, bytes=1000 * n) for i, n in enumerate([6, 6, 2, 4, 2, 6]))
     plans = [StreamPlan(shards=shards, seed=0, rank=r, world_size=2, num_workers=2, micro_batch=2, grad_accum=1,
                         shuffle_buffer=3) for r in range(2)]  # fmt: skip
     for epoch in range(3):

@@ -6,17 +6,22 @@ against the one it computes.
 
 Layout: RUN/checkpoints/step-00000040/state.pt, and RUN/checkpoints/latest naming the newest one.
 Both are written atomically (storage/atomic.py), so a crash leaves the previous checkpoint whole.
+RUN may be a prefix on an object store (storage.location): state.pt is then one object, uploaded
+whole before `latest` (one object too) names it, so there as well a reader never follows `latest`
+to a partial checkpoint (docs/design.md, "Caches on object stores").
 """
 
 from __future__ import annotations
 
 import pickle
+import tempfile
 from pathlib import Path
 
 import torch
 
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import first_line
+from storage.location import Location
 
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
@@ -24,8 +29,9 @@ LATEST_FILE = "latest"
 # Settings a resumed run may change: they alter neither the objective nor the data of a step.
 # (--attention picks a kernel, not the math: flex and sdpa agree to 1e-5.)
 RESUMABLE_CHANGES = frozenset(
-    {"epochs", "max_steps", "save_every", "resume", "progress", "num_workers", "prefetch", "out", "attention"}
-)
+    {"epochs", "max_steps", "save_every", "resume", "progress", "num_workers", "prefetch", "out", "attention",
+     "local_cache_gib", "local_cache_dir", "prefetch_shards"}
+)  # fmt: skip
 # Settings added after checkpoints were first written: the value an older checkpoint's run had.
 ADDED_SETTINGS = {"loader": "map"}
 
@@ -38,12 +44,13 @@ def resumable_changes(loader: str) -> frozenset[str]:
     return RESUMABLE_CHANGES | {"shuffle_buffer"}
 
 
-def checkpoint_dir(run: Path, step: int) -> Path:
-    return run / "checkpoints" / f"step-{step:08d}"
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
-def save_checkpoint(run: Path, *, step: int, model, optimizer, settings: dict, data_position: dict | None = None) -> Path:
-    final = checkpoint_dir(run, step)
+def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dict, data_position: dict | None = None) -> str:
+    """Write the checkpoint after `step`, then point `latest` at it; returns where it went."""
+    final = run.join(f"checkpoints/{checkpoint_name(step)}")
     state = {
         "step": step,
         "model": model.state_dict(),
@@ -54,43 +61,49 @@ def save_checkpoint(run: Path, *, step: int, model, optimizer, settings: dict, d
         "data_position": data_position,
     }
     atomic_write_dir(final, lambda tmp: torch.save(state, tmp / STATE_FILE))
-    atomic_write_text(run / "checkpoints" / LATEST_FILE, final.name)
-    return final
+    atomic_write_text(run.join(f"checkpoints/{LATEST_FILE}"), checkpoint_name(step))
+    return str(final)
 
 
-def _read_state(path: Path) -> dict:
+def _read_state(run: Location, relative: str) -> dict:
+    where = run.join(relative)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        if run.is_local:
+            return torch.load(where, map_location="cpu", weights_only=False)
+        with tempfile.TemporaryDirectory(prefix="alrira-checkpoint-") as tmp:  # streamed to disk, not held twice
+            run.download(relative, Path(tmp) / STATE_FILE)
+            return torch.load(Path(tmp) / STATE_FILE, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as error:
-        raise ValueError(f"{path}: unreadable checkpoint ({first_line(error)})") from None
+        raise ValueError(f"{where}: unreadable checkpoint ({first_line(error)})") from None
 
 
-def load_latest_checkpoint(run: Path, *, log=print) -> dict | None:
+def load_latest_checkpoint(run: Location, *, log=print) -> dict | None:
     """The newest readable checkpoint of `run`, or None when it has none. A truncated or corrupt
     newest checkpoint is skipped for the previous complete one, saying so in one line."""
-    root = run / "checkpoints"
-    latest = root / LATEST_FILE
-    if not latest.exists():
+    latest = f"checkpoints/{LATEST_FILE}"
+    if not run.is_file(latest):
         return None
-    named = root / latest.read_text().strip() / STATE_FILE
-    candidates = [named] + sorted((p / STATE_FILE for p in root.glob("step-*") if p / STATE_FILE != named), reverse=True)
-    candidates = [p for p in candidates if p.is_file()]
+    named = run.read_bytes(latest).decode().strip()
+    others = sorted((n for n in run.names("checkpoints") if n.startswith("step-") and n != named), reverse=True)
+    candidates = [f"checkpoints/{n}/{STATE_FILE}" for n in [named, *others]]
+    candidates = [c for c in candidates if run.is_file(c)]
     if not candidates:
-        raise ValueError(f"{latest}: points to {named}, which does not exist, and no other checkpoint is there")
+        missing = run.join(f"checkpoints/{named}/{STATE_FILE}")
+        raise ValueError(f"{run.join(latest)}: points to {missing}, which does not exist, and no other checkpoint is there")
     problems = []
-    for path in candidates:
+    for relative in candidates:
         try:
-            state = _read_state(path)
+            state = _read_state(run, relative)
         except ValueError as error:
             problems.append(str(error))
             continue
         if problems:
-            log(f"{problems[0]}; resuming from {path.parent.name} instead")
+            log(f"{problems[0]}; resuming from {relative.split('/')[1]} instead")
         return state
-    raise ValueError(f"{root}: no readable checkpoint to resume from ({problems[0]})")
+    raise ValueError(f"{run.join('checkpoints')}: no readable checkpoint to resume from ({problems[0]})")
 
 
-def check_resume_settings(saved: dict, current: dict, *, run: Path) -> None:
+def check_resume_settings(saved: dict, current: dict, *, run: Location) -> None:
     """Refuse a resume whose settings change the objective or the data (one line naming them)."""
     saved = {**ADDED_SETTINGS, **saved}
     resumable = resumable_changes(saved["loader"]) & resumable_changes(current.get("loader", "map"))
@@ -103,7 +116,7 @@ def check_resume_settings(saved: dict, current: dict, *, run: Path) -> None:
         raise ValueError(f"{run}: --resume with different settings ({details}); use a new --out or the same settings")
 
 
-def check_data_position(state: dict, expected: dict, *, run: Path) -> None:
+def check_data_position(state: dict, expected: dict, *, run: Location) -> None:
     """Refuse a resume whose data would not continue where the checkpoint's stopped (the cache's
     shards changed under the run, say). Checkpoints written before positions were stored pass."""
     stored = state.get("data_position")

@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 
 from pipeline.config import from_flags, group, opt
-from storage.location import is_url
 from pipeline.train.labels import ObjectiveConfig
 
 PRECISIONS = ("auto", "bf16", "fp32")
 ATTENTIONS = ("auto", "flex", "sdpa")
 SAVE_DTYPES = ("bfloat16", "float32")
 LOADERS = ("map", "stream")
+LOCAL_CACHE_DIR = "alrira-local-cache"  # under $TMPDIR unless --local-cache-dir
 
 
 @dataclass(kw_only=True)
@@ -83,6 +85,14 @@ class LoaderConfig:
         "(real shapes: tens of MB each).",
         default=32,
     )
+    local_cache_gib: float = opt(
+        "--loader stream from an object store: local disk (GiB per node) for tars downloaded ahead of the step, "
+        "split evenly over the node's ranks and DataLoader workers; each copy is deleted once read. "
+        "0 reads each tar straight from the store.",
+        default=8.0,
+    )
+    local_cache_dir: str | None = opt("Where those copies go (default: $TMPDIR/alrira-local-cache).", default=None)
+    prefetch_shards: int = opt("--loader stream from a store: tars each worker downloads ahead of the one it reads.", default=1)
 
     def __post_init__(self):
         if self.kind not in LOADERS:
@@ -91,6 +101,14 @@ class LoaderConfig:
             raise ValueError("--num-workers must be >= 0")
         if self.shuffle_buffer < 1:
             raise ValueError(f"--shuffle-buffer must be >= 1, got {self.shuffle_buffer}")
+        if not self.local_cache_gib >= 0:
+            raise ValueError(f"--local-cache-gib must be >= 0, got {self.local_cache_gib}")
+        if self.prefetch_shards < 1:
+            raise ValueError(f"--prefetch-shards must be >= 1, got {self.prefetch_shards}")
+
+    @property
+    def local_cache_root(self) -> str:
+        return self.local_cache_dir or os.path.join(tempfile.gettempdir(), LOCAL_CACHE_DIR)
 
 
 @dataclass(kw_only=True)
@@ -113,7 +131,10 @@ class TrainConfig:
     cache: str = opt(
         "Stage-1 cache: a directory or an object-store URL (s3://bucket/prefix; credentials from the environment)."
     )
-    out: str = opt("Run directory (checkpoints, metrics.jsonl, the final drafter/).")
+    out: str = opt(
+        "Run directory (checkpoints, metrics.jsonl, the final drafter/): a local path or an object-store URL "
+        "(each file one object; checkpoints committed by checkpoints/latest)."
+    )
     objective: ObjectiveConfig = group(ObjectiveConfig)
     drafter: DrafterInit = group(DrafterInit)
     optim: OptimConfig = group(OptimConfig)
@@ -122,13 +143,5 @@ class TrainConfig:
     seed: int = opt("Seed of anchors, IRA splits and offsets, data order and fresh init.", default=0)
     max_steps: int | None = opt("Stop after this many steps (smoke tests, benchmarks).", default=None)
     progress: bool = opt("Show a progress bar.", default=True)
-
-    def __post_init__(self):
-        # Object stores: the cache may be on one (map loader), a run is written to a local directory
-        # (docs/design.md, "Caches on object stores").
-        if is_url(self.out):
-            raise ValueError(f"--out {self.out}: a run directory must be a local path (copy its drafter/ to a store afterwards)")
-        if is_url(self.cache) and self.loader.kind == "stream":
-            raise ValueError(f"--cache {self.cache}: --loader stream reads local caches only; use --loader map on a store")
 
     from_flags = classmethod(from_flags)

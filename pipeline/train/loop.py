@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from drafter.checkpoint import check_compatible, load_drafter, save_drafter
+from drafter.checkpoint import CONFIG_FILE, check_compatible, load_drafter, save_drafter
 from drafter.config import DFlashConfig
 from drafter.masks import flex_block_mask, visibility_mask
 from drafter.model import DFlashDrafter
@@ -56,6 +57,9 @@ from pipeline.train.streaming import (
     stream_position,
 )
 from pipeline.train.objectives import topk_tail_loss
+from storage.atomic import atomic_write_text, remove_path
+from storage.local_cache import sweep_orphans
+from storage.location import Location, resolve
 from storage.manifest import load_target_head
 from storage.reader import available_arrays, open_cache
 
@@ -209,7 +213,7 @@ def build_drafter(config: TrainConfig, manifest) -> DFlashDrafter:
 class TrainState:
     """Everything the loop works with, built once by `setup`."""
 
-    run: Path
+    run: Location  # --out: a local directory or a prefix on an object store
     rank: int
     world_size: int
     device: torch.device
@@ -234,7 +238,7 @@ class TrainState:
 
 def setup(config: TrainConfig) -> TrainState:
     rank, world_size, device = _distributed()
-    run, optim, stream = Path(config.out), config.optim, config.loader.kind == "stream"
+    run, optim, stream = resolve(config.out), config.optim, config.loader.kind == "stream"
     reader = open_cache(config.cache)
     manifest = reader.manifest
     settings = manifest.settings
@@ -242,7 +246,9 @@ def setup(config: TrainConfig) -> TrainState:
     plan = stream_plan(
         reader, seed=config.seed, rank=rank, world_size=world_size, num_workers=config.loader.num_workers,
         micro_batch=optim.batch_size // (world_size * optim.grad_accum), grad_accum=optim.grad_accum,
-        shuffle_buffer=config.loader.shuffle_buffer,
+        shuffle_buffer=config.loader.shuffle_buffer, local_cache_gib=config.loader.local_cache_gib,
+        local_cache_dir=config.loader.local_cache_root, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        prefetch_shards=config.loader.prefetch_shards,
     ) if stream else None  # fmt: skip
     check_cache_serves(config.objective.method, stream_array_names(reader) if stream else available_arrays(reader), config.cache)
     if optim.batch_size % (world_size * optim.grad_accum):
@@ -405,46 +411,108 @@ def _next_batch(s: TrainState) -> TrainBatch:
 def train(config: TrainConfig) -> dict:
     s = setup(config)
     settings = to_flags(config)
-    if s.rank == 0:
-        s.run.mkdir(parents=True, exist_ok=True)
-        (s.run / "train_config.json").write_text(json.dumps(settings, indent=2))
-    metrics_file = open(s.run / "metrics.jsonl", "a") if s.rank == 0 else None
-    writer = _tensorboard(s.run) if s.rank == 0 else None
+    logs = RunLogs.open(s.run, start_step=s.start_step) if s.rank == 0 else None
     method = config.objective.method
     bar = tqdm(total=s.last_step, initial=s.start_step, unit="step", desc=method, disable=s.rank != 0 or not config.progress)
     history, started = [], time.time()
-    for step in range(s.start_step, s.last_step):
-        record = train_step(s, config, step)
-        history.append(record)
-        if s.rank != 0:
-            continue
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-        if writer is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                writer.add_scalar(f"train/{key}", record[key], step + 1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", acc1=f"{record['slot_acc'][0]:.3f}")
-        bar.update(1)
-        end_of_epoch = (step + 1) in s.epoch_ends
-        if end_of_epoch or (config.checkpoint.save_every and (step + 1) % config.checkpoint.save_every == 0):
-            save_checkpoint(
-                s.run, step=step + 1, model=s.drafter, optimizer=s.optimizer, settings=settings,
-                data_position=s.data_position(step + 1),
-            )  # fmt: skip
-    bar.close()
-    if metrics_file is not None:
-        metrics_file.close()
-    if writer is not None:
-        writer.close()
-
-    summary = {"run": str(s.run), "method": method, "steps": s.last_step, "elapsed_s": time.time() - started}
-    if s.rank == 0:
-        save_drafter(s.drafter, s.run / "drafter", dtype=getattr(torch, config.checkpoint.save_dtype))
-        summary.update(_summarize(history, num_slots=s.num_slots))
-        (s.run / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        if logs is not None:
+            atomic_write_text(s.run.join("train_config.json"), json.dumps(settings, indent=2))
+        for step in range(s.start_step, s.last_step):
+            record = train_step(s, config, step)
+            history.append(record)
+            if s.rank != 0:
+                continue
+            logs.add(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", acc1=f"{record['slot_acc'][0]:.3f}")
+            bar.update(1)
+            end_of_epoch = (step + 1) in s.epoch_ends
+            if end_of_epoch or (config.checkpoint.save_every and (step + 1) % config.checkpoint.save_every == 0):
+                logs.publish()  # on a store: the metrics up to this step, before the checkpoint commits
+                save_checkpoint(
+                    s.run, step=step + 1, model=s.drafter, optimizer=s.optimizer, settings=settings,
+                    data_position=s.data_position(step + 1),
+                )  # fmt: skip
+        bar.close()
+        summary = {"run": str(s.run), "method": method, "steps": s.last_step, "elapsed_s": time.time() - started}
+        if logs is not None:
+            logs.close()
+            save_drafter_to(s.run, s.drafter, dtype=getattr(torch, config.checkpoint.save_dtype))
+            summary.update(_summarize(history, num_slots=s.num_slots))
+            atomic_write_text(s.run.join("summary.json"), json.dumps(summary, indent=2))  # last: the run is done
+    finally:
+        if logs is not None:
+            logs.discard()
+        if config.loader.kind == "stream":
+            sweep_orphans(config.loader.local_cache_root)  # copies of workers stopped at an epoch's end
     if s.world_size > 1:
         dist.barrier()
     return summary
+
+
+class RunLogs:
+    """Rank 0's metrics.jsonl and tensorboard events. A local run appends them in place; a run on
+    an object store writes them to a node-local staging directory and `publish` uploads them, one
+    whole object per file, before each checkpoint and at the end. A resume keeps the metrics of
+    the steps up to its checkpoint (a crash may have logged later steps locally) and appends."""
+
+    def __init__(self, run: Location, staging: Path):
+        self.run, self.staging = run, staging
+        self.metrics = open(staging / "metrics.jsonl", "a")
+        self.writer = _tensorboard(staging)
+
+    @classmethod
+    def open(cls, run: Location, *, start_step: int) -> RunLogs:
+        if run.is_local:
+            staging = run.local_path
+            staging.mkdir(parents=True, exist_ok=True)
+        else:
+            staging = Path(tempfile.mkdtemp(prefix="alrira-run-"))
+        lines = run.read_bytes("metrics.jsonl").decode().splitlines() if start_step and run.is_file("metrics.jsonl") else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start_step]
+        (staging / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+        return cls(run, staging)
+
+    def add(self, record: dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        if self.writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                self.writer.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def publish(self) -> None:
+        if self.run.is_local:
+            return
+        if self.writer is not None:
+            self.writer.flush()
+        for path in sorted(self.staging.rglob("*")):
+            if path.is_file():
+                self.run.put_file(path, path.relative_to(self.staging).as_posix())
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.publish()
+
+    def discard(self) -> None:
+        """Close the files; a store run's staging directory goes (what matters is on the store)."""
+        if not self.metrics.closed:
+            self.metrics.close()
+        if not self.run.is_local:
+            remove_path(self.staging)
+
+
+def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
+    """RUN/drafter/: written in place locally; on a store, written locally and uploaded file by file."""
+    if run.is_local:
+        save_drafter(drafter, run.local_path / "drafter", dtype=dtype)
+        return
+    with tempfile.TemporaryDirectory(prefix="alrira-drafter-") as tmp:
+        save_drafter(drafter, tmp, dtype=dtype)
+        # config.json last, as save_drafter writes it: a drafter/ whose config is new has new weights.
+        for path in sorted(Path(tmp).iterdir(), key=lambda p: (p.name == CONFIG_FILE, p.name)):
+            run.put_file(path, f"drafter/{path.name}")
 
 
 def _single_threaded_worker(worker_id: int) -> None:
@@ -453,12 +521,12 @@ def _single_threaded_worker(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-def _tensorboard(run: Path):
+def _tensorboard(directory: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
         return None
-    return SummaryWriter(str(run / "tensorboard"))
+    return SummaryWriter(str(directory / "tensorboard"))
 
 
 def _summarize(history: list[dict], *, num_slots: int) -> dict:
@@ -480,6 +548,6 @@ def format_summary(summary: dict) -> str:
             f"loss       final {summary['final_loss']:.4f}, mean of last 10% {summary['mean_loss_last_10pct']:.4f}",
             f"tokens/s   {summary['mean_tokens_per_s']:.0f}",
             "slot acc   " + " ".join(f"{a:.2f}" for a in summary["slot_acc_last_10pct"]),
-            f"drafter    {Path(summary['run']) / 'drafter'}",
+            f"drafter    {resolve(summary['run']).join('drafter')}",
         ]
     return "\n".join(lines)

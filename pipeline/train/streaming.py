@@ -5,7 +5,8 @@ In epoch e, on rank r of R, in DataLoader worker w of W (docs/design.md, "A trai
     SimpleShardList(the complete shards in a permutation seeded (seed, e))
       -> split_by_node (shards r, r + R, ...) -> split_by_worker (every W-th of those)
       -> samples, only the members of the method's arrays (webdataset's tar_file_expander and
-         group_by_keys, the tar opened by storage.wds.open_tar: a local file or a store object)
+         group_by_keys, the tar opened by storage.wds.open_tar: a local file, or for a cache on
+         an object store the worker's local copy, downloaded ahead by storage.local_cache)
       -> shuffle buffer of --shuffle-buffer samples, seeded (seed, e, r, w)
       -> decode, labels (batching.example_from_record) -> micro-batches, a partial last one dropped
 
@@ -24,10 +25,16 @@ shuffle, run first over sample ids alone, says which shards were wholly consumed
 are replaced by stubs that the real pipeline's buffer shuffles alike without reading the tar. So a
 resumed run sees the same batches as an uninterrupted one and reads only the shards the buffer
 still draws from.
+
+From an object store each stream downloads its next `--prefetch-shards` tars to the node's disk
+while it reads the current one (storage.local_cache.read_ahead), within its share of
+`--local-cache-gib`: the node's budget split evenly over its ranks and their streams, so the
+node never holds more. A copy is deleted once read (docs/design.md, "Caches on object stores").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import tarfile
 from collections import Counter
@@ -45,6 +52,8 @@ from pipeline.train.labels import ObjectiveConfig
 from pipeline.train.methods import required_arrays
 from storage.errors import first_line
 from storage.format import FP8_SCALE_ARRAYS
+from storage.local_cache import CachedObject, LocalCache, read_ahead
+from storage.location import is_url
 from storage.reader import CacheReader
 from storage.wds import WdsShard, decode_sample, member_selector, open_tar
 
@@ -54,6 +63,16 @@ class StreamShard:
     url: str  # the tar's path, or its URL on a store
     start: int  # global index of its first sequence (manifest order, as CacheReader numbers them)
     sequences: int
+    bytes: int  # the tar's size (manifest)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadAhead:
+    """Local copies of a store cache's tars, downloaded ahead of each stream's reader."""
+
+    root: str  # the node-local directory (--local-cache-dir)
+    budget: int  # bytes each stream may hold at once: its share of the node's --local-cache-gib
+    shards_ahead: int  # --prefetch-shards
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +87,7 @@ class StreamPlan:
     micro_batch: int  # sequences per micro-batch on one rank
     grad_accum: int
     shuffle_buffer: int
+    read_ahead: ReadAhead | None = None  # a cache on an object store with --local-cache-gib > 0
 
     @property
     def num_streams(self) -> int:
@@ -126,19 +146,45 @@ class SkippedBatch:
     """Stands for a micro-batch consumed before the checkpoint a run resumed from."""
 
 
-def _shard_samples(urls, *, expected: list[StreamShard], stubbed: set[str], select) -> Iterator[dict]:
+def _shard_samples(urls, *, expected: list[StreamShard], stubbed: set[str], select, ahead: ReadAhead | None) -> Iterator[dict]:
     """Samples of this worker's shards, each with its global sequence index; stubs for the shards
     a resume need not read."""
     urls = [item["url"] for item in urls]
     if urls != [shard.url for shard in expected]:
         raise RuntimeError(f"webdataset gave this worker shards {urls}, the plan {[s.url for s in expected]}")
+    to_read = [shard for shard in expected if shard.url not in stubbed]
+    if ahead is None:
+        yield from _read_shards(zip(to_read, (shard.url for shard in to_read)), expected=expected, stubbed=stubbed, select=select)
+        return
+    cache = LocalCache(ahead.root, budget=ahead.budget)
+    copies = read_ahead(cache, [CachedObject(url=s.url, size=s.bytes) for s in to_read], ahead=ahead.shards_ahead)
+    try:
+        yield from _read_shards(_downloaded(to_read, copies), expected=expected, stubbed=stubbed, select=select)
+    finally:
+        copies.close()
+        cache.close()
+
+
+def _downloaded(shards: list[StreamShard], copies) -> Iterator[tuple[StreamShard, str]]:
+    for shard in shards:
+        try:
+            _, local = next(copies)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{shard.url}: could not copy it to the local cache ({first_line(error)})") from None
+        yield shard, str(local)
+
+
+def _read_shards(sources, *, expected: list[StreamShard], stubbed: set[str], select) -> Iterator[dict]:
+    """The samples of `expected` in order, stubs for the stubbed ones; `sources` gives each shard
+    to read with where to open it (its URL, or a local copy)."""
     for shard in expected:
         if shard.url in stubbed:
             yield from ({"__stub__": True, "__index__": shard.start + local} for local in range(shard.sequences))
             continue
+        _, source = next(sources)  # (this shard, where to open it)
         count = 0
         try:
-            with open_tar(shard.url) as stream:  # webdataset's expander and grouping, our opener (stores)
+            with open_tar(source) as stream:  # webdataset's expander and grouping, our opener (stores)
                 files = wds.tariterators.tar_file_expander([{"url": shard.url, "stream": stream}], select_files=select)
                 for sample in wds.tariterators.group_by_keys(files):
                     sample["__index__"] = shard.start + count
@@ -186,7 +232,7 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
             wds.SimpleShardList([shard.url for shard in plan.epoch_order(epoch)]),
             wds.split_by_node,
             wds.split_by_worker,
-            partial(_shard_samples, expected=mine, stubbed=stubbed, select=member_selector(self.arrays)),
+            partial(_shard_samples, expected=mine, stubbed=stubbed, select=member_selector(self.arrays), ahead=plan.read_ahead),
             wds.shuffle(plan.shuffle_buffer, initial=plan.shuffle_buffer, rng=random.Random(rng_seed)),
             partial(self._examples, skip_samples=skip_samples),
             wds.batched(plan.micro_batch, collation_fn=collate, partial=False),
@@ -218,19 +264,35 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
 
 
 def stream_plan(reader: CacheReader, *, seed: int, rank: int, world_size: int, num_workers: int, micro_batch: int,
-                grad_accum: int, shuffle_buffer: int) -> StreamPlan:  # fmt: skip
-    """The plan of a wds cache's complete shards; ValueError (one line) for a Zarr cache."""
+                grad_accum: int, shuffle_buffer: int, local_cache_gib: float = 0.0, local_cache_dir: str = "",
+                ranks_per_node: int = 1, prefetch_shards: int = 1) -> StreamPlan:  # fmt: skip
+    """The plan of a wds cache's complete shards; ValueError (one line) for a Zarr cache, or for a
+    local-cache budget whose share per stream cannot hold the largest shard."""
     if reader.storage_format != "wds":
         raise ValueError(f"--loader stream needs a wds cache; {reader.cache_dir} is {reader.storage_format} (use --loader map)")
     starts = np.cumsum([0] + [s.sequences for s in reader.shards])
     shards = tuple(
-        StreamShard(url=str(reader.shard_path(s)), start=int(start), sequences=s.sequences)
+        StreamShard(url=str(reader.shard_path(s)), start=int(start), sequences=s.sequences, bytes=s.bytes)
         for s, start in zip(reader.shards, starts)
     )
-    return StreamPlan(
+    plan = StreamPlan(
         shards=shards, seed=seed, rank=rank, world_size=world_size, num_workers=num_workers, micro_batch=micro_batch,
         grad_accum=grad_accum, shuffle_buffer=shuffle_buffer,
     )  # fmt: skip
+    local_cache_bytes = int(local_cache_gib * 2**30)
+    if not is_url(reader.cache_dir) or local_cache_bytes == 0:
+        return plan
+    streams = ranks_per_node * plan.num_streams
+    largest = max(shards, key=lambda shard: shard.bytes)
+    share = local_cache_bytes // streams
+    if share < largest.bytes:
+        raise ValueError(
+            f"--local-cache-gib {local_cache_gib:g}: each of the node's {streams} streams "
+            f"({ranks_per_node} rank(s) x {plan.num_streams}) may hold {share} bytes, less than the largest shard "
+            f"({largest.url}, {largest.bytes} bytes); raise it, or 0 to read the tars straight from the store"
+        )
+    ahead = ReadAhead(root=local_cache_dir, budget=share, shards_ahead=prefetch_shards)
+    return dataclasses.replace(plan, read_ahead=ahead)
 
 
 def stream_array_names(reader: CacheReader) -> set[str]:
