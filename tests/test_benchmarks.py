@@ -116,3 +116,13 @@ def test_object_store_reads_every_record_from_the_store_as_from_disk():
     rows = table_rows(run_benchmark("object_store.py", "--quick"), "format")
     assert [row[:2] for row in rows] == [["zarr", "all arrays"], ["zarr", "alr arrays"], ["wds", "all arrays"], ["wds", "alr arrays"]]
     assert all(int(row[-1]) > 0 for row in rows), rows  # the reads went to the store
+
+
+def test_store_stream_runs_the_stream_loader_from_every_source_within_the_budget():
+    rows = table_rows(run_benchmark("store_stream.py", "--quick"), "source")
+    assert [row[0] for row in rows] == ["local disk", "moto, tar read straight", "moto, local cache + 1 ahead"] * 3
+    assert all(float(row[2]) > 0 for row in rows)  # every source delivered its micro-batches
+    assert all(int(row[6]) > 0 for row in rows if row[0].startswith("moto"))  # from the store
+    for row in rows[2::3]:
+        peak, budget = (float(x) for x in row[7].split(" / "))
+        assert peak <= budget, row
