@@ -250,3 +250,17 @@ def test_a_store_run_resumes_past_a_corrupt_newest_checkpoint_to_the_uninterrupt
     train(_map_config(caches["zarr-bf16"], run, save_every=1, resume=True))
     assert _losses(run) == _losses(local_run)  # step 3's metrics line was dropped with its checkpoint, then redone
     assert store.read_bytes("drafter/model.safetensors") == resolve(local_run).read_bytes("drafter/model.safetensors")
+
+
+def test_alrira_train_runs_from_a_store_cache_into_a_store_run(caches, store_wds, s3_prefix):  # noqa: F811
+    from click.testing import CliRunner
+
+    from pipeline.cli import train_cli
+
+    run = f"{s3_prefix}/cli-run"
+    args = ["--cache", store_wds, "--out", run, "--loader", "stream", "--method", "alr", "--epochs", "1", "--batch-size", "2",
+            "--num-workers", "0", "--no-progress", "--local-cache-gib", "0.01"]  # fmt: skip
+    result = CliRunner().invoke(train_cli, args)
+    assert result.exit_code == 0, result.output
+    assert f"drafter    {run}/drafter" in result.output
+    assert resolve(run).is_file("summary.json") and resolve(run).is_file("drafter/model.safetensors")
