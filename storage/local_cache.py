@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage.errors import first_line
-from storage.location import StorePrefix, remove_path, resolve
+from storage.location import StorePrefix, remove_path, remove_path_tolerant, resolve
 
 READER_PREFIX = "reader-"
+COPY_CHUNK = 16 << 20  # bytes per ranged GET of a download; the reader's close waits at most one
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +57,10 @@ def sweep_orphans(root: str | os.PathLike) -> list[Path]:
             continue  # never delete what a cache did not write
         pid = entry.name.removeprefix(READER_PREFIX).split("-", 1)[0]
         if pid.isdigit() and not _process_alive(int(pid)):
-            remove_path(entry)
+            try:  # every stream sweeps the same root when it starts: another may be removing it too
+                remove_path_tolerant(entry)
+            except OSError:
+                continue
             removed.append(entry)
     return removed
 
@@ -88,22 +92,35 @@ class LocalCache:
             self.peak = max(self.peak, self.held)
         return True
 
-    def download(self, item: CachedObject) -> Path:
-        """Copy a reserved object to a local file (under a temp name, then renamed) and return it.
-        The copy must have the size the manifest gives: anything else is refused in one line."""
+    def download(self, item: CachedObject, *, stop: threading.Event | None = None) -> Path | None:
+        """Copy a reserved object to a local file (under a temp name, then renamed) and return it;
+        None if `stop` is set meanwhile (checked between chunks, so closing a reader does not wait
+        for a whole shard). The copy must have the size the manifest gives, and never grows past
+        it (the budget holds): anything else is refused in one line."""
         location = resolve(item.url)
         if not isinstance(location, StorePrefix):
             raise ValueError(f"{item.url}: not an object-store URL")
         local = self.dir / f"{uuid.uuid4().hex}-{item.url.rsplit('/', 1)[-1]}"
         partial = local.with_name(f".{local.name}.part")
+        copied = 0
         try:
             try:
-                location.download("", partial)
-            except OSError as error:  # a missing object's error does not always name it
-                raise OSError(f"{item.url}: {first_line(error)}") from None
-            size = partial.stat().st_size
-            if size != item.size:
-                raise ValueError(f"{item.url}: {size} bytes on the store, the manifest says {item.size}")
+                with location.open("", "rb", block_size=COPY_CHUNK, cache_type="none") as source, open(partial, "wb") as copy:
+                    while chunk := source.read(COPY_CHUNK):  # one ranged GET each
+                        if stop is not None and stop.is_set():
+                            return None
+                        copied += len(chunk)
+                        if copied > item.size:
+                            raise ValueError(f"{item.url}: larger on the store than the manifest's {item.size} bytes")
+                        copy.write(chunk)
+            except (OSError, ValueError) as error:
+                if isinstance(error, ValueError) or str(error).startswith(item.url):
+                    raise
+                raise OSError(f"{item.url}: {first_line(error)}") from None  # a missing object's error may not name it
+            except Exception as error:  # the store client's own (botocore, aiohttp)
+                raise OSError(f"{item.url}: {type(error).__name__}: {first_line(error)}") from None
+            if copied != item.size:
+                raise ValueError(f"{item.url}: {copied} bytes on the store, the manifest says {item.size}")
             partial.rename(local)
         finally:
             remove_path(partial)
@@ -118,7 +135,7 @@ class LocalCache:
             self._room.notify_all()
 
     def close(self) -> None:
-        remove_path(self.dir)
+        remove_path_tolerant(self.dir)
 
 
 _DONE = object()
@@ -135,41 +152,42 @@ def _next_ready(ready: queue.Queue, fetcher: threading.Thread):
 
 
 def read_ahead(cache: LocalCache, items: list[CachedObject], *, ahead: int) -> Iterator[tuple[CachedObject, Path]]:
-    """(item, local copy) for each item in order, downloaded by a background thread up to `ahead`
-    objects past the one being read (and within the cache's budget). A copy is deleted when the
-    caller asks for the next one, so read it before that; a budget of one object still works,
-    without overlap. A failed download is raised here, in
-    the reader, as the OSError / ValueError it was."""
-    ready: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+    """(item, local copy) for each item in order, downloaded by a background thread at most
+    `ahead` objects past the one being read (and within the cache's budget). A copy is deleted
+    when the caller asks for the next one, so read it before that; a budget of one object still
+    works, without overlap. A failed download is raised here, in the reader, as the OSError /
+    ValueError it was. Closing the iterator stops the thread within one chunk (COPY_CHUNK)."""
+    ready: queue.Queue = queue.Queue()
+    slots = threading.Semaphore(max(1, ahead))  # objects downloaded or downloading, not yet handed over
     stop = threading.Event()
 
-    def put(entry) -> bool:
+    def wait_for_slot() -> bool:
         while not stop.is_set():
-            try:
-                ready.put(entry, timeout=0.1)
+            if slots.acquire(timeout=0.1):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def fetch_all() -> None:
         for item in items:
+            if not wait_for_slot():
+                return
             try:
                 if not cache.reserve(item, stop=stop):
                     return
             except BaseException as error:  # larger than the whole budget
-                put(error)
+                ready.put(error)
                 return
             try:
-                local = cache.download(item)
+                local = cache.download(item, stop=stop)
             except BaseException as error:
                 cache.release(item, None)
-                put(error)
+                ready.put(error)
                 return
-            if not put((item, local)):
-                cache.release(item, local)
+            if local is None:  # stopped
+                cache.release(item, None)
                 return
-        put(_DONE)
+            ready.put((item, local))
+        ready.put(_DONE)
 
     fetcher = threading.Thread(target=fetch_all, name="alrira-read-ahead", daemon=True)
     fetcher.start()
@@ -180,6 +198,7 @@ def read_ahead(cache: LocalCache, items: list[CachedObject], *, ahead: int) -> I
                 cache.release(*current)
                 current = None
             entry = _next_ready(ready, fetcher)
+            slots.release()
             if entry is _DONE:
                 return
             if isinstance(entry, BaseException):
@@ -190,7 +209,7 @@ def read_ahead(cache: LocalCache, items: list[CachedObject], *, ahead: int) -> I
             yield entry
     finally:
         stop.set()
-        fetcher.join(timeout=30)
+        fetcher.join(timeout=5)
         if current is not None:
             cache.release(*current)
         while True:  # copies downloaded ahead that nobody will read

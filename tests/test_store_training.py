@@ -7,8 +7,6 @@ real tars, real checkpoints.
 from __future__ import annotations
 
 import json
-import os
-import threading
 import time
 from pathlib import Path
 
@@ -70,15 +68,30 @@ def test_read_ahead_downloads_the_next_object_while_one_is_read_and_never_holds_
     for i, (item, local) in enumerate(read_ahead(cache, items, ahead=1)):
         assert local.read_bytes() == bytes([i]) * item.size and item is items[i]
         if i + 1 < len(items):  # the next one arrives while this one is still being read
-            deadline = time.monotonic() + 30
-            while not any(p.name.endswith(f"obj-{i + 1}") for p in cache.dir.iterdir()):
-                assert time.monotonic() < deadline, f"obj-{i + 1} was not downloaded ahead"
-                time.sleep(0.01)
+            _wait_for_copy(cache, f"obj-{i + 1}")
         seen_on_disk.append(_held_bytes(cache.dir))
     assert max(seen_on_disk) <= 6000 and cache.peak <= 6000
     assert cache.held == 0 and _held_bytes(cache.dir) == 0  # each copy deleted once read
     cache.close()
     assert not cache.dir.exists()
+
+
+def _wait_for_copy(cache: LocalCache, name: str) -> None:
+    deadline = time.monotonic() + 30
+    while not any(p.name.endswith(name) for p in cache.dir.iterdir()):
+        assert time.monotonic() < deadline, f"{name} was not downloaded ahead"
+        time.sleep(0.01)
+
+
+def test_read_ahead_goes_no_further_than_asked_even_with_room(s3_prefix, tmp_path):
+    items = _objects(s3_prefix, [100] * 4)
+    cache = LocalCache(tmp_path / "local", budget=10_000)
+    copies = read_ahead(cache, items, ahead=1)
+    next(copies)
+    _wait_for_copy(cache, "obj-1")
+    time.sleep(0.5)  # room for everything, but one ahead was asked for
+    assert not any(p.name.endswith(("obj-2", "obj-3")) for p in cache.dir.iterdir())
+    assert [item.url for item, _ in copies] == [items[1].url, items[2].url, items[3].url]
 
 
 def test_a_budget_of_one_object_still_reads_everything_in_order(s3_prefix, tmp_path):
@@ -92,9 +105,12 @@ def test_an_object_larger_than_the_budget_or_of_the_wrong_size_is_refused_in_one
     (small, big), cache = _objects(s3_prefix, [100, 5000]), LocalCache(tmp_path / "local", budget=1000)
     with pytest.raises(ValueError, match=r"obj-1: 5000 bytes do not fit in the local cache budget of 1000 bytes$"):
         list(read_ahead(cache, [small, big], ahead=1))
-    wrong = CachedObject(url=small.url, size=99)
-    with pytest.raises(ValueError, match=r"obj-0: 100 bytes on the store, the manifest says 99$"):
-        list(read_ahead(cache, [wrong], ahead=1))
+    grown = CachedObject(url=small.url, size=99)
+    with pytest.raises(ValueError, match=r"obj-0: larger on the store than the manifest's 99 bytes$"):
+        list(read_ahead(cache, [grown], ahead=1))
+    shrunk = CachedObject(url=small.url, size=101)
+    with pytest.raises(ValueError, match=r"obj-0: 100 bytes on the store, the manifest says 101$"):
+        list(read_ahead(cache, [shrunk], ahead=1))
     assert cache.held == 0 and list(cache.dir.iterdir()) == []
 
 

@@ -57,7 +57,7 @@ from pipeline.train.streaming import (
     stream_position,
 )
 from pipeline.train.objectives import topk_tail_loss
-from storage.atomic import atomic_write_text, remove_path
+from storage.atomic import atomic_write_text, remove_path_tolerant
 from storage.local_cache import sweep_orphans
 from storage.location import Location, resolve
 from storage.manifest import load_target_head
@@ -444,7 +444,9 @@ def train(config: TrainConfig) -> dict:
         if logs is not None:
             logs.discard()
         if config.loader.kind == "stream":
-            sweep_orphans(config.loader.local_cache_root)  # copies of workers stopped at an epoch's end
+            getattr(s.batches, "close", lambda: None)()  # stops the last epoch's workers
+            with contextlib.suppress(OSError):  # never hides the run's own error
+                sweep_orphans(config.loader.local_cache_root)  # copies of workers stopped at an epoch's end
     if s.world_size > 1:
         dist.barrier()
     return summary
@@ -453,8 +455,8 @@ def train(config: TrainConfig) -> dict:
 class RunLogs:
     """Rank 0's metrics.jsonl and tensorboard events. A local run appends them in place; a run on
     an object store writes them to a node-local staging directory and `publish` uploads them, one
-    whole object per file, before each checkpoint and at the end. A resume keeps the metrics of
-    the steps up to its checkpoint (a crash may have logged later steps locally) and appends."""
+    whole object per file, before each checkpoint and at the end. A resume from a checkpoint keeps
+    the metrics of the steps up to it (a crash may have logged later steps) and appends."""
 
     def __init__(self, run: Location, staging: Path):
         self.run, self.staging = run, staging
@@ -468,9 +470,9 @@ class RunLogs:
             staging.mkdir(parents=True, exist_ok=True)
         else:
             staging = Path(tempfile.mkdtemp(prefix="alrira-run-"))
-        lines = run.read_bytes("metrics.jsonl").decode().splitlines() if start_step and run.is_file("metrics.jsonl") else []
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start_step]
-        (staging / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+        if start_step and run.is_file("metrics.jsonl"):
+            kept = [line for line in run.read_bytes("metrics.jsonl").decode().splitlines() if _step_of(line) <= start_step]
+            atomic_write_text(staging / "metrics.jsonl", "".join(line + "\n" for line in kept))
         return cls(run, staging)
 
     def add(self, record: dict) -> None:
@@ -499,8 +501,19 @@ class RunLogs:
         """Close the files; a store run's staging directory goes (what matters is on the store)."""
         if not self.metrics.closed:
             self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()  # idempotent; its thread writes into the staging directory
         if not self.run.is_local:
-            remove_path(self.staging)
+            with contextlib.suppress(OSError):
+                remove_path_tolerant(self.staging)
+
+
+def _step_of(line: str) -> float:
+    """A metrics line's step; a torn line (a crash mid-write) sorts after every step, so it is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
 
 
 def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:

@@ -170,7 +170,8 @@ def _downloaded(shards: list[StreamShard], copies) -> Iterator[tuple[StreamShard
         try:
             _, local = next(copies)
         except (OSError, ValueError) as error:
-            raise ValueError(f"{shard.url}: could not copy it to the local cache ({first_line(error)})") from None
+            reason = first_line(error).removeprefix(f"{shard.url}: ")
+            raise ValueError(f"{shard.url}: could not copy it to the local cache ({reason})") from None
         yield shard, str(local)
 
 
@@ -280,7 +281,7 @@ def stream_plan(reader: CacheReader, *, seed: int, rank: int, world_size: int, n
         grad_accum=grad_accum, shuffle_buffer=shuffle_buffer,
     )  # fmt: skip
     local_cache_bytes = int(local_cache_gib * 2**30)
-    if not is_url(reader.cache_dir) or local_cache_bytes == 0:
+    if not is_url(reader.cache_dir) or local_cache_bytes == 0 or not shards:
         return plan
     streams = ranks_per_node * plan.num_streams
     largest = max(shards, key=lambda shard: shard.bytes)
