@@ -18,6 +18,7 @@ is compared with the local one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import socket
@@ -64,23 +65,40 @@ def start_moto(port: int, log) -> subprocess.Popen:
     raise SystemExit(f"error: moto server on {endpoint} did not start")
 
 
+@contextlib.contextmanager
+def moto_bucket(tmp: Path):
+    """(a fresh prefix URL in a bucket on a moto server started here, the server's request log);
+    the server stops on exit."""
+    log_path = tmp / "moto.log"
+    with open(log_path, "wb") as log:
+        server = start_moto(free_port(), log)
+    try:
+        import fsspec
+
+        fsspec.filesystem("s3").mkdir("bench")
+        yield f"s3://bench/{uuid.uuid4().hex[:8]}", log_path
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def manifest_of(shard, sizes, storage_format: str, num_records: int) -> Manifest:
+def manifest_of(shards: list, sizes, storage_format: str, shard_size: int, *, created_with: str = "benchmarks/object_store.py") -> Manifest:
     settings = CacheSettings(
         target_hash="sha256:bench", layer_ids=[0], num_slots=sizes.num_slots, top_k=sizes.top_k,
         anchors_per_sequence=sizes.num_anchors, seed=0, max_length=sizes.seq_len, min_supervised_tokens=0,
-        feature_codec="bf16", storage_format=storage_format, shard_size=num_records, corpus_hash="sha256:bench",
+        feature_codec="bf16", storage_format=storage_format, shard_size=shard_size, corpus_hash="sha256:bench",
         skip_bad_rows=False,
     )  # fmt: skip
     return Manifest(
         settings=settings, target_path="-", target_config={}, num_target_layers=2, hidden_size=sizes.feature_dim,
         vocab_size=150_000, stop_token_ids=[1], mask_token_id=2, corpus_path="-", corpus_stats={},
-        shards=[shard], num_shards_planned=1, created_with="benchmarks/object_store.py",
+        shards=list(shards), num_shards_planned=len(shards), created_with=created_with,
     )  # fmt: skip
 
 
@@ -123,7 +141,7 @@ def measure(records: list[dict], sizes, *, local_root: str, store_root: str, log
         manifests = {}
         for label, root in (("local disk", local_root), ("moto S3", store_root)):
             shard = write_shard(root, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16")
-            manifests[label] = (root, manifest_of(shard, sizes, storage_format, len(records)))
+            manifests[label] = (root, manifest_of([shard], sizes, storage_format, len(records)))
         assert manifests["local disk"][1].shards == manifests["moto S3"][1].shards  # the same bytes
         read_all_seconds(*manifests["moto S3"], None, want=records)  # every record equal; warms both caches
         for arrays_label, arrays in (("all arrays", None), ("alr arrays", required_arrays("alr"))):
@@ -156,21 +174,10 @@ def main() -> None:
     raw_mb = sum(v.nbytes for r in records for v in r.values()) / 1e6
     print(f"{sizes.num_sequences} sequences, T={sizes.seq_len}, F={sizes.feature_dim}, A={sizes.num_anchors}, "
           f"K={sizes.num_slots}, top-k {sizes.top_k}: {raw_mb:.1f} MB of records; median of {sizes.repeats}")  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        log_path = Path(tmp) / "moto.log"
-        with open(log_path, "wb") as log:
-            server = start_moto(free_port(), log)
-        try:
-            import fsspec
-
-            fsspec.filesystem("s3").mkdir("bench")
-            store_root = f"s3://bench/{uuid.uuid4().hex[:8]}"
-            (Path(tmp) / "local").mkdir()
-            rows = measure(records, sizes, local_root=str(Path(tmp) / "local"), store_root=store_root, log_path=log_path)
-            latency = {size: range_get_ms(store_root, size) for size in (1 << 20, int(raw_mb * 1e6))}
-        finally:
-            server.terminate()
-            server.wait()
+    with tempfile.TemporaryDirectory() as tmp, moto_bucket(Path(tmp)) as (store_root, log_path):
+        (Path(tmp) / "local").mkdir()
+        rows = measure(records, sizes, local_root=str(Path(tmp) / "local"), store_root=store_root, log_path=log_path)
+        latency = {size: range_get_ms(store_root, size) for size in (1 << 20, int(raw_mb * 1e6))}
     print_table(
         "reading every record with CacheReader (decode_features=False, one process, shard opened per pass)",
         ["format", "arrays", "seq/s local", "seq/s moto", "MB/s local", "MB/s moto", "time ratio", "GETs/seq"],

@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import print_table
-from object_store import free_port, get_requests, start_moto
+from object_store import get_requests, manifest_of, moto_bucket
 from read_checksums import FULL, QUICK, make_record
 
 from pipeline.train.labels import ObjectiveConfig
 from pipeline.train.streaming import StreamTrainDataset, stream_batches, stream_plan
-from storage.manifest import CacheSettings, Manifest, save_manifest
+from storage.manifest import save_manifest
 from storage.reader import open_cache
 from storage.shards import write_shard
 
@@ -53,17 +53,7 @@ def write_cache(root: str, shards_records: list[list[dict]], sizes) -> None:
         write_shard(root, shard_index=i, records=records, storage_format="wds", feature_codec="bf16")
         for i, records in enumerate(shards_records)
     ]
-    settings = CacheSettings(
-        target_hash="sha256:bench", layer_ids=[0], num_slots=sizes.num_slots, top_k=sizes.top_k,
-        anchors_per_sequence=sizes.num_anchors, seed=0, max_length=sizes.seq_len, min_supervised_tokens=0,
-        feature_codec="bf16", storage_format="wds", shard_size=len(shards_records[0]), corpus_hash="sha256:bench",
-        skip_bad_rows=False,
-    )  # fmt: skip
-    save_manifest(root, Manifest(
-        settings=settings, target_path="-", target_config={}, num_target_layers=2, hidden_size=sizes.feature_dim,
-        vocab_size=150_000, stop_token_ids=[1], mask_token_id=2, corpus_path="-", corpus_stats={},
-        shards=shards, num_shards_planned=len(shards), created_with="benchmarks/store_stream.py",
-    ))  # fmt: skip
+    save_manifest(root, manifest_of(shards, sizes, "wds", len(shards_records[0]), created_with="benchmarks/store_stream.py"))
 
 
 def _as_is(item):
@@ -150,6 +140,38 @@ def download_rate(store_root: str, shard, tmp: Path) -> float:
     return shard.bytes / 1e6 / seconds
 
 
+def measure(tmp: Path, store_root: str, log_path: Path, shards_records: list[list[dict]], sizes) -> tuple[list, int, float]:
+    """The table's rows, the largest shard's bytes and moto's whole-object download rate."""
+    local_root = str(tmp / "local")
+    for root in (local_root, store_root):
+        write_cache(root, shards_records, sizes)
+    largest = max(s.bytes for s in open_cache(local_root).manifest.shards)
+    two_shards_per_worker = 2 * largest * NUM_WORKERS / 2**30
+    sources = [
+        ("local disk", local_root, 0.0),
+        ("moto, tar read straight", store_root, 0.0),
+        ("moto, local cache + 1 ahead", store_root, two_shards_per_worker),
+    ]
+    download_mb_s = download_rate(store_root, open_cache(store_root).manifest.shards[0], tmp)
+    rows, free = [], {}
+    for simulated in (None, "local disk", "moto, tar read straight"):
+        for label, root, gib in sources:
+            step_s = 1.5 * free[simulated]["total_s"] / free[simulated]["batches"] if simulated else 0.0
+            before = get_requests(log_path)
+            result = run_epoch(root, step_s=step_s, local_cache_gib=gib, local_cache_dir=Path(tmp) / f"lc-{uuid.uuid4().hex[:6]}")
+            gets = get_requests(log_path) - before
+            if not simulated:
+                free[label] = result
+            rows.append([
+                label, f"{step_s * 1000:.0f}" if simulated else "none", f"{result['batches'] / result['total_s']:.2f}",
+                f"{result['first_batch_s']:.2f}", f"{100 * result['waited_s'] / result['total_s']:.0f}%",
+                f"{100 * (result['waited_s'] - result['first_batch_s']) / (result['total_s'] - result['first_batch_s']):.0f}%",
+                str(gets),
+                f"{result['peak_disk'] / 1e6:.1f} / {result['budget'] / 1e6:.1f}" if gib else "-",
+            ])  # fmt: skip
+    return rows, largest, download_mb_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Tiny sizes (a smoke run for CI).")
@@ -164,44 +186,8 @@ def main() -> None:
     print(f"{sizes.num_sequences} sequences in {len(shards_records)} wds shards, T={sizes.seq_len}, F={sizes.feature_dim}, "
           f"A={sizes.num_anchors}, K={sizes.num_slots}: {raw_mb:.1f} MB of records; {NUM_WORKERS} DataLoader workers, "
           f"micro-batches of {MICRO_BATCH}, --method alr")  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        log_path = Path(tmp) / "moto.log"
-        with open(log_path, "wb") as log:
-            server = start_moto(free_port(), log)
-        try:
-            import fsspec
-
-            fsspec.filesystem("s3").mkdir("bench")
-            local_root, store_root = str(Path(tmp) / "local"), f"s3://bench/{uuid.uuid4().hex[:8]}"
-            for root in (local_root, store_root):
-                write_cache(root, shards_records, sizes)
-            largest = max(s.bytes for s in open_cache(local_root).manifest.shards)
-            two_shards_per_worker = 2 * largest * NUM_WORKERS / 2**30
-            sources = [
-                ("local disk", local_root, 0.0),
-                ("moto, tar read straight", store_root, 0.0),
-                ("moto, local cache + 1 ahead", store_root, two_shards_per_worker),
-            ]
-            download_mb_s = download_rate(store_root, open_cache(store_root).manifest.shards[0], Path(tmp))
-            rows, free = [], {}
-            for simulated in (None, "local disk", "moto, tar read straight"):
-                for label, root, gib in sources:
-                    step_s = 1.5 * free[simulated]["total_s"] / free[simulated]["batches"] if simulated else 0.0
-                    before = get_requests(log_path)
-                    result = run_epoch(root, step_s=step_s, local_cache_gib=gib, local_cache_dir=Path(tmp) / f"lc-{uuid.uuid4().hex[:6]}")
-                    gets = get_requests(log_path) - before
-                    if not simulated:
-                        free[label] = result
-                    rows.append([
-                        label, f"{step_s * 1000:.0f}" if simulated else "none", f"{result['batches'] / result['total_s']:.2f}",
-                        f"{result['first_batch_s']:.2f}", f"{100 * result['waited_s'] / result['total_s']:.0f}%",
-                        f"{100 * (result['waited_s'] - result['first_batch_s']) / (result['total_s'] - result['first_batch_s']):.0f}%",
-                        str(gets),
-                        f"{result['peak_disk'] / 1e6:.1f} / {result['budget'] / 1e6:.1f}" if gib else "-",
-                    ])  # fmt: skip
-        finally:
-            server.terminate()
-            server.wait()
+    with tempfile.TemporaryDirectory() as tmp, moto_bucket(Path(tmp)) as (store_root, log_path):
+        rows, largest, download_mb_s = measure(Path(tmp), store_root, log_path, shards_records, sizes)
     print(f"moto serves a whole shard object at {download_mb_s:.0f} MB/s (one get_file of {largest / 1e6:.1f} MB)\n")
     print_table(
         f"one epoch of the stream loader (shards of {per_shard} sequences, {largest / 1e6:.1f} MB the largest)",
