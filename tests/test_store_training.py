@@ -280,3 +280,18 @@ def test_alrira_train_runs_from_a_store_cache_into_a_store_run(caches, store_wds
     assert result.exit_code == 0, result.output
     assert f"drafter    {run}/drafter" in result.output
     assert resolve(run).is_file("summary.json") and resolve(run).is_file("drafter/model.safetensors")
+
+
+def test_two_ranks_stream_from_the_store_into_a_store_run_as_from_disk(caches, store_wds, s3_prefix, tmp_path):  # noqa: F811
+    """torchrun, gloo, one DataLoader worker per rank: the node's budget is split over both ranks'
+    streams, only rank 0 writes the run, and the losses are those of the same run on local disks."""
+    from test_wds_stream import _torchrun
+
+    flags = dict(method="alr_ira", epochs=2, batch_size=4, num_workers=1, progress=False, loader="stream", shuffle_buffer=3,
+                 save_every=1, local_cache_gib=0.01, local_cache_dir=str(tmp_path / "local-cache"))  # fmt: skip
+    _torchrun(tmp_path, {**flags, "cache": str(caches["wds-bf16"]), "out": str(tmp_path / "local-run")})
+    run = f"{s3_prefix}/ddp-run"
+    _torchrun(tmp_path, {**flags, "cache": store_wds, "out": run})
+    assert _losses(run) == _losses(tmp_path / "local-run") and len(_losses(run)) == 4
+    assert resolve(run).read_bytes("checkpoints/latest") == b"step-00000004"
+    assert (tmp_path / "local-cache").is_dir() and _held_bytes(tmp_path / "local-cache") == 0
