@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.chat import ChatRow, CorpusError
+from pipeline.config import opt
 
 DEFAULT_MIN_PIXELS = 50176  # 224 x 224, the paper's vision recipe
 DEFAULT_MAX_PIXELS = 200704  # 448 x 448
@@ -49,6 +50,36 @@ def is_vision_config(config: dict) -> bool:
 def is_vision_target(target_dir: str | os.PathLike) -> bool:
     path = Path(target_dir) / "config.json"
     return path.is_file() and is_vision_config(json.loads(path.read_text()))
+
+
+@dataclass(kw_only=True)
+class VisionInputConfig:
+    """How rows are rendered for the target: the system prompt rows without one get, and for a
+    vision-language target where relative image paths resolve and the pixel limits images are
+    resized to. One group, nested by the build's corpus and by the evaluation's prompts."""
+
+    system_prompt: str | None = opt(
+        "System prompt for rows without one (default: 'You are a helpful assistant.' for vision-language "
+        "targets, none for text targets; '' for none).",
+        default=None,
+    )
+    image_root: str | None = opt(
+        "Vision-language targets: folder that relative 'image' paths are resolved against (default: the corpus or "
+        "prompts file's folder).",
+        default=None,
+    )
+    min_pixels: int = opt("Vision-language targets: images are resized to at least this many pixels.", default=DEFAULT_MIN_PIXELS)
+    max_pixels: int = opt("Vision-language targets: images are resized to at most this many pixels.", default=DEFAULT_MAX_PIXELS)
+
+    def __post_init__(self):
+        if not 1 <= self.min_pixels <= self.max_pixels:
+            raise ValueError(f"--min-pixels ({self.min_pixels}) must be >= 1 and <= --max-pixels ({self.max_pixels})")
+
+    def load(self, target_dir: str | os.PathLike, *, default_image_root: str | os.PathLike) -> VisionInputs | None:
+        """The target's VisionInputs at these settings (None for a text target); relative image
+        paths resolve against --image-root, else `default_image_root`."""
+        image_root = self.image_root if self.image_root is not None else default_image_root
+        return load_vision_inputs(target_dir, image_root=image_root, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,7 @@ from pipeline.build.corpus import (
     save_tokenized_corpus,
 )
 from pipeline.chat import CorpusError, normalize_messages, normalize_row, prompt_row
+from pipeline.config import from_flags
 from pipeline.target import load_tokenizer
 from pipeline.vision import DEFAULT_VL_SYSTEM_PROMPT
 from tests.conftest import write_jsonl
@@ -121,14 +122,14 @@ def test_image_root_and_system_prompt_flags(vl_target, tokenizer, tmp_path):
     images = write_images(tmp_path / "elsewhere")
     (tmp_path / "rows").mkdir()
     corpus_path = write_jsonl(tmp_path / "rows" / "c.jsonl", [llava_row("a.png", seed=1)])
-    config = CorpusConfig(path=str(corpus_path), image_root=str(images), system_prompt="")
+    config = from_flags(CorpusConfig, corpus=str(corpus_path), image_root=str(images), system_prompt="")
     vision = corpus_vision_inputs(vl_target, config)
     corpus = ingest_corpus(config, tokenizer, progress=False, vision=vision)
     assert corpus.images[0]["path"] == "a.png" and vision.image_root == images
     first = tokenizer.convert_ids_to_tokens(corpus.sequence(0)[0][:3].tolist())
     assert first == ["<|im_start|>", "user", "<|vision_start|>"]  # '' = no system prompt
     with pytest.raises(CorpusError, match="image .*elsewhere2/a.png: not found"):
-        missing = CorpusConfig(path=str(corpus_path), image_root=str(tmp_path / "elsewhere2"))
+        missing = from_flags(CorpusConfig, corpus=str(corpus_path), image_root=str(tmp_path / "elsewhere2"))
         ingest_corpus(missing, tokenizer, progress=False, vision=corpus_vision_inputs(vl_target, missing))
 
 

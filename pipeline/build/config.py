@@ -152,7 +152,7 @@ def vision_cache_settings(config: CacheBuildConfig) -> dict:
     if vision is not None and config.compute.backend == "vllm":
         check_vllm_target(config.target)
     settings = {}
-    system_prompt = effective_system_prompt(config.corpus.system_prompt, vision=vision)
+    system_prompt = effective_system_prompt(config.corpus.vision_input.system_prompt, vision=vision)
     if system_prompt is not None:
         settings["system_prompt"] = system_prompt
     if vision is not None:

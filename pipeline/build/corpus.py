@@ -26,16 +26,14 @@ from tqdm import tqdm
 
 from pipeline.build.rollouts import TargetSequence
 from pipeline.chat import CorpusError, iter_corpus_rows, normalize_row, row_locator
-from pipeline.config import opt
+from pipeline.config import group, opt
 from pipeline.vision import (
-    DEFAULT_MAX_PIXELS,
-    DEFAULT_MIN_PIXELS,
     SequenceImage,
+    VisionInputConfig,
     VisionInputs,
     effective_system_prompt,
     expand_image_tokens,
     image_record,
-    load_vision_inputs,
     resolve_image_path,
     template_messages,
 )
@@ -65,24 +63,12 @@ class CorpusConfig:
     max_length: int = opt("Truncate rendered conversations to this many tokens.", default=1024)
     min_supervised_tokens: int = opt("Drop sequences with fewer supervised tokens (2 * block size).", default=32)
     skip_bad_rows: bool = opt("Skip (and count) malformed corpus rows instead of stopping.", default=False)
-    system_prompt: str | None = opt(
-        "System prompt for rows without one (default: 'You are a helpful assistant.' for vision-language "
-        "targets, none for text targets; '' for none).",
-        default=None,
-    )
-    image_root: str | None = opt(
-        "Vision-language targets: folder that relative 'image' paths are resolved against (default: the corpus file's folder).",
-        default=None,
-    )
-    min_pixels: int = opt("Vision-language targets: images are resized to at least this many pixels.", default=DEFAULT_MIN_PIXELS)
-    max_pixels: int = opt("Vision-language targets: images are resized to at most this many pixels.", default=DEFAULT_MAX_PIXELS)
+    vision_input: VisionInputConfig = group(VisionInputConfig)
 
     def __post_init__(self):
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise ValueError(f"path must be a non-empty path, got {self.path!r}")
         self.path = os.fspath(self.path)
-        if not 1 <= self.min_pixels <= self.max_pixels:
-            raise ValueError(f"--min-pixels ({self.min_pixels}) must be >= 1 and <= --max-pixels ({self.max_pixels})")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.min_supervised_tokens < 0:
@@ -254,8 +240,7 @@ def corpus_vision_inputs(target_dir: str | os.PathLike, config: CorpusConfig) ->
     """The VisionInputs the corpus of `config` is tokenized and computed with; None for a text target.
     Relative image paths resolve against --image-root, else the corpus file's folder."""
     corpus = Path(config.path)
-    image_root = config.image_root if config.image_root is not None else (corpus if corpus.is_dir() else corpus.parent)
-    return load_vision_inputs(target_dir, image_root=image_root, min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+    return config.vision_input.load(target_dir, default_image_root=corpus if corpus.is_dir() else corpus.parent)
 
 
 def check_image_fits(input_ids: np.ndarray, *, image: dict | None, vision: VisionInputs, max_length: int, where: str) -> None:
@@ -303,7 +288,7 @@ def ingest_corpus(
     reason; so are short sequences."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target tokenizer has no chat template; the corpus cannot be rendered")
-    system_prompt = effective_system_prompt(config.system_prompt, vision=vision)
+    system_prompt = effective_system_prompt(config.vision_input.system_prompt, vision=vision)
     rows = iter_corpus_rows(config.path)
     locate = row_locator(config.path)
     source_rows: list[int] = []

@@ -27,19 +27,17 @@ from tqdm.auto import tqdm
 
 from drafter.checkpoint import check_compatible, load_drafter
 from pipeline.chat import CorpusError, iter_corpus_rows, prompt_row, row_locator
-from pipeline.config import opt
+from pipeline.config import group, opt
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.tree import tree_speculative_decode
 from pipeline.target import load_target, load_tokenizer, stop_token_ids
 from pipeline.vision import (
-    DEFAULT_MAX_PIXELS,
-    DEFAULT_MIN_PIXELS,
     SequenceImage,
+    VisionInputConfig,
     VisionInputs,
     effective_system_prompt,
     expand_image_tokens,
     image_record,
-    load_vision_inputs,
     resolve_image_path,
     template_messages,
 )
@@ -87,17 +85,7 @@ class EvalConfig:
         default=None,
     )
     tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
-    system_prompt: str | None = opt(
-        "System prompt for rows without one (default: 'You are a helpful assistant.' for vision-language "
-        "targets, none for text targets; '' for none).",
-        default=None,
-    )
-    image_root: str | None = opt(
-        "Vision-language targets: folder that relative 'image' paths are resolved against (default: the prompts file's folder).",
-        default=None,
-    )
-    min_pixels: int = opt("Vision-language targets: images are resized to at least this many pixels.", default=DEFAULT_MIN_PIXELS)
-    max_pixels: int = opt("Vision-language targets: images are resized to at most this many pixels.", default=DEFAULT_MAX_PIXELS)
+    vision_input: VisionInputConfig = group(VisionInputConfig)
     progress: bool = opt("Show a progress bar.", default=True)
 
     def __post_init__(self):
@@ -118,8 +106,6 @@ class EvalConfig:
             raise ValueError(f"--tree-budget must be >= 1 and needs --temperature 0, got {self.tree_budget} at T={self.temperature}")
         if self.tree_branch < 1:
             raise ValueError(f"--tree-branch must be >= 1, got {self.tree_branch}")
-        if not 1 <= self.min_pixels <= self.max_pixels:
-            raise ValueError(f"--min-pixels ({self.min_pixels}) must be >= 1 and <= --max-pixels ({self.max_pixels})")
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -407,9 +393,10 @@ def _write_rows_and_histogram(out: Path, rows: list[dict], accepted_by_group: di
 def eval_prompts(config: EvalConfig, tokenizer) -> list[EvalPrompt]:
     """The prompts of `config`, with the target's image processor for a vision-language target
     (relative image paths resolve against --image-root, else the prompts file's folder)."""
-    image_root = config.image_root if config.image_root is not None else Path(config.prompts).parent
-    vision = load_vision_inputs(config.target, image_root=image_root, min_pixels=config.min_pixels, max_pixels=config.max_pixels)
-    return load_prompts(config.prompts, tokenizer, max_prompts=config.max_prompts, vision=vision, system_prompt=config.system_prompt)
+    vision = config.vision_input.load(config.target, default_image_root=Path(config.prompts).parent)
+    return load_prompts(
+        config.prompts, tokenizer, max_prompts=config.max_prompts, vision=vision, system_prompt=config.vision_input.system_prompt
+    )
 
 
 def run_eval(config: EvalConfig) -> dict:
