@@ -17,7 +17,6 @@ is compared with the local one.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -32,9 +31,8 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-import torch
 from _common import print_table
-from read_checksums import FULL, QUICK, make_record
+from read_checksums import records_from_command_line
 
 from pipeline.train.methods import required_arrays
 from storage.location import resolve
@@ -163,17 +161,7 @@ def measure(records: list[dict], sizes, *, local_root: str, store_root: str, log
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Tiny sizes (a smoke run for CI).")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads.")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    sizes = QUICK if args.quick else FULL
-    rng = np.random.default_rng(0)
-    records = [make_record(rng, sizes, source_row=i) for i in range(sizes.num_sequences)]
-    raw_mb = sum(v.nbytes for r in records for v in r.values()) / 1e6
-    print(f"{sizes.num_sequences} sequences, T={sizes.seq_len}, F={sizes.feature_dim}, A={sizes.num_anchors}, "
-          f"K={sizes.num_slots}, top-k {sizes.top_k}: {raw_mb:.1f} MB of records; median of {sizes.repeats}")  # fmt: skip
+    sizes, records, raw_mb = records_from_command_line(__doc__)
     with tempfile.TemporaryDirectory() as tmp, moto_bucket(Path(tmp)) as (store_root, log_path):
         (Path(tmp) / "local").mkdir()
         rows = measure(records, sizes, local_root=str(Path(tmp) / "local"), store_root=store_root, log_path=log_path)

@@ -140,8 +140,10 @@ def corrupt_reads(cache: Path, storage_format: str) -> str:
     return "silently different" if not np.array_equal(before, after) else "unchanged"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def records_from_command_line(doc: str) -> tuple[Sizes, list[dict[str, np.ndarray]], float]:
+    """(sizes, records, their MB) for a script taking --quick and --threads (this one and
+    object_store.py), the sizes printed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Tiny sizes (a smoke run for CI).")
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
     args = parser.parse_args()
@@ -152,6 +154,11 @@ def main() -> None:
     raw_mb = sum(v.nbytes for r in records for v in r.values()) / 1e6
     print(f"{sizes.num_sequences} sequences, T={sizes.seq_len}, F={sizes.feature_dim}, A={sizes.num_anchors}, "
           f"K={sizes.num_slots}, top-k {sizes.top_k}: {raw_mb:.1f} MB of records; median of {sizes.repeats}")  # fmt: skip
+    return sizes, records, raw_mb
+
+
+def main() -> None:
+    sizes, records, raw_mb = records_from_command_line(__doc__)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for storage_format in ("zarr", "wds"):
