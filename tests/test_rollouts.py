@@ -12,6 +12,7 @@ from pipeline.build.rollouts import (
     TargetRunConfig,
     TargetSequence,
     anchor_pool,
+    anchor_pool_size,
     reference_rollout,
     rollout_attention_mask,
     run_target_batch,
@@ -119,6 +120,10 @@ def test_anchor_pool_is_seeded_per_row_and_eligible():
     assert np.array_equal(pool, anchor_pool(loss_mask, num_anchors=4, seed=0, source_row=5))
     others = {tuple(anchor_pool(loss_mask, num_anchors=4, seed=s, source_row=5)) for s in range(10)}
     assert len(others) > 1
+    for num_anchors in (0, 4, 7, 100):  # what a shard is sized by, before the pools are drawn
+        assert anchor_pool_size(loss_mask, num_anchors=num_anchors) == len(
+            anchor_pool(loss_mask, num_anchors=num_anchors, seed=3, source_row=1)
+        )
 
 
 def test_rollout_mask_layout():

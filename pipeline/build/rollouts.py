@@ -84,14 +84,23 @@ def topk_with_tail(logits: torch.Tensor, *, top_k: int):
     return topk_ids.int(), topk_probs, tail, argmax
 
 
+def _eligible_anchors(loss_mask: np.ndarray) -> np.ndarray:
+    mask = np.asarray(loss_mask).astype(bool)
+    return np.flatnonzero(mask[:-1] & mask[1:])  # [E]
+
+
+def anchor_pool_size(loss_mask: np.ndarray, *, num_anchors: int) -> int:
+    """len(anchor_pool(...)) without drawing the pool (a shard is sized before it is computed)."""
+    return min(num_anchors, len(_eligible_anchors(loss_mask)))
+
+
 def anchor_pool(loss_mask: np.ndarray, *, num_anchors: int, seed: int, source_row: int) -> np.ndarray:
     """Eligible positions (m[a] = m[a+1] = 1), up to num_anchors drawn without replacement, sorted.
 
     The generator is seeded by (seed, source_row), so a sequence's pool never depends on which
     shard, batch or worker processed it.
     """
-    mask = np.asarray(loss_mask).astype(bool)
-    eligible = np.flatnonzero(mask[:-1] & mask[1:])  # [E]
+    eligible = _eligible_anchors(loss_mask)
     if len(eligible) > num_anchors:
         rng = np.random.default_rng([seed, source_row])
         eligible = np.sort(rng.choice(eligible, size=num_anchors, replace=False))

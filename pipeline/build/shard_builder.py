@@ -15,7 +15,7 @@ import torch
 
 from pipeline.build.config import CacheBuildConfig
 from pipeline.build.corpus import corpus_vision_inputs, load_tokenized_corpus
-from pipeline.build.rollouts import TargetSequence, anchor_pool, run_target_batch
+from pipeline.build.rollouts import TargetSequence, anchor_pool_size, run_target_batch
 from pipeline.target import load_target
 from storage.codecs import encode_features
 from storage.format import ALL_GROUPS, CORPUS_DIR, record_array_names
@@ -121,10 +121,7 @@ class ShardBuilder:
         size = ShardSize(
             num_sequences=len(sequences),
             num_tokens=sum(len(s.input_ids) for s in sequences),
-            num_anchors=sum(
-                len(anchor_pool(s.loss_mask, num_anchors=run.anchors_per_sequence, seed=run.seed, source_row=s.source_row))
-                for s in sequences
-            ),
+            num_anchors=sum(anchor_pool_size(s.loss_mask, num_anchors=run.anchors_per_sequence) for s in sequences),
         )
         batches = plan_batches([len(s.input_ids) for s in sequences], batch_tokens=self.config.compute.batch_tokens)
         codec = storage.feature_codec
