@@ -444,8 +444,9 @@ def train(config: TrainConfig) -> dict:
         if logs is not None:
             logs.discard()
         if config.loader.kind == "stream":
-            getattr(s.batches, "close", lambda: None)()  # stops the last epoch's workers
-            with contextlib.suppress(OSError):  # never hides the run's own error
+            with contextlib.suppress(Exception):  # never hides the run's own error
+                getattr(s.batches, "close", lambda: None)()  # stops the last epoch's workers
+            with contextlib.suppress(OSError):
                 sweep_orphans(config.loader.local_cache_root)  # copies of workers stopped at an epoch's end
     if s.world_size > 1:
         dist.barrier()
@@ -470,9 +471,11 @@ class RunLogs:
             staging.mkdir(parents=True, exist_ok=True)
         else:
             staging = Path(tempfile.mkdtemp(prefix="alrira-run-"))
+        # The metrics of this run: none at step 0 (a new run, or a resume with no checkpoint yet).
+        kept = []
         if start_step and run.is_file("metrics.jsonl"):
             kept = [line for line in run.read_bytes("metrics.jsonl").decode().splitlines() if _step_of(line) <= start_step]
-            atomic_write_text(staging / "metrics.jsonl", "".join(line + "\n" for line in kept))
+        atomic_write_text(staging / "metrics.jsonl", "".join(line + "\n" for line in kept))
         return cls(run, staging)
 
     def add(self, record: dict) -> None:
