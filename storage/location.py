@@ -247,6 +247,22 @@ class StorePrefix:
 
         return self._call(relative, list_files)
 
+    def object_tags(self, relative: str = "") -> list[tuple[str, int, str]]:
+        """(relative path, size, tag) of every object under `relative` (or of the object itself), from
+        one listing: the tag is the store's version of the object's bytes (S3's ETag; another
+        store's etag or generation, else fsspec's ukey), which a rewrite changes unless it writes
+        the same bytes."""
+
+        def list_tags(path: str) -> list[tuple[str, int, str]]:
+            found = self.fs.find(path, detail=True)
+            tags = []
+            for name, info in sorted(found.items()):
+                tag = info.get("ETag") or info.get("etag") or info.get("generation") or self.fs.ukey(name)
+                tags.append((name[len(path) + 1 :] if name != path else "", int(info["size"]), str(tag)))
+            return tags
+
+        return self._call(relative, list_tags)
+
     def read_bytes(self, relative: str = "") -> bytes:
         return self._call(relative, lambda path: self.fs.cat_file(path))
 

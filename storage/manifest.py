@@ -209,6 +209,10 @@ class ShardRecord:
     # Ray node that wrote the shard ("IP/first 8 hex of the node id", ray_jobs.build.this_node);
     # None (no key): built in-process. Not content: resume and verify ignore it.
     node: str | None = None
+    # On an object store: shard_object_tags when the checksum was computed (storage.shards), so a
+    # resume can tell with one listing that the objects are still the checksummed ones. None (no
+    # key): a local shard. Not content: verify recomputes the checksum.
+    object_tags: str | None = None
 
     def __post_init__(self) -> None:
         _check_str("name", self.name, nonempty=True)
@@ -226,6 +230,8 @@ class ShardRecord:
             raise ValueError(f"status must be one of {SHARD_STATUSES}, got {self.status!r}")
         if self.node is not None:
             _check_str("node", self.node, nonempty=True)
+        if self.object_tags is not None and not (isinstance(self.object_tags, str) and self.object_tags.startswith("sha256:")):
+            raise ValueError(f"object_tags must look like 'sha256:<hex>', got {self.object_tags!r}")
 
     @property
     def is_complete(self) -> bool:
@@ -233,8 +239,9 @@ class ShardRecord:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        if data["node"] is None:  # absent rather than null: a manifest built in-process reads as before
-            del data["node"]
+        for optional in ("node", "object_tags"):  # absent rather than null: such manifests read as before
+            if data[optional] is None:
+                del data[optional]
         return data
 
     @classmethod

@@ -25,6 +25,7 @@ Either way a shard holds exactly the arrays of its cache's contents (storage.for
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import uuid
 from collections.abc import Iterable, Iterator
@@ -232,6 +233,20 @@ def shard_checksum(path: str | os.PathLike | Location) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+def shard_object_tags(path: str | os.PathLike | Location) -> str | None:
+    """"sha256:<hex>" of a shard's objects' relative paths, sizes and store tags (one listing); None
+    for a local shard. Equal tags mean the objects are the very ones a checksum was computed over:
+    a resume on a store keeps a shard on this instead of downloading it (docs/design.md, "Caches
+    on object stores")."""
+    shard = resolve(path)
+    if shard.is_local:
+        return None
+    listed = shard.object_tags()
+    if not listed:
+        raise ValueError(f"{shard}: shard does not exist")
+    return "sha256:" + hashlib.sha256(json.dumps(listed).encode()).hexdigest()
+
+
 def clean_partial_shards(cache_dir: str | os.PathLike | Location, *, published: Iterable[str] = ()) -> list[str]:
     """Delete the leftovers of interrupted shard writes; return their names (sorted). Locally
     these are the `shards/.tmp-*` temp entries; a writer orphaned by a killed build may still be
@@ -384,6 +399,10 @@ class ShardWriter:
             self._check_owner()
             self.body.commit()
             final = self.target
+        tags = shard_object_tags(final)
+        checksum = shard_checksum(final)
+        if shard_object_tags(final) != tags:  # rewritten while it was read back: not ours to publish
+            raise ValueError(f"{final}: its objects changed while their checksum was computed")
         return ShardRecord(
             name=self.name,
             index=self.index,
@@ -391,8 +410,9 @@ class ShardWriter:
             tokens=got.num_tokens,
             anchors=got.num_anchors,
             bytes=shard_bytes(final),
-            checksum=shard_checksum(final),
+            checksum=checksum,
             status=SHARD_COMPLETE,
+            object_tags=tags,
         )
 
     def abort(self) -> None:

@@ -9,6 +9,7 @@ until those files take store URLs they are skipped, saying so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -63,7 +64,8 @@ def test_a_shard_on_the_store_is_the_shard_on_disk(tmp_path, s3_prefix, storage_
     records, _ = make_shard_records(0, first_row=0, num=4, codec="bf16")
     local = write_shard(tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16")
     stored = write_shard(s3_prefix, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16")
-    assert stored == local  # name, counts, bytes and checksum
+    assert stored.object_tags.startswith("sha256:") and local.object_tags is None  # (what a store resume checks)
+    assert dataclasses.replace(stored, object_tags=None) == local  # name, counts, bytes and checksum
     url = f"{s3_prefix}/{SHARD_DIR}/{local.name}"
     assert resolve(url).files() == resolve(tmp_path / SHARD_DIR / local.name).files()  # same objects as files
     assert shard_checksum(url) == local.checksum
@@ -300,7 +302,10 @@ def test_a_cache_built_on_the_store_equals_one_built_on_disk(local_cache, store_
     header_end = 8 + int.from_bytes(local_head[:8], "little")
     assert read_safetensors_header(store, "target_head.safetensors") == json.loads(local_head[8:header_end])
     assert stored_head[header_end:] == local_head[header_end:]
-    assert store.read_bytes("manifest.json") == (local / "manifest.json").read_bytes()
+    # The same manifest, but for the store's object tags (what a resume on the store checks).
+    stored_manifest, local_manifest_json = json.loads(store.read_bytes("manifest.json")), json.loads((local / "manifest.json").read_text())
+    assert all(shard.pop("object_tags").startswith("sha256:") for shard in stored_manifest["shards"])
+    assert stored_manifest == local_manifest_json
     assert [rel for rel, _ in store.files("corpus")] == sorted(p.name for p in (local / "corpus").iterdir())
     assert verify_cache(url) == []
     for command in ("info", "verify"):
@@ -309,7 +314,7 @@ def test_a_cache_built_on_the_store_equals_one_built_on_disk(local_cache, store_
 
 
 @needs_store_pipeline
-def test_an_interrupted_store_build_resumes_to_the_same_cache(toy_target, toy_corpus, local_cache, s3_prefix):
+def test_an_interrupted_store_build_resumes_to_the_same_cache(toy_target, toy_corpus, local_cache, s3_prefix, monkeypatch):
     """The build stops after its first shard with half of the second on the store (a killed
     writer's objects); the same command removes them, keeps the first, builds the rest."""
     from pipeline.build.shard_builder import ShardBuilder
@@ -323,10 +328,34 @@ def test_an_interrupted_store_build_resumes_to_the_same_cache(toy_target, toy_co
 
     with pytest.raises(RuntimeError, match="killed"):
         _build_here(toy_target, toy_corpus, s3_prefix, run_shards=run_one_shard_then_die)
+    import pipeline.build.driver
+
     logs = []
-    resumed = _build_here(toy_target, toy_corpus, s3_prefix, log=logs.append)
+    with monkeypatch.context() as patch:  # the kept shard is checked by one listing, not downloaded
+        patch.setattr(pipeline.build.driver, "shard_checksum", _no_download)
+        resumed = _build_here(toy_target, toy_corpus, s3_prefix, log=logs.append)
     assert any(line.startswith("removed 1 partial shard(s)") for line in logs), logs
     assert any(line.startswith("resuming: 1 of") for line in logs), logs
+    assert _shards(resumed) == _shards(local_cache[1])
+
+
+def _no_download(path):
+    raise AssertionError(f"{path}: downloaded to check its checksum")
+
+
+@needs_store_pipeline
+def test_a_store_resume_rebuilds_a_shard_whose_objects_changed_since_it_was_listed(toy_target, toy_corpus, local_cache, s3_prefix):
+    """Another writer's object under a listed shard (same size, other bytes) gets another ETag:
+    the resume's listing sees it, and the shard is rebuilt to the clean build's checksum."""
+    built = _build_here(toy_target, toy_corpus, s3_prefix)
+    store, shard = resolve(s3_prefix), built.shards[0].name
+    relative = next(rel for rel, size in store.files(f"{SHARD_DIR}/{shard}") if size > 64)
+    data = bytearray(store.read_bytes(f"{SHARD_DIR}/{shard}/{relative}"))
+    data[-1] ^= 0xFF
+    store.write_bytes(f"{SHARD_DIR}/{shard}/{relative}", bytes(data))
+    logs = []
+    resumed = _build_here(toy_target, toy_corpus, s3_prefix, log=logs.append)
+    assert f"{shard}: missing or checksum mismatch, rebuilding" in logs, logs
     assert _shards(resumed) == _shards(local_cache[1])
 
 

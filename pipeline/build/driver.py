@@ -57,7 +57,7 @@ from storage.ownership import (
     remove_cache_files,
     remove_write_leftovers,
 )
-from storage.shards import clean_partial_shards, shard_checksum
+from storage.shards import clean_partial_shards, shard_checksum, shard_object_tags
 
 
 @dataclass(kw_only=True)
@@ -312,16 +312,23 @@ def _tokenized_corpus(config: CacheBuildConfig, tokenizer, *, reuse: bool, progr
 
 
 def _verified_shards(out: Location, previous: Manifest | None, *, log) -> dict[int, ShardRecord]:
-    """Shards of the previous run that are listed complete and whose checksum still verifies
-    (on a store: every listed shard is downloaded once)."""
+    """Shards of the previous run that are listed complete and whose checksum still verifies. On a
+    store a shard whose record has object tags is kept when one listing gives the same tags (its
+    objects are the checksummed ones) instead of downloading it; one without is downloaded once."""
     done = {}
     for record in previous.shards if previous else []:
         path = out.child(f"{SHARD_DIR}/{record.name}")
-        if record.status == "complete" and path.exists() and shard_checksum(path) == record.checksum:
+        if record.status == "complete" and path.exists() and _still_verifies(path, record):
             done[record.index] = record
         else:
             log(f"{record.name}: missing or checksum mismatch, rebuilding")
     return done
+
+
+def _still_verifies(path: Location, record: ShardRecord) -> bool:
+    if not path.is_local and record.object_tags is not None:
+        return shard_object_tags(path) == record.object_tags
+    return shard_checksum(path) == record.checksum
 
 
 def _summary(manifest: Manifest, *, elapsed: float) -> str:
