@@ -238,14 +238,20 @@ class StorePrefix:
 
         return self._call(relative, list_names)
 
-    def files(self, relative: str = "") -> list[tuple[str, int]]:
-        def list_files(path: str) -> list[tuple[str, int]]:
+    def _listed(self, relative: str) -> list[tuple[str, dict]]:
+        """(posix path relative to `relative`, fsspec info) of every object under it, sorted, from
+        one listing; an object itself is [("", info)]."""
+
+        def list_objects(path: str) -> list[tuple[str, dict]]:
             found = self.fs.find(path, detail=True)
             if list(found) == [path]:  # the prefix is one object (a tar shard)
-                return [("", int(found[path]["size"]))]
-            return sorted((name[len(path) + 1 :], int(info["size"])) for name, info in found.items() if name != path)
+                return [("", found[path])]
+            return sorted(((name[len(path) + 1 :], info) for name, info in found.items() if name != path), key=lambda x: x[0])
 
-        return self._call(relative, list_files)
+        return self._call(relative, list_objects)
+
+    def files(self, relative: str = "") -> list[tuple[str, int]]:
+        return [(name, int(info["size"])) for name, info in self._listed(relative)]
 
     def object_tags(self, relative: str = "") -> list[tuple[str, int, str]]:
         """(relative path, size, tag) of every object under `relative` (or of the object itself), from
@@ -253,15 +259,11 @@ class StorePrefix:
         store's etag or generation, else fsspec's ukey), which a rewrite changes unless it writes
         the same bytes."""
 
-        def list_tags(path: str) -> list[tuple[str, int, str]]:
-            found = self.fs.find(path, detail=True)
-            tags = []
-            for name, info in sorted(found.items()):
-                tag = info.get("ETag") or info.get("etag") or info.get("generation") or self.fs.ukey(name)
-                tags.append((name[len(path) + 1 :] if name != path else "", int(info["size"]), str(tag)))
-            return tags
+        def tag(name: str, info: dict) -> str:
+            found = info.get("ETag") or info.get("etag") or info.get("generation")
+            return str(found or self._call(f"{relative}/{name}".strip("/"), lambda path: self.fs.ukey(path)))
 
-        return self._call(relative, list_tags)
+        return [(name, int(info["size"]), tag(name, info)) for name, info in self._listed(relative)]
 
     def read_bytes(self, relative: str = "") -> bytes:
         return self._call(relative, lambda path: self.fs.cat_file(path))
@@ -315,12 +317,11 @@ class StorePrefix:
 
     def local_copy(self) -> Path:
         """A node-local copy of every object under this prefix, downloaded once per content (named
-        by the objects' fsspec `ukey`s, ETags on S3): the build's workers on one node share one
+        by the objects' tags, ETags on S3): the build's workers on one node share one
         copy of the tokenized corpus and memory-map it (docs/design.md, "Caches on object stores")."""
-        files = self.files()
-        if not files:
+        keys = self.object_tags()  # one listing
+        if not keys:
             raise ValueError(f"{self.url}: no objects there")
-        keys = [(relative, size, self._call(relative, lambda path: self.fs.ukey(path))) for relative, size in files]
         digest = hashlib.sha256(json.dumps([self.url, keys]).encode()).hexdigest()[:32]
         copies = Path(tempfile.gettempdir()) / LOCAL_COPIES_DIR
         final = copies / digest
