@@ -440,7 +440,7 @@ def test_fp8_features_travel_as_bits_and_scales_and_decode_exactly(tmp_path, sto
         floats = reader.read(index)  # features decoded to float32 by the reader
         want = example_from_record(
             floats, epoch=0, index=index, objective=objective, seed=0,
-            parent_rollout_features=lambda rows, floats=floats: floats["rollout_features"][rows],
+            parent_rollout_features=lambda rows, floats=floats: (floats["rollout_features"][rows], None),
         )  # fmt: skip
         decoded = decode_feature_bits(batch.context_features, batch.context_feature_scales)[0]
         assert decoded.dtype == torch.float32 and torch.equal(decoded, want.context_features)

@@ -80,7 +80,7 @@ def test_every_method_trains_from_a_vl_cache_at_sequence_index_positions(method,
         record = reader.read(i)
         example = example_from_record(
             record, epoch=0, index=i, objective=objective, seed=0,
-            parent_rollout_features=lambda rows, i=i: reader.read_rollout_features(i, rows),
+            parent_rollout_features=lambda rows, i=i: (reader.read_rollout_features(i, rows), None),
         )  # fmt: skip
         targets, num_tokens = example.targets, len(record["input_ids"])
         # Drafter positions are the sequence index (SPEC 8): context i at i, slot k at anchor + k.

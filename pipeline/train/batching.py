@@ -79,7 +79,7 @@ class CacheTrainDataset(torch.utils.data.Dataset):
 
         def parent_rows(parents: np.ndarray):
             bits = self.reader.read_rollout_features(index, parents, decode_features=False)
-            return (bits, self.reader.read_rollout_feature_scales(index, parents)) if self.fp8 else bits
+            return bits, (self.reader.read_rollout_feature_scales(index, parents) if self.fp8 else None)
 
         return example_from_record(
             record, epoch=epoch, index=index, objective=self.objective, seed=self.seed, parent_rollout_features=parent_rows
@@ -92,8 +92,8 @@ def example_from_record(
 ) -> SequenceExample | ReadFailure:
     """The example of sequence `index` in `epoch` from its record (the method's arrays; features as
     bf16 bits, fp8 bits with their `feature_scales`, or float32). `parent_rollout_features(pool_rows)`
-    returns the rollout features of those anchors ([len, K-2, F]; for fp8 bits a pair (bits, scales
-    [len, K-2])): the map loader reads just them, the stream has the whole array. Both loaders build
+    returns (the rollout features of those anchors [len, K-2, F], their fp8 scales [len, K-2] or
+    None): the map loader reads just them, the stream has the whole array. Both loaders build
     their examples here, so they differ only in which sequences a step sees."""
     tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
     generator = torch.Generator().manual_seed(example_seed(seed=seed, epoch=epoch, index=index))
@@ -109,10 +109,9 @@ def example_from_record(
     if secondary:
         parents = sorted({int(targets.private_parent[b]) for b in secondary})
         try:
-            rows = parent_rollout_features(np.asarray(parents))
+            rows, scale_rows = parent_rollout_features(np.asarray(parents))
         except ValueError as error:
             return ReadFailure(message=str(error))
-        rows, scale_rows = rows if isinstance(rows, tuple) else (rows, None)
         parent_features = dict(zip(parents, rows))
         parent_scales = dict(zip(parents, scale_rows)) if scale_rows is not None else {}
         anchor_pos = tensors["anchor_pos"].long()

@@ -51,7 +51,6 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.methods import check_cache_serves
 from pipeline.train.streaming import (
     StreamTrainDataset,
-    stream_array_names,
     stream_batches,
     stream_plan,
     stream_position,
@@ -250,7 +249,7 @@ def setup(config: TrainConfig) -> TrainState:
         local_cache_dir=config.loader.local_cache_root, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         prefetch_shards=config.loader.prefetch_shards,
     ) if stream else None  # fmt: skip
-    check_cache_serves(config.objective.method, stream_array_names(reader) if stream else available_arrays(reader), config.cache)
+    check_cache_serves(config.objective.method, available_arrays(reader), config.cache)
     if optim.batch_size % (world_size * optim.grad_accum):
         raise ValueError(f"--batch-size {optim.batch_size} must be a multiple of ranks x --grad-accum ({world_size * optim.grad_accum})")
     if len(reader) < optim.batch_size:

@@ -55,7 +55,7 @@ from storage.format import FP8_SCALE_ARRAYS
 from storage.local_cache import CachedObject, LocalCache, read_ahead
 from storage.location import is_url
 from storage.reader import CacheReader
-from storage.wds import WdsShard, decode_sample, member_selector, open_tar
+from storage.wds import decode_sample, member_selector, open_tar
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +154,7 @@ def _shard_samples(urls, *, expected: list[StreamShard], stubbed: set[str], sele
         raise RuntimeError(f"webdataset gave this worker shards {urls}, the plan {[s.url for s in expected]}")
     to_read = [shard for shard in expected if shard.url not in stubbed]
     if ahead is None:
-        yield from _read_shards(zip(to_read, (shard.url for shard in to_read)), expected=expected, stubbed=stubbed, select=select)
+        yield from _read_shards(iter([shard.url for shard in to_read]), expected=expected, stubbed=stubbed, select=select)
         return
     cache = LocalCache(ahead.root, budget=ahead.budget)
     copies = read_ahead(cache, [CachedObject(url=s.url, size=s.bytes) for s in to_read], ahead=ahead.shards_ahead)
@@ -165,24 +165,24 @@ def _shard_samples(urls, *, expected: list[StreamShard], stubbed: set[str], sele
         cache.close()
 
 
-def _downloaded(shards: list[StreamShard], copies) -> Iterator[tuple[StreamShard, str]]:
+def _downloaded(shards: list[StreamShard], copies) -> Iterator[str]:
     for shard in shards:
         try:
             _, local = next(copies)
         except (OSError, ValueError) as error:
             reason = first_line(error).removeprefix(f"{shard.url}: ")
             raise ValueError(f"{shard.url}: could not copy it to the local cache ({reason})") from None
-        yield shard, str(local)
+        yield str(local)
 
 
-def _read_shards(sources, *, expected: list[StreamShard], stubbed: set[str], select) -> Iterator[dict]:
-    """The samples of `expected` in order, stubs for the stubbed ones; `sources` gives each shard
-    to read with where to open it (its URL, or a local copy)."""
+def _read_shards(sources: Iterator[str], *, expected: list[StreamShard], stubbed: set[str], select) -> Iterator[dict]:
+    """The samples of `expected` in order, stubs for the stubbed ones; `sources` gives where to open
+    each shard read, in order (its URL, or a local copy)."""
     for shard in expected:
         if shard.url in stubbed:
             yield from ({"__stub__": True, "__index__": shard.start + local} for local in range(shard.sequences))
             continue
-        _, source = next(sources)  # (this shard, where to open it)
+        source = next(sources)
         count = 0
         try:
             with open_tar(source) as stream:  # webdataset's expander and grouping, our opener (stores)
@@ -256,7 +256,7 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
         rollout_scales = record.get("rollout_feature_scales")  # [A, K-2], fp8 only
 
         def parent_rows(rows):
-            return rollout_features[rows] if rollout_scales is None else (rollout_features[rows], rollout_scales[rows])
+            return rollout_features[rows], (None if rollout_scales is None else rollout_scales[rows])
 
         return example_from_record(
             record, epoch=self.epoch, index=sample["__index__"], objective=self.objective, seed=self.plan.seed,
@@ -294,15 +294,6 @@ def stream_plan(reader: CacheReader, *, seed: int, rank: int, world_size: int, n
         )
     ahead = ReadAhead(root=local_cache_dir, budget=share, shards_ahead=prefetch_shards)
     return dataclasses.replace(plan, read_ahead=ahead)
-
-
-def stream_array_names(reader: CacheReader) -> set[str]:
-    """Arrays the cache's tars hold, from the first complete shard's first sample."""
-    shard = WdsShard(reader.shard_path(reader.shards[0]))
-    try:
-        return shard.array_names
-    finally:
-        shard.close()
 
 
 def stream_position(plan: StreamPlan, *, epoch: int, steps_done: int, rank: int) -> dict:
