@@ -1,7 +1,7 @@
 """The target model, as stage 1 and evaluation see it: identity hash, config, loading, taps,
 stop tokens, and the frozen embedding / lm_head the trainer reuses (docs/design.md, "The target").
 
-A vision-language target (Qwen3-VL, SPEC 8) loads with AutoModelForImageTextToText; its layer
+A vision-language target (Qwen3-VL, docs/vision.md) loads with AutoModelForImageTextToText; its layer
 count, hidden size, vocabulary and RoPE come from the text config, its embedding and lm_head from
 the language model (docs/vision.md).
 

@@ -1,4 +1,4 @@
-"""Vision-language targets (Qwen3-VL; SPEC 8, docs/vision.md): whether a target is one, its image
+"""Vision-language targets (Qwen3-VL; docs/vision.md): whether a target is one, its image
 processor, image files -> checked model inputs, and the 3-D M-RoPE positions of a sequence.
 
 Shared by the corpus (which needs each image's token count and hash), the stage-1 target pass
@@ -27,12 +27,12 @@ DEFAULT_MIN_PIXELS = 50176  # 224 x 224, the paper's vision recipe
 DEFAULT_MAX_PIXELS = 200704  # 448 x 448
 DEFAULT_VL_SYSTEM_PROMPT = "You are a helpful assistant."  # the reference's system prompt for VL corpora
 MODALITY = "image-text"
-# Recorded in the manifest: what the cached features at image positions are (SPEC 8, "Features").
+# Recorded in the manifest: what the cached features at image positions are (docs/vision.md, "Stage 1": deepstack).
 DEEPSTACK_NOTE = (
     "features are HF hidden_states[id + 1]; at image positions of the first {n} decoder layer(s) they "
     "exclude the deepstack visual addition (the next layer's input includes it); serving engines may tap after it"
 )
-# Drafter positions are the sequence index in training and in alrira-eval (SPEC 8); vLLM differs.
+# Drafter positions are the sequence index in training and in alrira-eval; vLLM differs (docs/vision.md, "Serving").
 DRAFTER_POSITIONS_NOTE = (
     "drafter context/block positions are the sequence index; vLLM's DFlash proposer feeds the M-RoPE time row on image prompts"
 )
@@ -157,7 +157,7 @@ def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_p
 
 def load_image_processor(target_dir: str | os.PathLike) -> tuple[Any, str]:
     """(image processor, class name of what loaded it). AutoProcessor needs torchvision for
-    Qwen3-VL's video processor, which CPU machines here lack (SPEC 8): fall back to
+    Qwen3-VL's video processor, which CPU machines here lack (docs/vision.md, "Stage 1"): fall back to
     AutoImageProcessor (the PIL `Qwen2VLImageProcessorPil`); the tokenizer is loaded apart."""
     from transformers import AutoImageProcessor, AutoProcessor
 
@@ -205,7 +205,7 @@ def load_vision_inputs(
 
 
 def effective_system_prompt(system_prompt: str | None, *, vision: VisionInputs | None) -> str | None:
-    """--system-prompt, else the reference's default for a vision-language target (SPEC 8); '' = none."""
+    """--system-prompt, else the reference's default for a vision-language target (docs/vision.md, "Corpus rows"); '' = none."""
     if system_prompt is None:
         return DEFAULT_VL_SYSTEM_PROMPT if vision is not None else None
     return system_prompt or None

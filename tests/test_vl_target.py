@@ -54,7 +54,7 @@ def plain_inputs(model, sequence, length: int | None = None) -> dict:
         pixel_values, grid = sequence.image.pixel_inputs()
         inputs |= {"pixel_values": pixel_values, "image_grid_thw": grid,
                    "mm_token_type_ids": mm_token_type_ids(ids, image_token_id=model.config.image_token_id)}  # fmt: skip
-    model.model.rope_deltas = None  # HF caches it across calls (SPEC 8)
+    model.model.rope_deltas = None  # HF caches it across calls
     return inputs
 
 
@@ -69,7 +69,7 @@ def test_a_vl_target_loads_with_text_config_dims_and_language_model_head(model, 
     tied_embed, tied_head = read_target_head(tied_dir)
     assert torch.equal(tied_embed, tied_head) and torch.equal(tied_head, load_target(tied_dir).lm_head.weight)
     processor, processor_class = load_image_processor(vl_target)
-    if importlib.util.find_spec("torchvision") is None:  # AutoProcessor needs it: the PIL fallback (SPEC 8)
+    if importlib.util.find_spec("torchvision") is None:  # AutoProcessor needs it: the PIL fallback (docs/vision.md)
         assert processor_class == type(processor).__name__ == "Qwen2VLImageProcessorPil"
     # The image processor's settings are part of what the target is.
     before = target_hash(vl_target)

@@ -83,7 +83,7 @@ def test_every_method_trains_from_a_vl_cache_at_sequence_index_positions(method,
             parent_rollout_features=lambda rows, i=i: (reader.read_rollout_features(i, rows), None),
         )  # fmt: skip
         targets, num_tokens = example.targets, len(record["input_ids"])
-        # Drafter positions are the sequence index (SPEC 8): context i at i, slot k at anchor + k.
+        # Drafter positions are the sequence index (docs/vision.md, "Serving"): context i at i, slot k at anchor + k.
         assert torch.equal(example.context_positions[:num_tokens], torch.arange(num_tokens))
         block, slot = torch.nonzero(targets.slot_weights > 0, as_tuple=True)
         labelled = targets.block_anchor_pos[block] + slot + 1  # slot index k - 1 labels position anchor + k

@@ -12,7 +12,7 @@ batch takes one corpus forward and K - 1 small forwards of (num_anchors) tokens 
 one `generate()` per anchor. `reference_rollout` below is the plain step-by-step version that
 the tests (and the benchmark) compare against.
 
-A vision-language target (Qwen3-VL, SPEC 8) runs the corpus pass through the full model with the
+A vision-language target (Qwen3-VL, docs/vision.md "Stage 1") runs the corpus pass through the full model with the
 batch's pixel values and 3-D M-RoPE positions; its rollout steps run the text model alone at
 positions pos3[:, b, a] + step on all three axes (text tokens have t = h = w), on the same shared
 cache and branch mask. Pixel values are loaded per batch from each sequence's image.

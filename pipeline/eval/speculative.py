@@ -17,7 +17,7 @@ Round r, with the last committed token (the anchor) at position p:
 Every committed token is the target's own choice given the committed prefix, so at T = 0 the
 output equals the target's greedy decode token for token.
 
-A vision-language target (SPEC 8, docs/vision.md) prefills through the full model with the prompt's
+A vision-language target (docs/vision.md, "Evaluation") prefills through the full model with the prompt's
 pixels at 3-D M-RoPE positions; every later forward (AR steps, verify blocks) feeds input ids only
 at sequence index + rope delta on all three axes, as `generate` continues. The prefill, vision
 encoder included, is outside the decode time.
