@@ -79,14 +79,15 @@ class DiskSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            held = 0
+            sizes = {}  # by inode: a copy renamed from its .part name during the walk counts once
             for root, _, names in os.walk(self.directory):  # a directory deleted under the walk is skipped
                 for name in names:
                     try:
-                        held += os.stat(os.path.join(root, name)).st_size
+                        stat = os.stat(os.path.join(root, name))
                     except FileNotFoundError:
-                        pass
-            self.peak = max(self.peak, held)
+                        continue
+                    sizes[stat.st_dev, stat.st_ino] = stat.st_size
+            self.peak = max(self.peak, sum(sizes.values()))
             time.sleep(0.005)
 
     def __enter__(self) -> DiskSampler:

@@ -58,7 +58,17 @@ def _objects(prefix: str, sizes: list[int]) -> list[CachedObject]:
 
 
 def _held_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    """Bytes of the files under `directory`, each inode once (a copy renamed from its .part name
+    while the walk runs would otherwise count twice); files vanishing meanwhile count as gone."""
+    sizes = {}
+    for path in directory.rglob("*"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        if path.is_file():
+            sizes[stat.st_dev, stat.st_ino] = stat.st_size
+    return sum(sizes.values())
 
 
 def test_read_ahead_downloads_the_next_object_while_one_is_read_and_never_holds_more_than_the_budget(s3_prefix, tmp_path):
