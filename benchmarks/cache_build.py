@@ -35,10 +35,10 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from storage.format import CORPUS_DIR
-from pipeline.build.config import CacheBuildConfig
-from pipeline.build.shard_builder import ShardBuilder, outputs_to_record, plan_batches
-from pipeline.build.corpus import CorpusConfig, ingest_corpus, save_tokenized_corpus
-from pipeline.build.rollouts import TargetRunConfig, TargetSequence, anchor_pool, run_target_batch
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.shard_builder import ShardBuilder, outputs_to_record, plan_batches
+from pipeline.cache_build.corpus import CorpusConfig, ingest_corpus, save_tokenized_corpus
+from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, anchor_pool, run_target_batch
 from pipeline.target import load_target
 from storage.reader import cache_stats, open_cache
 from storage.shards import write_shard

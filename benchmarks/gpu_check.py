@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from drafter.model import DFlashDrafter
-from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
 from pipeline.train.batching import CacheTrainDataset, collate
 from storage.reader import open_cache
 

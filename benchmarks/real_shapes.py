@@ -347,8 +347,8 @@ def drafter_step_child(cache: str, shapes_dict: dict, threads: int) -> dict:
 
 
 def stage1_child(target: str, corpus: str, out: str, shapes_dict: dict, shard_size: int, threads: int) -> dict:
-    from pipeline.build.config import CacheBuildConfig
-    from pipeline.build.driver import build_cache, run_shards_here
+    from pipeline.cache_build.config import CacheBuildConfig
+    from pipeline.cache_build.driver import build_cache, run_shards_here
 
     shapes = Shapes(**{k: tuple(v) if isinstance(v, list) else v for k, v in shapes_dict.items()})
     config = CacheBuildConfig.from_flags(

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.build.shard_builder import plan_batches
-from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.cache_build.shard_builder import plan_batches
+from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
 from pipeline.target import load_target
 
 from _common import make_bench_target
@@ -169,7 +169,7 @@ def main():
         layer_ids=sizes.layer_ids, num_slots=sizes.num_slots, top_k=sizes.top_k, anchors_per_sequence=sizes.anchors
     )
 
-    from pipeline.build.vllm_runner import VllmTargetRunner
+    from pipeline.cache_build.vllm_runner import VllmTargetRunner
 
     start = time.perf_counter()
     runner = VllmTargetRunner(

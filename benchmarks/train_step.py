@@ -41,7 +41,7 @@ from pipeline.train.batching import CacheTrainDataset, StepSampler, TrainBatch, 
 from ray_jobs.cli import cache_cli
 from pipeline.train.methods import METHODS, ROLLOUT_METHODS
 from pipeline.train.labels import ObjectiveConfig
-from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
 from pipeline.target import load_target
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import build_drafter, forward_loss

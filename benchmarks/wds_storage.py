@@ -2,7 +2,7 @@
 disk next to the raw bf16 arrays, and read throughput, on the records of cache_build.py's
 benchmark target and corpus.
 
-One in-process build per feature codec writes the Zarr cache (pipeline.build.driver with
+One in-process build per feature codec writes the Zarr cache (pipeline.cache_build.driver with
 run_shards_here: no Ray); its records, shard by shard, are then written three more ways:
 WdsShardWriter tars (compressed, CRC32 per member), the same without the CRC, and the
 uncompressed `.npy` tars the build wrote before (a PAX CRC32 per member). Reads, one process,
@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 
 from _common import empty_workdir, make_bench_target, print_table, write_toy_corpus
 from cache_build import FULL, QUICK, build_config
-from pipeline.build.driver import build_cache, run_shards_here
+from pipeline.cache_build.driver import build_cache, run_shards_here
 from pipeline.train.methods import required_arrays
 from storage.format import SHARD_DIR, TARGET_HEAD_FILE, record_array_names
 from storage.manifest import save_manifest

@@ -1,7 +1,7 @@
 """The Ray side of `alrira-cache build`: a pool of target actors, each loading the target once
 and writing whole shards itself. Only `ShardSpec`s go out and `ShardRecord` metadata comes back
 (docs/design.md, "What crosses a process boundary"); the planning, resume and manifest are
-`pipeline.build.driver`'s.
+`pipeline.cache_build.driver`'s.
 
 Ownership: each build claims the directory (storage.ownership.claim_cache) before it touches it,
 and its actors publish a shard only while that claim holds. An actor that outlives its killed
@@ -38,10 +38,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
-from pipeline.build import driver
-from pipeline.build.config import CacheBuildConfig
-from pipeline.build.driver import ShardSpec
-from pipeline.build.shard_builder import ShardBuilder
+from pipeline.cache_build import driver
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.driver import ShardSpec
+from pipeline.cache_build.shard_builder import ShardBuilder
 from pipeline.target import target_hash
 from storage.errors import first_line
 from storage.format import shard_name

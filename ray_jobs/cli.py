@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.build.config import CacheBuildConfig
+from pipeline.cache_build.config import CacheBuildConfig
 from storage.errors import first_line
 from storage.location import is_url
 from pipeline.cli import config_from_flags, config_options, eval_compare, eval_run, eval_score, train_cli

@@ -50,7 +50,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 SHARD_DIR = "shards"
-CORPUS_DIR = "corpus"  # the tokenized corpus (pipeline/build/corpus.py), kept for resumes
+CORPUS_DIR = "corpus"  # the tokenized corpus (pipeline/cache_build/corpus.py), kept for resumes
 
 STORAGE_FORMATS = ("zarr", "wds")
 FEATURE_CODECS = ("bf16", "fp8")

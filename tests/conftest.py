@@ -72,7 +72,7 @@ def toy_corpus(tmp_path_factory) -> Path:
 def k7_cache(ray_address, toy_target, toy_corpus, tmp_path_factory) -> Path:
     """A small real cache (K = 7, taps [0, 2], 16 anchors per sequence) built once per session with
     the Ray job, for tests that need a trained drafter."""
-    from pipeline.build.config import CacheBuildConfig
+    from pipeline.cache_build.config import CacheBuildConfig
     from ray_jobs.build import build_cache
 
     cache = tmp_path_factory.mktemp("k7") / "cache"

@@ -52,7 +52,7 @@ def test_nothing_imports_ray_jobs():
 
 def test_training_never_imports_the_build_or_the_target():
     imported = _imported_modules("pipeline/train")
-    assert not {m for m in imported if m.startswith(("pipeline.build", "pipeline.target", "pipeline.eval", "pipeline.demo", "ray_jobs"))}
+    assert not {m for m in imported if m.startswith(("pipeline.cache_build", "pipeline.target", "pipeline.eval", "pipeline.demo", "ray_jobs"))}
 
 
 def _module_graph() -> dict[str, set[str]]:
@@ -103,7 +103,7 @@ def test_ray_jobs_imports_no_drafter_model():
         ("drafter", {"ray", "storage", "transformers"}),
         ("storage", {"ray", "transformers"}),
         ("pipeline.train", {"ray", "transformers"}),  # the trainer never loads the target
-        ("pipeline.train", {"pipeline.build", "pipeline.target", "ray_jobs"}),
+        ("pipeline.train", {"pipeline.cache_build", "pipeline.target", "ray_jobs"}),
     ],
 )
 def test_runtime_imports(module, forbidden):

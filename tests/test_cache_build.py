@@ -17,12 +17,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.build.config import CacheBuildConfig
-from pipeline.build.driver import build_cache as build_cache_here
-from pipeline.build.driver import run_shards_here
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.driver import build_cache as build_cache_here
+from pipeline.cache_build.driver import run_shards_here
 from ray_jobs.cli import cache_cli
-from pipeline.build.corpus import load_tokenized_corpus
-from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.cache_build.corpus import load_tokenized_corpus
+from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
 from pipeline.target import load_target
 from storage.format import SHARD_DIR
 from storage.manifest import load_manifest

@@ -13,10 +13,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.build.config import CacheBuildConfig
-from pipeline.build.shard_builder import ShardBuilder
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.shard_builder import ShardBuilder
 from ray_jobs.cli import cache_cli
-from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
 from pipeline.target import load_target
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import train

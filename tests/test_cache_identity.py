@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.build.config import CacheBuildConfig
+from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.target import read_target_head, target_hash
 from storage.manifest import load_manifest, load_target_head
 from storage.verify import verify_cache

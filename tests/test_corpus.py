@@ -9,7 +9,7 @@ import datasets
 import numpy as np
 import pytest
 
-from pipeline.build.corpus import (
+from pipeline.cache_build.corpus import (
     CorpusConfig,
     TokenizedCorpus,
     file_sha256,

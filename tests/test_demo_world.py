@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.build.corpus import CorpusConfig, ingest_corpus
+from pipeline.cache_build.corpus import CorpusConfig, ingest_corpus
 from pipeline.demo.world import (
     PROMPT_GROUPS,
     WorldConfig,

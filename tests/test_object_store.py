@@ -3,7 +3,7 @@ same guarantees as on a local disk, against a real S3 server (moto on 127.0.0.1,
 with real Zarr and tar objects.
 
 The cache-level tests (a build, resume, verify, training, the CLI) need storage/manifest.py,
-pipeline/build/shard_builder.py and ray_jobs/cli.py to reach the cache through storage.location;
+pipeline/cache_build/shard_builder.py and ray_jobs/cli.py to reach the cache through storage.location;
 until those files take store URLs they are skipped, saying so.
 """
 
@@ -143,8 +143,8 @@ def test_out_prefix_rules_and_cleanup_keep_user_objects(s3_prefix):
 
 
 def test_a_bad_out_is_refused_in_one_line_before_anything_is_written(toy_target, toy_corpus, s3_bucket, monkeypatch):
-    from pipeline.build.config import CacheBuildConfig
-    from pipeline.build.driver import build_cache, run_shards_here
+    from pipeline.cache_build.config import CacheBuildConfig
+    from pipeline.cache_build.driver import build_cache, run_shards_here
 
     resolve(s3_bucket).write_bytes("user/notes.txt", b"mine")
     cases = {
@@ -248,26 +248,26 @@ def test_a_listed_shard_missing_from_the_store_is_refused_when_opened(s3_prefix)
 
 
 def _pipeline_reaches_stores() -> bool:
-    """Whether storage/manifest.py, pipeline/build/shard_builder.py and ray_jobs/cli.py go through
+    """Whether storage/manifest.py, pipeline/cache_build/shard_builder.py and ray_jobs/cli.py go through
     storage.location (the diffs of issue 14); before that they make local paths of every --out and
     --cache."""
-    import pipeline.build.shard_builder
+    import pipeline.cache_build.shard_builder
     import ray_jobs.cli
 
-    modules = (storage.manifest, pipeline.build.shard_builder)
+    modules = (storage.manifest, pipeline.cache_build.shard_builder)
     return all(hasattr(module, "resolve") for module in modules) and hasattr(ray_jobs.cli, "is_url")
 
 
 needs_store_pipeline = pytest.mark.skipif(
     not _pipeline_reaches_stores(),
-    reason="storage/manifest.py, pipeline/build/shard_builder.py, ray_jobs/cli.py do not take store URLs yet (issue 14)",
+    reason="storage/manifest.py, pipeline/cache_build/shard_builder.py, ray_jobs/cli.py do not take store URLs yet (issue 14)",
 )
 
 
 def _build_here(target, corpus, out, *, run_shards=None, log=lambda line: None):
-    """The driver with shards computed in this process (pipeline.build.driver.run_shards_here)."""
-    from pipeline.build.config import CacheBuildConfig
-    from pipeline.build.driver import build_cache, run_shards_here
+    """The driver with shards computed in this process (pipeline.cache_build.driver.run_shards_here)."""
+    from pipeline.cache_build.config import CacheBuildConfig
+    from pipeline.cache_build.driver import build_cache, run_shards_here
 
     config = CacheBuildConfig.from_flags(target=str(target), corpus=str(corpus), out=str(out), **SMALL)
     return build_cache(config, run_shards=run_shards or run_shards_here, progress=False, log=log)
@@ -317,7 +317,7 @@ def test_a_cache_built_on_the_store_equals_one_built_on_disk(local_cache, store_
 def test_an_interrupted_store_build_resumes_to_the_same_cache(toy_target, toy_corpus, local_cache, s3_prefix, monkeypatch):
     """The build stops after its first shard with half of the second on the store (a killed
     writer's objects); the same command removes them, keeps the first, builds the rest."""
-    from pipeline.build.shard_builder import ShardBuilder
+    from pipeline.cache_build.shard_builder import ShardBuilder
 
     def run_one_shard_then_die(config, pending, publish, *, progress):
         builder = ShardBuilder(config)
@@ -328,11 +328,11 @@ def test_an_interrupted_store_build_resumes_to_the_same_cache(toy_target, toy_co
 
     with pytest.raises(RuntimeError, match="killed"):
         _build_here(toy_target, toy_corpus, s3_prefix, run_shards=run_one_shard_then_die)
-    import pipeline.build.driver
+    import pipeline.cache_build.driver
 
     logs = []
     with monkeypatch.context() as patch:  # the kept shard is checked by one listing, not downloaded
-        patch.setattr(pipeline.build.driver, "shard_checksum", _no_download)
+        patch.setattr(pipeline.cache_build.driver, "shard_checksum", _no_download)
         resumed = _build_here(toy_target, toy_corpus, s3_prefix, log=logs.append)
     assert any(line.startswith("removed 1 partial shard(s)") for line in logs), logs
     assert any(line.startswith("resuming: 1 of") for line in logs), logs
@@ -361,7 +361,7 @@ def test_a_store_resume_rebuilds_a_shard_whose_objects_changed_since_it_was_list
 
 @needs_store_pipeline
 def test_a_second_build_on_the_prefix_stops_the_first(toy_target, toy_corpus, local_cache, s3_prefix):
-    from pipeline.build.shard_builder import ShardBuilder
+    from pipeline.cache_build.shard_builder import ShardBuilder
 
     def run_shards_then_claimed(config, pending, publish, *, progress):
         builder = ShardBuilder(config)

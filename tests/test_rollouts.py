@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.build.rollouts import (
+from pipeline.cache_build.rollouts import (
     TargetRunConfig,
     TargetSequence,
     anchor_pool,

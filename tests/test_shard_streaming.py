@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pipeline.build.shard_builder as shard_builder
+import pipeline.cache_build.shard_builder as shard_builder
 import storage.shards
-from pipeline.build.config import CacheBuildConfig
-from pipeline.build.driver import build_cache
-from pipeline.build.shard_builder import ShardBuilder, plan_batches
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.driver import build_cache
+from pipeline.cache_build.shard_builder import ShardBuilder, plan_batches
 from storage.format import SHARD_DIR
 from storage.manifest import load_manifest
 from storage.shards import ShardSize, ShardWriter, read_shard_records, shard_checksum, write_shard

@@ -13,7 +13,7 @@ import torch
 
 from drafter.checkpoint import load_drafter
 from pipeline.train.batching import steps_per_epoch
-from pipeline.build.config import CacheBuildConfig
+from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.train.methods import METHODS
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import lr_at, train

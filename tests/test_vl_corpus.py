@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.build.corpus import (
+from pipeline.cache_build.corpus import (
     IMAGES_FILE,
     CorpusConfig,
     corpus_vision_inputs,

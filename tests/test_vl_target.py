@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from pipeline.build.config import CacheBuildConfig, vision_cache_settings
-from pipeline.build.corpus import CorpusConfig, corpus_vision_inputs, ingest_corpus
-from pipeline.build.rollouts import TargetRunConfig, reference_rollout, run_target_batch
-from pipeline.build.vllm_runner import VllmTargetRunner
+from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
+from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs, ingest_corpus
+from pipeline.cache_build.rollouts import TargetRunConfig, reference_rollout, run_target_batch
+from pipeline.cache_build.vllm_runner import VllmTargetRunner
 from pipeline.target import load_target, load_tokenizer, read_target_config, read_target_head, tapped_features, target_hash
 from pipeline.vision import DEFAULT_VL_SYSTEM_PROMPT, load_image_processor, mm_token_type_ids
 from storage.manifest import CacheSettings

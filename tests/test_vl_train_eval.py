@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-import pipeline.build.driver as driver
+import pipeline.cache_build.driver as driver
 from drafter.checkpoint import load_drafter
-from pipeline.build.corpus import load_tokenized_corpus
+from pipeline.cache_build.corpus import load_tokenized_corpus
 from pipeline.eval.evaluate import EvalConfig, eval_prompts, run_eval
 from pipeline.eval.speculative import autoregressive_decode, speculative_decode
 from pipeline.eval.tree import tree_speculative_decode
@@ -161,10 +161,10 @@ def test_image_prompts_decode_losslessly_against_generate(vl_target, alr_ira_run
 
 @pytest.mark.skipif(
     "vision_cache_settings" not in inspect.getsource(driver),
-    reason="pipeline/build/driver.py and shard_builder.py do not pass the vision inputs on yet (docs/vision.md)",
+    reason="pipeline/cache_build/driver.py and shard_builder.py do not pass the vision inputs on yet (docs/vision.md)",
 )
 def test_the_build_driver_writes_the_same_vl_cache(vl_target, vl_corpus, vl_cache, tmp_path):
-    from pipeline.build.config import CacheBuildConfig
+    from pipeline.cache_build.config import CacheBuildConfig
 
     out = tmp_path / "cache"
     config = CacheBuildConfig.from_flags(target=str(vl_target), corpus=str(vl_corpus), out=str(out), **BUILD_FLAGS)

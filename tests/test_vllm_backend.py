@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
 from pipeline.target import load_target, read_target_config
-from pipeline.build.vllm_runner import _lowest_id_first, _topk_from_flat
+from pipeline.cache_build.vllm_runner import _lowest_id_first, _topk_from_flat
 
 LAYERS = [0, 2]
 PROB_ATOL = 5e-6  # probabilities / tails: measured <= 2.3e-6
@@ -98,7 +98,7 @@ def hf_outputs(toy_target, sequences, config):
 @pytest.fixture(scope="module")
 def runner(toy_target, config, hf_outputs, tmp_path_factory):
     # hf_outputs first: the in-process vLLM engine pins torch's threads and seeds the global RNGs.
-    from pipeline.build.vllm_runner import VllmTargetRunner
+    from pipeline.cache_build.vllm_runner import VllmTargetRunner
 
     with VllmTargetRunner(
         toy_target, run_config=config, dtype="float32", workdir=tmp_path_factory.mktemp("vllm")
@@ -203,7 +203,7 @@ def test_other_taps_are_refused(runner, config):
 
 
 def _has_backend_option() -> bool:
-    from pipeline.build.config import CacheBuildConfig
+    from pipeline.cache_build.config import CacheBuildConfig
     from pipeline.config import flag_name, leaf_fields
 
     return "backend" in {flag_name(f) for f, _ in leaf_fields(CacheBuildConfig)}
@@ -213,7 +213,7 @@ def _has_backend_option() -> bool:
 @needs_vllm
 @pytest.mark.skipif(not _has_backend_option(), reason="CacheBuildConfig has no backend option")
 def test_vllm_cache_equals_hf_cache(ray_address, toy_target, toy_corpus, tmp_path):
-    from pipeline.build.config import CacheBuildConfig
+    from pipeline.cache_build.config import CacheBuildConfig
     from ray_jobs.build import build_cache
     from storage.reader import open_cache
 

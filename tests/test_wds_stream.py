@@ -32,8 +32,8 @@ SHARD_SIZES = [2, 2, 2, 2]  # 4 shards: one per (rank, worker) under 2 ranks x 2
 
 
 def _build(target: Path, corpus: Path, out: Path, **flags) -> Path:
-    from pipeline.build.config import CacheBuildConfig
-    from pipeline.build.driver import build_cache, run_shards_here
+    from pipeline.cache_build.config import CacheBuildConfig
+    from pipeline.cache_build.driver import build_cache, run_shards_here
 
     config = CacheBuildConfig.from_flags(
         target=str(target), corpus=str(corpus), out=str(out), layers=[0, 2], anchors=8, top_k=4, max_length=128,

@@ -154,16 +154,16 @@ def mixed_vl_rows() -> list[dict]:
 
 
 def build_vl_cache(target: Path, corpus: Path, out: Path, **flags) -> Path:
-    """A cache built in this process from the build's parts, as pipeline.build.driver does once it
+    """A cache built in this process from the build's parts, as pipeline.cache_build.driver does once it
     passes the vision inputs on (docs/vision.md, "Stage 1"): settings with vision_cache_settings,
     the corpus tokenized with the image processor, shards from TokenizedCorpus.target_sequence."""
     import dataclasses
 
-    from pipeline.build.config import CacheBuildConfig, vision_cache_settings
-    from pipeline.build.corpus import corpus_vision_inputs, ingest_corpus, load_tokenized_corpus, save_tokenized_corpus
-    from pipeline.build.driver import cache_settings, resolve_layer_ids
-    from pipeline.build.rollouts import run_target_batch
-    from pipeline.build.shard_builder import outputs_to_record, plan_batches
+    from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
+    from pipeline.cache_build.corpus import corpus_vision_inputs, ingest_corpus, load_tokenized_corpus, save_tokenized_corpus
+    from pipeline.cache_build.driver import cache_settings, resolve_layer_ids
+    from pipeline.cache_build.rollouts import run_target_batch
+    from pipeline.cache_build.shard_builder import outputs_to_record, plan_batches
     from pipeline.target import load_target, load_tokenizer, read_generation_config, read_target_config, read_target_head, stop_token_ids
     from storage.format import CORPUS_DIR
     from storage.manifest import Manifest, save_manifest, save_target_head

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.build.corpus import render_sequence
+from pipeline.cache_build.corpus import render_sequence
 from pipeline.demo.toy import DEFAULT_WORDS, make_toy_target
 
 WORLD_FILE = "world.json"
@@ -251,7 +251,7 @@ class TokenBatch:
 
 
 def tokenize_conversations(tokenizer, conversations: list[list[dict[str, str]]]) -> TokenBatch:
-    """Render with the chat template (pipeline.build.corpus, the same loss masks stage 1 uses) and pad."""
+    """Render with the chat template (pipeline.cache_build.corpus, the same loss masks stage 1 uses) and pad."""
     sequences = [render_sequence(tokenizer, messages, max_length=4096) for messages in conversations]
     length = max(len(ids) for ids, _ in sequences)
     input_ids = torch.full((len(sequences), length), tokenizer.pad_token_id, dtype=torch.long)  # [B, S]

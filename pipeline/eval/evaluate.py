@@ -137,7 +137,7 @@ def load_prompts(
 ) -> list[EvalPrompt]:  # fmt: skip
     """Render every row (or the first max_prompts) of a prompts file with the target chat template;
     with `vision`, a row's image goes first in its user turn and its `<|image_pad|>` is expanded
-    to the image's tokens, as in the corpus (pipeline/build/corpus.py)."""
+    to the image's tokens, as in the corpus (pipeline/cache_build/corpus.py)."""
     default_group = Path(path).stem
     locate = row_locator(path)
     system_prompt = effective_system_prompt(system_prompt, vision=vision)

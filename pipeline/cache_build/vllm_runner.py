@@ -2,7 +2,7 @@
 
 Where each output comes from (docs/vllm.md has the full account):
 - features: the tapped layers' hidden states of the prompt tokens, saved by vLLM's
-  `extract_hidden_states` method through `SyncHiddenStatesConnector` (pipeline/build/vllm_connector.py).
+  `extract_hidden_states` method through `SyncHiddenStatesConnector` (pipeline/cache_build/vllm_connector.py).
   vLLM layer id L is HF `hidden_states[L]`, so tap `id` asks vLLM for `id + 1`.
 - corpus_topk_* / corpus_next_prob: one request per sequence with `prompt_logprobs = top_k`.
   vLLM's prompt_logprobs[t] is the distribution predicting token t, so it is shifted by one; the
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.build.rollouts import TargetOutputs, TargetRunConfig, TargetSequence, anchor_pool
+from pipeline.cache_build.rollouts import TargetOutputs, TargetRunConfig, TargetSequence, anchor_pool
 from pipeline.vision import is_vision_target
 
 _FLUSH_TIMEOUT_S = 600.0  # how long to wait for hidden-state files before giving up
@@ -110,7 +110,7 @@ class VllmTargetRunner:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        from pipeline.build.vllm_connector import CONNECTOR_NAME, MODULE_PATH
+        from pipeline.cache_build.vllm_connector import CONNECTOR_NAME, MODULE_PATH
 
         engine_args = dict(engine_args or {})
         clash = sorted(set(engine_args) & _ENGINE_KEYS)

@@ -1,6 +1,6 @@
 """The work of one shard: load the target once, then compute whole shards of the tokenized corpus.
 
-`ray_jobs.build` runs `ShardBuilder.build` on a pool of Ray actors; `pipeline.build.driver`
+`ray_jobs.build` runs `ShardBuilder.build` on a pool of Ray actors; `pipeline.cache_build.driver`
 plans the shards. Everything here also runs in a plain process (tests, benchmarks, one shard).
 """
 
@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from pipeline.build.config import CacheBuildConfig
-from pipeline.build.corpus import corpus_vision_inputs, load_tokenized_corpus
-from pipeline.build.rollouts import TargetSequence, anchor_pool_size, run_target_batch
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.corpus import corpus_vision_inputs, load_tokenized_corpus
+from pipeline.cache_build.rollouts import TargetSequence, anchor_pool_size, run_target_batch
 from pipeline.target import load_target
 from storage.codecs import encode_features
 from storage.format import ALL_GROUPS, CORPUS_DIR, record_array_names
@@ -87,12 +87,12 @@ class ShardBuilder:
 
     def __init__(self, config: CacheBuildConfig):
         if config.run.layer_ids is None:
-            raise ValueError("ShardBuilder needs resolved taps (pipeline.build.driver.resolve_layer_ids)")
+            raise ValueError("ShardBuilder needs resolved taps (pipeline.cache_build.driver.resolve_layer_ids)")
         self.config = config
         torch.set_num_threads(config.compute.cpus_per_worker)
         device, dtype = config.compute.device_and_dtype()
         if config.compute.backend == "vllm":
-            from pipeline.build.vllm_runner import VllmTargetRunner
+            from pipeline.cache_build.vllm_runner import VllmTargetRunner
 
             runner = VllmTargetRunner(
                 config.target,

@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pipeline.build.corpus import CorpusConfig, corpus_vision_inputs, effective_system_prompt
-from pipeline.build.rollouts import TargetRunConfig
+from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs, effective_system_prompt
+from pipeline.cache_build.rollouts import TargetRunConfig
 from pipeline.config import from_flags, group, opt
 from storage.format import FEATURE_CODECS, STORAGE_FORMATS
 
@@ -125,7 +125,7 @@ class CacheBuildConfig:
     from_flags = classmethod(from_flags)
 
     def with_taps(self, layer_ids: list[int]) -> CacheBuildConfig:
-        """This config with its taps resolved (pipeline.build.driver.resolve_layer_ids)."""
+        """This config with its taps resolved (pipeline.cache_build.driver.resolve_layer_ids)."""
         return replace(self, run=replace(self.run, layer_ids=list(layer_ids)))
 
     @property
@@ -146,7 +146,7 @@ def vision_cache_settings(config: CacheBuildConfig) -> dict:
     "vision"; docs/vision.md), only those that are set: {} for a text target without
     --system-prompt, whose settings (and manifest) stay as they were. Refuses --backend vllm for a
     vision-language target before anything is written."""
-    from pipeline.build.vllm_runner import check_vllm_target
+    from pipeline.cache_build.vllm_runner import check_vllm_target
 
     vision = corpus_vision_inputs(config.target, config.corpus)
     if vision is not None and config.compute.backend == "vllm":

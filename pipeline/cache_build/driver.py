@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pipeline
 from drafter.config import default_target_layer_ids
-from pipeline.build.config import CacheBuildConfig, vision_cache_settings
-from pipeline.build.corpus import (
+from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
+from pipeline.cache_build.corpus import (
     CORPUS_FILES,
     corpus_vision_inputs,
     file_sha256,
@@ -256,7 +256,7 @@ def _build_claimed(
 
 def run_shards_here(config: CacheBuildConfig, pending: list[ShardSpec], publish, *, progress: bool = True) -> None:
     """Compute the shards one after another in this process (no Ray)."""
-    from pipeline.build.shard_builder import ShardBuilder
+    from pipeline.cache_build.shard_builder import ShardBuilder
 
     builder = ShardBuilder(config)
     for spec in pending:

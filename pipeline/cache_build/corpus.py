@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.build.rollouts import TargetSequence
+from pipeline.cache_build.rollouts import TargetSequence
 from pipeline.chat import CorpusError, iter_corpus_rows, normalize_row, row_locator
 from pipeline.config import group, opt
 from pipeline.vision import (

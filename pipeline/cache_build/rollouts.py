@@ -46,7 +46,7 @@ class TargetRunConfig:
         "--no-rollouts also leaves out the rollout features. The anchor pool is stored either way.",
         default=True,
     )
-    # Resolved from the taps settings by the build (pipeline/build/driver.py), not a flag.
+    # Resolved from the taps settings by the build (pipeline/cache_build/driver.py), not a flag.
     layer_ids: list[int] | None = field(default=None, metadata={"cli": False})
 
     def __post_init__(self):
