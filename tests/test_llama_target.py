@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -15,9 +16,10 @@ from click.testing import CliRunner
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.corpus import render_sequence
 from pipeline.cache_build.driver import build_cache, resolve_build_mask_token_id, run_shards_here
+from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, reference_rollout, run_target_batch
 from pipeline.demo.toy import make_toy_llama_target
 from pipeline.eval.evaluate import EvalConfig, render_prompt, run_eval
-from pipeline.target import load_tokenizer, read_generation_config, stop_token_ids
+from pipeline.target import load_target, load_tokenizer, read_generation_config, stop_token_ids
 from pipeline.train import TrainConfig, train
 from ray_jobs.cli import cache_cli
 from storage.manifest import load_manifest, load_target_head
@@ -69,6 +71,25 @@ def test_chat_format_stop_ids_and_loss_mask(style, llama_target, smollm2_target)
     assert tokenizer.convert_ids_to_tokens(prompt)[-len(header) :] == header
     plain = tokenizer.apply_chat_template(CONVERSATION[:2], tokenize=False, add_generation_prompt=True)
     assert prompt == tokenizer(plain, add_special_tokens=False)["input_ids"]
+
+
+def test_batched_rollouts_of_a_llama_target_equal_plain_forwards(llama_target):
+    """The shared-KV rollouts with their 4-D branch mask (a config without layer_types takes the
+    tensor itself) against step-by-step full forwards, on padded sequences of a tied GQA target."""
+    model = load_target(llama_target, dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    sequences = []
+    for row, length in enumerate([40, 27]):
+        loss_mask = np.zeros(length, np.uint8)
+        loss_mask[8:] = 1
+        sequences.append(TargetSequence(source_row=row, input_ids=rng.integers(0, 200, length), loss_mask=loss_mask))
+    config = TargetRunConfig(layer_ids=[0, 2], anchors_per_sequence=3, top_k=4, num_slots=7, seed=3)
+    for seq, out in zip(sequences, run_target_batch(model, sequences, config)):
+        for j, anchor in enumerate(out.anchor_pos.tolist()):
+            ref = reference_rollout(model, seq.input_ids, anchor=anchor, config=config)
+            assert torch.equal(ref["rollout_tokens"], out.rollout_tokens[j])
+            torch.testing.assert_close(out.rollout_topk_probs[j], ref["rollout_topk_probs"], atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(out.rollout_features[j], ref["rollout_features"], atol=1e-4, rtol=1e-4)
 
 
 def test_a_full_embedding_without_mask_token_is_one_line_naming_the_flag(ray_address, smollm2_target, toy_corpus, tmp_path):
