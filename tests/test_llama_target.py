@@ -78,11 +78,10 @@ def test_batched_rollouts_of_a_llama_target_equal_plain_forwards(llama_target):
     tensor itself) against step-by-step full forwards, on padded sequences of a tied GQA target."""
     model = load_target(llama_target, dtype=torch.float32)
     rng = np.random.default_rng(0)
-    sequences = []
-    for row, length in enumerate([40, 27]):
-        loss_mask = np.zeros(length, np.uint8)
-        loss_mask[8:] = 1
-        sequences.append(TargetSequence(source_row=row, input_ids=rng.integers(0, 200, length), loss_mask=loss_mask))
+    sequences = [
+        TargetSequence(source_row=row, input_ids=rng.integers(0, 200, n), loss_mask=(np.arange(n) >= 8).astype(np.uint8))
+        for row, n in enumerate([40, 27])
+    ]
     config = TargetRunConfig(layer_ids=[0, 2], anchors_per_sequence=3, top_k=4, num_slots=7, seed=3)
     for seq, out in zip(sequences, run_target_batch(model, sequences, config)):
         for j, anchor in enumerate(out.anchor_pos.tolist()):

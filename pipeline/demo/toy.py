@@ -7,7 +7,9 @@ deterministic in its seed and loads back offline with AutoModelForCausalLM/AutoT
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -135,7 +137,10 @@ def make_toy_target(
     scales lm_head to std PEAKED_LM_HEAD_STD so they look more like a trained model's (mean top-1
     probability ~0.5, top-8 mass ~0.9), which gives greedy rollouts and gates something to measure.
     With tied embeddings this scales the input embeddings too."""
-    _check_heads(head_dim=head_dim, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
+    ToyShape(  # refuses a shape vLLM cannot serve
+        hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+    )  # fmt: skip
     tokenizer = make_toy_tokenizer(words)
     config = Qwen3Config(
         vocab_size=toy_vocab_size(len(tokenizer)),
@@ -156,14 +161,25 @@ def make_toy_target(
     return _save_toy_model(Qwen3ForCausalLM, config, tokenizer, Path(out_dir), seed=seed, peaked=peaked)
 
 
-def _check_heads(*, head_dim: int, num_attention_heads: int, num_key_value_heads: int) -> None:
-    if head_dim < 32:
-        raise ValueError(f"head_dim must be >= 32 (vLLM's CPU attention needs it), got {head_dim}")
-    if num_attention_heads % num_key_value_heads != 0:
-        raise ValueError(
-            f"num_attention_heads ({num_attention_heads}) must be a multiple of "
-            f"num_key_value_heads ({num_key_value_heads})"
-        )
+@dataclass(kw_only=True)
+class ToyShape:
+    """A toy decoder's sizes (make_toy_llama_target; make_toy_target takes them one by one)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 32
+    intermediate_size: int = 128
+
+    def __post_init__(self):
+        if self.head_dim < 32:
+            raise ValueError(f"head_dim must be >= 32 (vLLM's CPU attention needs it), got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
 
 
 def _save_toy_model(model_class, config, tokenizer, out_dir: Path, *, seed: int, peaked: bool, generation_config=None) -> Path:
@@ -242,12 +258,7 @@ def make_toy_llama_target(
     *,
     chat_style: str = "llama3",
     words: list[str] | None = None,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 4,
-    num_attention_heads: int = 2,
-    num_key_value_heads: int = 1,
-    head_dim: int = 32,
-    intermediate_size: int = 128,
+    shape: ToyShape | None = None,
     seed: int = 0,
     tie_word_embeddings: bool = True,
     peaked: bool = False,
@@ -259,7 +270,7 @@ def make_toy_llama_target(
     identical files; `peaked` as in make_toy_target."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    _check_heads(head_dim=head_dim, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
+    shape = ToyShape() if shape is None else shape
     tokenizer = make_toy_llama_tokenizer(words, chat_style=chat_style)
     llama3 = chat_style == "llama3"
     ids = tokenizer.convert_tokens_to_ids
@@ -271,12 +282,7 @@ def make_toy_llama_target(
     )  # fmt: skip
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
+        **dataclasses.asdict(shape),
         max_position_embeddings=4096,
         rope_parameters=rope,
         rms_norm_eps=1e-5,
