@@ -395,10 +395,20 @@ def test_a_build_on_the_store_removes_its_node_local_copies(ray_address, toy_tar
         target=str(toy_target), corpus=str(toy_corpus), out=out, layers=[0, 2], anchors=6, top_k=4, max_length=128,
         shard_size=4, num_slots=5, workers=1,
     )  # fmt: skip
-    manifest = build_cache(config, progress=False, log=lambda line: None)
-    assert manifest.is_complete
+    planted = Path(tempfile.gettempdir()) / LOCAL_COPIES_DIR / "0123456789abcdef0123456789abcdef"
+    planted.mkdir(parents=True)  # a copy this build did not make
+    assert build_cache(config, progress=False, log=lambda line: None).is_complete
     keys = resolve(f"{out}/corpus").object_tags()
     digest = hashlib.sha256(json.dumps([f"{out}/corpus", keys]).encode()).hexdigest()[:32]
-    # The driver's copy (this process's temp dir) and the worker's (the raylet's: /tmp) are gone.
-    for temp in {tempfile.gettempdir(), "/tmp", os.environ.get("TMPDIR", "/tmp")}:
+    # The driver's copy (in this process's temp dir) and the worker's (the raylet's, /tmp) are gone.
+    worker_temp = ray_worker_temp_dir()
+    for temp in (tempfile.gettempdir(), worker_temp):
         assert not (Path(temp) / LOCAL_COPIES_DIR / digest).exists(), temp
+    assert planted.is_dir()
+    planted.rmdir()
+
+
+def ray_worker_temp_dir() -> str:
+    import ray
+
+    return ray.get(ray.remote(num_cpus=0)(tempfile.gettempdir).remote())
