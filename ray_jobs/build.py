@@ -46,7 +46,7 @@ from pipeline.cache_build.shard_builder import ShardBuilder
 from pipeline.target import target_hash
 from storage.errors import first_line
 from storage.format import shard_name
-from storage.location import is_url, remove_local_copies
+from storage.location import env_seconds, is_url, remove_local_copies
 from storage.manifest import Manifest, ShardRecord
 from storage.ownership import CacheOwnershipLost
 
@@ -145,17 +145,6 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
         remove_local_copies()  # the driver's node-local copies of the store corpus (its workers remove theirs)
 
 
-def ray_connect_timeout_s() -> float:
-    text = os.environ.get(RAY_CONNECT_TIMEOUT_ENV, "")
-    try:
-        timeout = float(text) if text else DEFAULT_RAY_CONNECT_TIMEOUT_S
-    except ValueError:
-        timeout = -1.0
-    if not 0 < timeout < float("inf"):
-        raise ValueError(f"{RAY_CONNECT_TIMEOUT_ENV}={text}: expected a positive number of seconds")
-    return timeout
-
-
 def connect_ray(address: str | None) -> None:
     """Join the cluster at `address` (None: $RAY_ADDRESS when set, as under `ray job submit`, else a
     new local one), after probe_ray_address: ray.init retries an address where nothing answers
@@ -165,7 +154,7 @@ def connect_ray(address: str | None) -> None:
     flag = "--ray-address" if address else "$RAY_ADDRESS"
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        probe_ray_address(address, flag=flag, timeout=ray_connect_timeout_s())
+        probe_ray_address(address, flag=flag, timeout=env_seconds(RAY_CONNECT_TIMEOUT_ENV, DEFAULT_RAY_CONNECT_TIMEOUT_S))
     ray.init(address=address, logging_level="WARNING", include_dashboard=False)
 
 
@@ -178,10 +167,12 @@ def probe_ray_address(address: str, *, flag: str, timeout: float) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as error:
-        reason = "timed out" if isinstance(error, TimeoutError) else (error.strerror or first_line(error))
+        if isinstance(error, TimeoutError):
+            reason = f"within {timeout:g}s; a longer wait: ${RAY_CONNECT_TIMEOUT_ENV}"
+        else:
+            reason = error.strerror or first_line(error)
         raise ValueError(
-            f"{flag} {address}: no Ray cluster answers there within {timeout:g}s ({reason}); start one "
-            f"(`ray start --head`) or fix the address (a longer wait: ${RAY_CONNECT_TIMEOUT_ENV})"
+            f"{flag} {address}: no Ray cluster answers there ({reason}); start one (`ray start --head`) or fix the address"
         ) from None
 
 

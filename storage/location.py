@@ -39,16 +39,21 @@ DEFAULT_STORE_TIMEOUT_S = 60.0
 S3FS_ATTEMPTS, BOTOCORE_ATTEMPTS = 3, 2  # s3fs retries a timed-out call, botocore each request
 
 
-def store_timeout_s() -> float:
-    """$ALRIRA_STORE_TIMEOUT_S, or the default; ValueError naming it when it is not a positive number."""
-    text = os.environ.get(STORE_TIMEOUT_ENV, "")
+def env_seconds(name: str, default: float) -> float:
+    """The number of seconds in environment variable `name` (`default` when unset); ValueError
+    naming it when it is not a positive finite number."""
+    text = os.environ.get(name, "")
     try:
-        timeout = float(text) if text else DEFAULT_STORE_TIMEOUT_S
+        seconds = float(text) if text else default
     except ValueError:
-        timeout = -1.0
-    if not 0 < timeout < float("inf"):
-        raise ValueError(f"{STORE_TIMEOUT_ENV}={text}: expected a positive number of seconds")
-    return timeout
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{name}={text}: expected a positive number of seconds")
+    return seconds
+
+
+def store_timeout_s() -> float:
+    return env_seconds(STORE_TIMEOUT_ENV, DEFAULT_STORE_TIMEOUT_S)
 
 
 def refuse_userinfo(url: str | os.PathLike, *, flag: str | None = None) -> None:
@@ -427,7 +432,10 @@ class StorePrefix:
                 raise
             # s3fs's read timeout, a missing bucket: the same error (a FileNotFoundError stays one), naming the object
             kind = type(error) if type(error).__module__ == "builtins" else OSError  # a client's own takes other arguments
-            raise kind(error.errno or errno.EIO, error.strerror or first_line(error), self.join(relative)) from None
+            text = error.strerror or first_line(error)
+            if "Timeout" in type(error).__name__ or isinstance(error, TimeoutError):
+                text += f" (no answer within {STORE_TIMEOUT_ENV}={store_timeout_s():g}s, all retries included)"
+            raise kind(error.errno or errno.EIO, text, self.join(relative)) from None
         except ValueError:
             raise
         except Exception as error:  # the client's own errors (botocore, aiohttp): one line naming the object
