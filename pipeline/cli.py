@@ -7,6 +7,8 @@ Options are generated from the typed config dataclasses, nested configs flattene
 
 from __future__ import annotations
 
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -16,6 +18,26 @@ import click
 from pipeline.config import flag_name, from_flags, is_required, leaf_fields
 from pipeline.eval.evaluate import EvalConfig
 from pipeline.train.config import TrainConfig
+from storage.errors import first_line
+from storage.local_cache import check_local_cache_root
+from storage.location import is_url, refuse_userinfo
+
+# torch's DataLoader: a worker that died without a Python error (SIGKILL, the OOM killer) ...
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:exited unexpectedly|is killed by signal)")
+# ... and one whose code raised, re-raised in the main process with the worker's traceback.
+_WORKER_RAISED = re.compile(r"^Caught \w+ in DataLoader worker process (\d+)\.")
+
+
+class FiniteFloat(click.ParamType):
+    """A float flag: `inf` and `nan`, which click's FLOAT takes, are refused in one line."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 def _parse_int_list(value):
@@ -46,8 +68,9 @@ def config_options(cls):
             elif typing.get_origin(base) is list:
                 opt = click.option(flag, name, default=None, callback=lambda c, p, v: _parse_int_list(v), help=help_text)
             else:
+                kind = FiniteFloat() if base is float else base
                 opt = click.option(
-                    flag, name, type=base, required=required, default=default, show_default=not required, help=help_text
+                    flag, name, type=kind, required=required, default=default, show_default=not required, help=help_text
                 )
             func = opt(func)
         return func
@@ -56,10 +79,31 @@ def config_options(cls):
 
 
 def config_from_flags(cls, kwargs):
+    """The config of a command's flags; a URL with credentials in any flag is refused, redacted
+    (docs/failure-modes.md), before the config (and train_config.json, logs) could hold it."""
     try:
+        for name, value in kwargs.items():
+            refuse_userinfo(value, flag="--" + name.replace("_", "-"))
         return from_flags(cls, **kwargs)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+
+
+def one_line_error(error: BaseException) -> str:
+    """What a user reads of an error raised in training: its first line (userinfo redacted); for an
+    error of a DataLoader worker, which worker and the worker's own error, not torch's wrapping."""
+    text = str(error)
+    died = _WORKER_DIED.search(text)
+    if died:
+        return (
+            f"DataLoader worker (pid {died.group(1)}) died (killed, or out of memory); the checkpoints in --out "
+            "are kept: rerun the same command with --resume to continue from the last one"
+        )
+    raised = _WORKER_RAISED.match(text)
+    if raised:
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        return f"DataLoader worker {raised.group(1)}: {first_line(ValueError(lines[-1].split(': ', 1)[-1]))}"
+    return first_line(error)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,10 +116,17 @@ def train_cli(**kwargs):
     from pipeline.train.loop import format_summary, train
 
     config = config_from_flags(TrainConfig, kwargs)
+    loader = config.loader
     try:
+        if loader.kind == "stream" and loader.local_cache_gib > 0 and is_url(config.cache):
+            check_local_cache_root(loader.local_cache_root, flag="--local-cache-dir")
         summary = train(config)
-    except ValueError as error:
-        raise click.ClickException(str(error)) from None
+    except (ValueError, OSError) as error:  # bad input, a failing store or disk: one line, no traceback
+        raise click.ClickException(one_line_error(error)) from None
+    except RuntimeError as error:
+        if not (_WORKER_DIED.search(str(error)) or _WORKER_RAISED.match(str(error))):
+            raise
+        raise click.ClickException(one_line_error(error)) from None
     if "final_loss" in summary:
         click.echo(format_summary(summary), err=True)
 

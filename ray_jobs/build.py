@@ -30,6 +30,7 @@ import functools
 import hashlib
 import itertools
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -45,7 +46,7 @@ from pipeline.cache_build.shard_builder import ShardBuilder
 from pipeline.target import target_hash
 from storage.errors import first_line
 from storage.format import shard_name
-from storage.location import is_url
+from storage.location import env_seconds, is_url, remove_local_copies
 from storage.manifest import Manifest, ShardRecord
 from storage.ownership import CacheOwnershipLost
 
@@ -53,6 +54,11 @@ MAX_SHARD_ATTEMPTS = 3  # a shard whose worker died this many times stops the bu
 ACTOR_NAMESPACE = "alrira-cache"  # every build's actors are named in it, after their --out
 RESOURCE_WAIT_S = 300.0  # how long a build waits for CPUs/GPUs held by others before it gives up
 ACTOR_EXIT_WAIT_S = 60.0  # how long to wait for killed actors to be gone
+# How long joining a Ray cluster may take before the build gives up in one line (ray.init itself
+# retries an address where nothing answers for minutes).
+RAY_CONNECT_TIMEOUT_ENV = "ALRIRA_RAY_CONNECT_TIMEOUT_S"
+DEFAULT_RAY_CONNECT_TIMEOUT_S = 30.0
+COPY_CLEANUP_WAIT_S = 10.0  # how long the end of a build waits for its workers to remove their copies
 
 
 @ray.remote
@@ -64,8 +70,14 @@ class CacheWorker:
     a worker death, which would be retried)."""
 
     def __init__(self, config: CacheBuildConfig, driver_target_hash: str):
-        self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=this_node())
-        self.builder = None if self.problem else ShardBuilder(config)
+        node = this_node()
+        self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=node)
+        self.builder = None
+        if not self.problem:
+            try:
+                self.builder = ShardBuilder(config)
+            except (OSError, ValueError) as error:  # e.g. a node without the store's credentials
+                self.problem = worker_problem(config, error, node=node)
 
     def build(self, spec: ShardSpec) -> tuple[ShardRecord, str]:
         """The shard's record and the node that wrote it (this_node)."""
@@ -76,6 +88,19 @@ class CacheWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def remove_local_copies(self) -> int:
+        """Remove the node-local store copies this actor made (storage.location.local_copy)."""
+        return len(remove_local_copies())
+
+
+def worker_problem(config: CacheBuildConfig, error: Exception, *, node: str) -> str:
+    """The one line of a worker that could not start: the node and the real cause first, and for a
+    store the usual reason (docs/cluster.md: every node needs the store's AWS_* environment)."""
+    line = f"node {node}: {first_line(error)}"
+    if isinstance(error, OSError) and any(is_url(where) for where in (config.out, config.corpus)):
+        line += "; every node needs the store's credentials and endpoint in its environment (AWS_ACCESS_KEY_ID, ...)"
+    return line
 
 
 def target_problem(target: str, *, driver_target_hash: str, node: str) -> str | None:
@@ -102,9 +127,7 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
     """Build or resume the cache described by `config` on a Ray cluster; returns the final manifest.
     --workers-per-node pins that many actors to every node instead of --workers (plan_pool)."""
     workers_per_node = config.compute.workers_per_node
-    if not ray.is_initialized():
-        # address None (no --ray-address) joins $RAY_ADDRESS when set, as under `ray job submit`.
-        ray.init(address=config.compute.ray_address, logging_level="WARNING", include_dashboard=False)
+    connect_ray(config.compute.ray_address)
     placements = plan_pool(config.compute, workers_per_node=workers_per_node)
     check_capacity(config.compute, len(placements))
     if workers_per_node is not None:
@@ -116,7 +139,41 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
     # which the driver removes before it plans. Wait for the pool's resources first.
     _wait_for_resources(config.compute, len(placements), log=log)
     run_shards = functools.partial(run_shards_on_ray, placements=placements, log=log)
-    return driver.build_cache(config, run_shards=run_shards, progress=progress, log=log)
+    try:
+        return driver.build_cache(config, run_shards=run_shards, progress=progress, log=log)
+    finally:
+        remove_local_copies()  # the driver's node-local copies of the store corpus (its workers remove theirs)
+
+
+def connect_ray(address: str | None) -> None:
+    """Join the cluster at `address` (None: $RAY_ADDRESS when set, as under `ray job submit`, else a
+    new local one), after probe_ray_address: ray.init retries an address where nothing answers
+    for minutes."""
+    if ray.is_initialized():
+        return
+    flag = "--ray-address" if address else "$RAY_ADDRESS"
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        probe_ray_address(address, flag=flag, timeout=env_seconds(RAY_CONNECT_TIMEOUT_ENV, DEFAULT_RAY_CONNECT_TIMEOUT_S))
+    ray.init(address=address, logging_level="WARNING", include_dashboard=False)
+
+
+def probe_ray_address(address: str, *, flag: str, timeout: float) -> None:
+    """ValueError in one line when no process accepts a TCP connection at a `host:port` (or
+    `ray://host:port`) address within `timeout` seconds; `auto` is left to ray.init."""
+    host, _, port = address.removeprefix("ray://").rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as error:
+        if isinstance(error, TimeoutError):
+            reason = f"within {timeout:g}s; a longer wait: ${RAY_CONNECT_TIMEOUT_ENV}"
+        else:
+            reason = error.strerror or first_line(error)
+        raise ValueError(
+            f"{flag} {address}: no Ray cluster answers there ({reason}); start one (`ray start --head`) or fix the address"
+        ) from None
 
 
 def plan_pool(compute, *, workers_per_node: int | None) -> list:
@@ -183,6 +240,17 @@ def _kill_and_wait(handles: list, *, timeout: float = ACTOR_EXIT_WAIT_S) -> None
             return
 
 
+def _remove_workers_copies(handles: list, *, timeout: float = COPY_CLEANUP_WAIT_S) -> None:
+    """Ask each live actor to remove the node-local store copies it made before it is killed (a
+    kill runs no cleanup). Another worker of the node still reading a removed copy keeps its
+    memory map (an unlinked file lives while mapped); a dead actor's copies stay where they are:
+    nothing else knows they were its own. Bounded: an actor still busy (the build failed) is
+    killed without."""
+    refs = [handle.remove_local_copies.remote() for handle in handles]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+
+
 def _per_worker(compute) -> dict[str, float]:
     """What one actor reserves: {"CPU": n} and, if it uses any, {"GPU": n}."""
     return {name: amount for name, amount in (("CPU", compute.cpus_per_worker), ("GPU", compute.gpus_per_worker)) if amount > 0}
@@ -231,8 +299,7 @@ def run_shards_on_ray(
     log which node wrote it. `placements`: one scheduling strategy per actor (plan_pool; default
     --workers actors, SPREAD)."""
     compute = config.compute
-    if not ray.is_initialized():
-        ray.init(address=compute.ray_address, logging_level="WARNING", include_dashboard=False)
+    connect_ray(compute.ray_address)
     placements = (placements or plan_pool(compute, workers_per_node=None))[: len(pending)]
     _wait_for_resources(compute, len(placements), log=log)
     prefix, driver_target_hash = _actor_prefix(config.out), target_hash(config.target)
@@ -259,6 +326,7 @@ def run_shards_on_ray(
 
     def release(worker_index: int):
         # Nothing left to assign: free its CPUs now rather than at the end of the run.
+        _remove_workers_copies([workers[worker_index]])
         ray.kill(workers[worker_index], no_restart=True)
         released.append(workers[worker_index])
         workers[worker_index] = None
@@ -300,6 +368,7 @@ def run_shards_on_ray(
                 release(worker_index)
     finally:
         bar.close()
+        _remove_workers_copies([w for w in workers if w is not None])
         _kill_and_wait([*released, *(w for w in workers if w is not None)])
     log("shards by node: " + ", ".join(f"{node} {count}" for node, count in sorted(shards_by_node.items())))
 

@@ -11,7 +11,7 @@ import click
 
 from pipeline.cache_build.config import CacheBuildConfig
 from storage.errors import first_line
-from storage.location import is_url
+from storage.location import is_url, refuse_userinfo
 from pipeline.cli import config_from_flags, config_options, eval_compare, eval_run, eval_score, train_cli
 
 # ----------------------------------------------------------------------------------------------
@@ -40,7 +40,13 @@ def cache_build(progress: bool, **kwargs):
 # A cache is a directory or an object-store URL (s3://bucket/prefix; docs/design.md, "Caches on
 # object stores"): only a local path is checked by click.
 def _cache_argument(ctx, param, value: str) -> str:
-    return value if is_url(value) else click.Path(exists=True, file_okay=False).convert(value, param, ctx)
+    if not is_url(value):
+        return click.Path(exists=True, file_okay=False).convert(value, param, ctx)
+    try:
+        refuse_userinfo(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+    return value
 
 
 @cache_cli.command("info")
@@ -48,20 +54,40 @@ def _cache_argument(ctx, param, value: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def cache_info(cache: str, as_json: bool):
     """Sequences, tokens, anchors, bytes per token, compression, and which objectives the cache serves."""
-    from pipeline.train.methods import METHODS, required_arrays
-    from storage.reader import available_arrays, cache_stats, open_cache
     from storage.verify import size_problems
 
-    try:
-        reader = open_cache(cache)
-    except ValueError as error:
-        raise click.ClickException(str(error)) from None
+    try:  # a corrupt tar header, a crafted manifest, an endpoint down: one line, no traceback
+        info = _cache_info(cache)
+        problems = size_problems(cache, info.pop("manifest"))
+    except (ValueError, OSError) as error:
+        raise click.ClickException(first_line(error)) from None
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        width = max(len(k) for k in info)
+        for key, value in info.items():
+            if isinstance(value, float):
+                value = f"{value:,.3f}"
+            elif isinstance(value, int):
+                value = f"{value:,}"
+            click.echo(f"{key.ljust(width)}  {value}")
+    for problem in problems:
+        click.echo(problem, err=True)
+    if problems:
+        raise click.ClickException(f"{cache}: {len(problems)} shard(s) damaged; run `alrira-cache verify {cache}`")
+
+
+def _cache_info(cache: str) -> dict:
+    """What `info` prints, and the manifest under "manifest"."""
+    from pipeline.train.methods import METHODS, required_arrays
+    from storage.reader import available_arrays, cache_stats, open_cache
+
+    reader = open_cache(cache)
     manifest = reader.manifest
     stats = cache_stats(reader)
     arrays = available_arrays(reader)
-    trainable = [m for m in METHODS if required_arrays(m) <= arrays]
     settings = manifest.settings
-    info = {
+    return {
         "cache": cache if is_url(cache) else str(Path(cache).resolve()),
         "format": f"{manifest.format} v{manifest.format_version} ({settings.storage_format}, {settings.feature_codec} features)",
         "target": manifest.target_path,
@@ -73,23 +99,9 @@ def cache_info(cache: str, as_json: bool):
         **{k: stats[k] for k in ("sequences", "tokens", "anchors", "bytes_on_disk", "bytes_per_token")},
         "compression_ratio_vs_raw_bf16": stats["compression_ratio_vs_raw_bf16"],
         "corpus": manifest.corpus_stats,
-        "trainable_methods": trainable,
+        "trainable_methods": [m for m in METHODS if required_arrays(m) <= arrays],
+        "manifest": manifest,
     }
-    if as_json:
-        click.echo(json.dumps(info, indent=2))
-    else:
-        width = max(len(k) for k in info)
-        for key, value in info.items():
-            if isinstance(value, float):
-                value = f"{value:,.3f}"
-            elif isinstance(value, int):
-                value = f"{value:,}"
-            click.echo(f"{key.ljust(width)}  {value}")
-    problems = size_problems(cache, manifest)
-    for problem in problems:
-        click.echo(problem, err=True)
-    if problems:
-        raise click.ClickException(f"{cache}: {len(problems)} shard(s) damaged; run `alrira-cache verify {cache}`")
 
 
 @cache_cli.command("verify")
@@ -100,8 +112,8 @@ def cache_verify(cache: str):
 
     try:
         problems = verify_cache(cache)
-    except ValueError as error:
-        raise click.ClickException(str(error)) from None
+    except (ValueError, OSError) as error:  # no manifest, an endpoint down, refused credentials
+        raise click.ClickException(first_line(error)) from None
     for problem in problems:
         click.echo(problem, err=True)
     if problems:

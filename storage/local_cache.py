@@ -26,6 +26,7 @@ from pathlib import Path
 
 from storage.errors import first_line
 from storage.location import StorePrefix, remove_path, remove_path_tolerant, resolve
+from storage.paths import checked_join
 
 READER_PREFIX = "reader-"
 COPY_CHUNK = 16 << 20  # bytes per ranged GET of a download; the reader's close waits at most one
@@ -45,6 +46,23 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+def check_local_cache_root(root: str | os.PathLike, *, flag: str | None = None) -> Path:
+    """`root` made (if missing) and checked to be a directory this process can write; ValueError
+    naming it (and `flag`) otherwise: a file there, a read-only disk, no permission."""
+    root = Path(root)
+    named = f"{flag} {root}" if flag else str(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{named}: exists and is not a directory; a local cache needs a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as error:
+        raise ValueError(f"{named}: cannot write there ({error.strerror or first_line(error)})") from None
+    return root
 
 
 def sweep_orphans(root: str | os.PathLike) -> list[Path]:
@@ -71,10 +89,10 @@ class LocalCache:
     def __init__(self, root: str | os.PathLike, *, budget: int):
         if budget < 1:
             raise ValueError(f"local cache budget must be >= 1 byte, got {budget}")
-        self.root, self.budget = Path(root), budget
+        self.root, self.budget = check_local_cache_root(root), budget
         sweep_orphans(self.root)
         self.dir = self.root / f"{READER_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.dir.mkdir(parents=True)
+        self.dir.mkdir()
         self.held = 0  # bytes reserved: downloaded or downloading
         self.peak = 0  # the most ever held at once
         self._room = threading.Condition()
@@ -100,7 +118,7 @@ class LocalCache:
         location = resolve(item.url)
         if not isinstance(location, StorePrefix):
             raise ValueError(f"{item.url}: not an object-store URL")
-        local = self.dir / f"{uuid.uuid4().hex}-{item.url.rsplit('/', 1)[-1]}"
+        local = checked_join(self.dir, f"{uuid.uuid4().hex}-{item.url.rsplit('/', 1)[-1]}", source=item.url)
         partial = local.with_name(f".{local.name}.part")
         copied = 0
         try:

@@ -26,10 +26,59 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO
 
-from storage.errors import first_line
+from storage.errors import first_line, has_userinfo, redact_userinfo
+from storage.paths import checked_join
 
 LOCAL_COPIES_DIR = "alrira-store-copies"  # under the temp dir ($TMPDIR): node-local copies of store prefixes
+COPY_LISTING_FILE = ".alrira-listing.json"  # in each local copy: the listing it was made from
 SAFETENSORS_HEADER_LIMIT = 100 << 20  # safetensors refuses larger headers too
+# One store request, its retries included, ends within this many seconds (a frozen endpoint that
+# accepts connections and never answers included): docs/design.md, "Caches on object stores".
+STORE_TIMEOUT_ENV = "ALRIRA_STORE_TIMEOUT_S"
+DEFAULT_STORE_TIMEOUT_S = 60.0
+S3FS_ATTEMPTS, BOTOCORE_ATTEMPTS = 3, 2  # s3fs retries a timed-out call, botocore each request
+
+
+def env_seconds(name: str, default: float) -> float:
+    """The number of seconds in environment variable `name` (`default` when unset); ValueError
+    naming it when it is not a positive finite number."""
+    text = os.environ.get(name, "")
+    try:
+        seconds = float(text) if text else default
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{name}={text}: expected a positive number of seconds")
+    return seconds
+
+
+def store_timeout_s() -> float:
+    return env_seconds(STORE_TIMEOUT_ENV, DEFAULT_STORE_TIMEOUT_S)
+
+
+def refuse_userinfo(url: str | os.PathLike, *, flag: str | None = None) -> None:
+    """ValueError, the URL redacted, when a URL carries credentials: they belong in the environment
+    (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), where they are never echoed or recorded."""
+    if isinstance(url, str) and has_userinfo(url):
+        named = f"{flag} {redact_userinfo(url)}" if flag else redact_userinfo(url)
+        raise ValueError(
+            f"{named}: credentials in a URL are refused; set them in the environment (AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY) and pass the URL without them"
+        )
+
+
+def _store_options(protocol: str) -> dict:
+    """fsspec options of a store: no listing cache (another process, a worker or a second build,
+    changes the prefix meanwhile) and, on S3, connect/read timeouts and retries bounded so that a
+    request ends within store_timeout_s()."""
+    options: dict = {"use_listings_cache": False}
+    if protocol in ("s3", "s3a"):
+        each = store_timeout_s() / (S3FS_ATTEMPTS * BOTOCORE_ATTEMPTS)
+        options["config_kwargs"] = {
+            "connect_timeout": each, "read_timeout": each,
+            "retries": {"total_max_attempts": BOTOCORE_ATTEMPTS, "mode": "standard"},
+        }  # fmt: skip
+    return options
 
 
 def is_url(where: str | os.PathLike) -> bool:
@@ -44,19 +93,21 @@ def resolve(where: str | os.PathLike | Location) -> Location:
     if not is_url(where):
         return LocalDir(Path(where))
     url = str(where).rstrip("/")
+    refuse_userinfo(url)
     if url.startswith("file://"):
         return LocalDir(Path(url.removeprefix("file://")))
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    # No listing cache: another process (a worker, a second build) changes the prefix meanwhile.
-    options = {"use_listings_cache": False}
+    options = _store_options(url.split("://", 1)[0])
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
     except (ValueError, ImportError) as error:
         raise ValueError(f"{url}: not a storage location fsspec can open ({first_line(error)})") from None
     if isinstance(fs, LocalFileSystem):
         return LocalDir(Path(root))
+    if "config_kwargs" in options:
+        fs.retries = S3FS_ATTEMPTS  # a class attribute of s3fs, not an option
     return StorePrefix(fs=fs, root=root.rstrip("/"), url=url, storage_options=options)
 
 
@@ -217,14 +268,27 @@ class StorePrefix:
         return f"{self.url}/{relative}" if relative else self.url
 
     def exists(self, relative: str = "") -> bool:
-        return self._call(relative, lambda path: self.fs.exists(path))
+        return self._kind(relative) is not None
 
     def is_file(self, relative: str = "") -> bool:
-        return self._call(relative, lambda path: self.fs.isfile(path))
+        return self._kind(relative) == "file"
 
     def is_dir(self, relative: str = "") -> bool:
         """Whether objects exist under the prefix (a store has no empty directories)."""
-        return self._call(relative, lambda path: self.fs.isdir(path))
+        return self._kind(relative) == "directory"
+
+    def _kind(self, relative: str) -> str | None:
+        """"file", "directory", or None when nothing is there. fsspec's exists/isfile answer False
+        for any error; here an unreachable endpoint or refused credentials are raised as what
+        they are (one OSError naming the URL), not taken for a missing object."""
+
+        def kind(path: str) -> str | None:
+            try:
+                return self.fs.info(path)["type"]
+            except FileNotFoundError:
+                return None
+
+        return self._call(relative, kind)
 
     def names(self, relative: str = "") -> list[str]:
         def list_names(path: str) -> list[str]:
@@ -318,26 +382,40 @@ class StorePrefix:
     def local_copy(self) -> Path:
         """A node-local copy of every object under this prefix, downloaded once per content (named
         by the objects' tags, ETags on S3): the build's workers on one node share one
-        copy of the tokenized corpus and memory-map it (docs/design.md, "Caches on object stores")."""
+        copy of the tokenized corpus and memory-map it (docs/design.md, "Caches on object stores").
+
+        Every listed key is checked before it becomes a local path (storage.paths.checked_join). A
+        copy already there is reused only if it holds exactly the listed files at their sizes, and
+        was made from the same listing; another is replaced. The copies this process made are
+        removed by remove_local_copies (the build does it when it ends, on the driver and workers)."""
         keys = self.object_tags()  # one listing
         if not keys:
             raise ValueError(f"{self.url}: no objects there")
         digest = hashlib.sha256(json.dumps([self.url, keys]).encode()).hexdigest()[:32]
-        copies = Path(tempfile.gettempdir()) / LOCAL_COPIES_DIR
+        copies = _local_copies_dir()
         final = copies / digest
-        if final.is_dir():
+        listing = json.dumps({"url": self.url, "objects": keys})
+        if _copy_matches(final, keys, listing):
             return final
-        copies.mkdir(parents=True, exist_ok=True)
         partial = copies / f".{digest}.{uuid.uuid4().hex}"
         try:
+            partial.mkdir(mode=0o700)
             for relative, _, _ in keys:
-                (partial / relative).parent.mkdir(parents=True, exist_ok=True)
-                self.download(relative, partial / relative)
+                local = checked_join(partial, relative, source=f"{self.url} (listing)")
+                local.parent.mkdir(parents=True, exist_ok=True)
+                self.download(relative, local)
+            (partial / COPY_LISTING_FILE).write_text(listing)
+            if _copy_matches(final, keys, listing):  # another process on this node finished first
+                return final
+            if final.exists() or final.is_symlink():  # a copy that no longer matches: replaced
+                remove_path(final)
             try:
                 os.rename(partial, final)
             except OSError as error:  # another process on this node finished the same copy first
-                if not final.is_dir():
+                if not _copy_matches(final, keys, listing):
                     raise error from None
+            else:
+                _COPIES_MADE.add(final)
         finally:
             remove_path(partial)
         return final
@@ -349,13 +427,56 @@ class StorePrefix:
         path = self._at(relative)
         try:
             return operation(path)
-        except (OSError, ValueError):
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            # s3fs's read timeout, a missing bucket: the same error (a FileNotFoundError stays one), naming the object
+            kind = type(error) if type(error).__module__ == "builtins" else OSError  # a client's own takes other arguments
+            text = error.strerror or first_line(error)
+            if "Timeout" in type(error).__name__ or isinstance(error, TimeoutError):
+                text += f" (no answer within {STORE_TIMEOUT_ENV}={store_timeout_s():g}s, all retries included)"
+            raise kind(error.errno or errno.EIO, text, self.join(relative)) from None
+        except ValueError:
             raise
         except Exception as error:  # the client's own errors (botocore, aiohttp): one line naming the object
             raise OSError(errno.EIO, f"{type(error).__name__}: {first_line(error)}", self.join(relative)) from None
 
 
 Location = LocalDir | StorePrefix
+
+_COPIES_MADE: set[Path] = set()  # node-local copies this process downloaded (StorePrefix.local_copy)
+
+
+def _local_copies_dir() -> Path:
+    """$TMPDIR/alrira-store-copies, made private to this user; refused in one line when it is a
+    symlink or another user's directory (the temp dir is shared: someone could plant either)."""
+    copies = Path(tempfile.gettempdir()) / LOCAL_COPIES_DIR
+    copies.mkdir(mode=0o700, exist_ok=True)
+    if copies.is_symlink() or not copies.is_dir() or copies.stat().st_uid != os.getuid():
+        raise ValueError(f"{copies}: not a directory of this user; remove it or set TMPDIR elsewhere")
+    return copies
+
+
+def _copy_matches(copy: Path, keys: list[tuple[str, int, str]], listing: str) -> bool:
+    """Whether `copy` is a real directory made from `listing` holding exactly `keys` at their sizes."""
+    if copy.is_symlink() or not copy.is_dir():
+        return False
+    try:
+        if (copy / COPY_LISTING_FILE).read_text() != listing:
+            return False
+        found = LocalDir(copy).files()
+    except OSError:
+        return False
+    return found == sorted([(COPY_LISTING_FILE, len(listing.encode()))] + [(name, size) for name, size, _ in keys])
+
+
+def remove_local_copies() -> list[Path]:
+    """Remove the node-local copies this process made (never another's); returns them."""
+    removed = sorted(_COPIES_MADE)
+    for copy in removed:
+        remove_path_tolerant(copy)
+    _COPIES_MADE.clear()
+    return removed
 
 
 def read_safetensors_header(location: Location, relative: str) -> dict:

@@ -53,11 +53,19 @@ def package_version() -> str:
 # Validation helpers (user data: ValueError naming the field)
 
 
-def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
+# Counts beyond any real cache: a crafted manifest's 10**20 would overflow the int64 arrays the
+# reader builds from them, and a planned-shard count drives loops over every index.
+MAX_COUNT = 2**62
+MAX_SHARDS_PLANNED = 10**7
+
+
+def _check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int = MAX_COUNT) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
 
 
 def _check_str(name: str, value: Any, *, nonempty: bool = False) -> None:
@@ -286,7 +294,7 @@ class Manifest:
         _check_int("mask_token_id", self.mask_token_id, minimum=0)
         _check_str("corpus_path", self.corpus_path)
         _check_dict("corpus_stats", self.corpus_stats)
-        _check_int("num_shards_planned", self.num_shards_planned, minimum=0)
+        _check_int("num_shards_planned", self.num_shards_planned, minimum=0, maximum=MAX_SHARDS_PLANNED)
         _check_str("created_with", self.created_with)
         bad_layers = [i for i in self.settings.layer_ids if i >= self.num_target_layers]
         if bad_layers:

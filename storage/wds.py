@@ -38,6 +38,7 @@ from numcodecs import CRC32, Blosc
 from storage.errors import CorruptShardError, first_line
 from storage.format import record_array_names
 from storage.location import Location, resolve
+from storage.paths import unsafe_name_reason
 
 BLOSC_CNAME = "zstd"
 BLOSC_CLEVEL = 3  # the Zarr shards' ZARR_CLEVEL: one codec for both formats
@@ -259,6 +260,10 @@ class WdsShard:
                 for info in tar:
                     if not info.isfile():
                         continue
+                    # A sample's members are plain names (`{key}.{array}.npy...`): one that is a
+                    # path (`../x`, `/etc/x`) is crafted, never extracted, and refused.
+                    if unsafe_name_reason(info.name) or "/" in info.name:
+                        raise ValueError(f"{self.path}: refused tar member {info.name!r} (not a plain member name)")
                     key, _, suffix = info.name.partition(".")
                     parts = split_suffix(suffix)
                     if parts is None:
@@ -271,8 +276,8 @@ class WdsShard:
                     name, encoding = parts
                     codec = MemberCodec(encoding, info.pax_headers.get(LEGACY_CRC_HEADER) if encoding == NPY else None)
                     samples[-1][1][name] = Member(info.offset_data, info.size, codec)
-        except tarfile.TarError as e:
-            raise ValueError(f"{self.path}: corrupt tar shard ({e})") from None
+        except (tarfile.TarError, EOFError, OverflowError, UnicodeError) as e:  # a corrupt or crafted header
+            raise ValueError(f"{self.path}: corrupt tar shard ({first_line(e)}); {VERIFY_HINT}") from None
         return samples
 
     @property

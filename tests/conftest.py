@@ -28,8 +28,10 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def ray_address(tmp_path_factory):
-    """Start a local 2-CPU Ray cluster once; tests and CLI subprocesses join it by address."""
+def ray_address(tmp_path_factory, s3_bucket):
+    """Start a local 2-CPU Ray cluster once; tests and CLI subprocesses join it by address. It starts
+    after the S3 server, so its workers inherit the store's AWS_* environment, as a user's nodes
+    have it (whichever test asks for Ray first)."""
     import ray
 
     temp_dir = tmp_path_factory.mktemp("ray")
