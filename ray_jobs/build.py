@@ -223,6 +223,19 @@ def _wait_for_resources(compute, num_workers: int, *, log, timeout: float = RESO
         time.sleep(0.2)
 
 
+def actor_factory(actor_class, *, out, compute, placements: list, args: tuple):
+    """new_worker(slot) -> a fresh `actor_class` actor (constructed with `args`) for pool slot
+    `slot`, named after `out` so that stop_earlier_workers finds it; a replacement keeps its slot's
+    placement (the same node under --workers-per-node)."""
+    prefix = _actor_prefix(out)
+    options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
+
+    def new_worker(slot: int):
+        return actor_class.options(name=prefix + uuid.uuid4().hex, scheduling_strategy=placements[slot], **options).remote(*args)
+
+    return new_worker
+
+
 def run_shards_on_ray(
     config: CacheBuildConfig, pending: list[ShardSpec], publish, *, placements: list | None = None,
     progress: bool = True, log=print,
@@ -235,14 +248,7 @@ def run_shards_on_ray(
         ray.init(address=compute.ray_address, logging_level="WARNING", include_dashboard=False)
     placements = (placements or plan_pool(compute, workers_per_node=None))[: len(pending)]
     _wait_for_resources(compute, len(placements), log=log)
-    prefix, driver_target_hash = _actor_prefix(config.out), target_hash(config.target)
-    options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
-
-    def new_worker(worker_index: int):
-        # A replacement keeps its slot's placement: the same node under --workers-per-node.
-        actor = CacheWorker.options(name=prefix + uuid.uuid4().hex, scheduling_strategy=placements[worker_index], **options)
-        return actor.remote(config, driver_target_hash)
-
+    new_worker = actor_factory(CacheWorker, out=config.out, compute=compute, placements=placements, args=(config, target_hash(config.target)))
     workers = [new_worker(i) for i in range(len(placements))]
     queue = list(pending)
     attempts = {s.index: 0 for s in pending}

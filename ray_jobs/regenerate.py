@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import uuid
 
 import ray
 from tqdm.auto import tqdm
@@ -19,12 +18,11 @@ from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
 from pipeline.target import target_hash
 from ray_jobs.build import (
-    ACTOR_NAMESPACE,
     MAX_SHARD_ATTEMPTS,
-    _actor_prefix,
     _kill_and_wait,
     _plain_error,
     _wait_for_resources,
+    actor_factory,
     check_capacity,
     plan_pool,
     stop_earlier_workers,
@@ -71,13 +69,9 @@ def run_parts_on_ray(
     died is given to a fresh actor (at most MAX_SHARD_ATTEMPTS times)."""
     compute = config.compute
     placements = placements[: len(pending)]
-    prefix, driver_target_hash = _actor_prefix(config.out), target_hash(config.target)
-    options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
-
-    def new_worker(slot: int):
-        actor = RegenerateWorker.options(name=prefix + uuid.uuid4().hex, scheduling_strategy=placements[slot], **options)
-        return actor.remote(config, driver_target_hash)
-
+    new_worker = actor_factory(
+        RegenerateWorker, out=config.out, compute=compute, placements=placements, args=(config, target_hash(config.target))
+    )
     workers = [new_worker(slot) for slot in range(len(placements))]
     queue, attempts, running = list(pending), {spec.index: 0 for spec in pending}, {}
     bar = tqdm(total=sum(s.stop - s.start for s in pending), unit="row", desc="regenerate", disable=not progress)

@@ -128,7 +128,7 @@ def test_out_refuses_foreign_folders_and_names_changed_settings(greedy_run, toy_
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def test_truncate_and_window_match_the_corpus_turn_lengths_in_the_build(toy_target, short_corpus, tmp_path):
+def test_truncate_and_window_match_the_corpus_turn_lengths_in_the_build(ray_address, toy_target, short_corpus, tmp_path):
     """truncate: every turn's supervised length <= the corpus turn's, equal where the target wrote
     more. window: the whole turn kept, the build's loss mask covers its first loss_tokens tokens
     (end-of-turn included only inside the window)."""
@@ -156,7 +156,18 @@ def test_truncate_and_window_match_the_corpus_turn_lengths_in_the_build(toy_targ
         for (_, mask), window in zip(masks, windows):
             expected[np.flatnonzero(mask)[:window]] = 1  # the first N of content + end-of-turn
         assert np.array_equal(built.sequence(i)[1], expected)
-    assert int(built.loss_mask.sum()) == sum(min(w, c) for ws, cs in zip(whole, corpus_lengths) for w, c in zip(ws, cs))
+    supervised = sum(min(w, c) for ws, cs in zip(whole, corpus_lengths) for w, c in zip(ws, cs))
+    assert int(built.loss_mask.sum()) == supervised
+    # `alrira-cache build` takes the folder as its --corpus and trains on the windows.
+    from pipeline.cache_build.config import CacheBuildConfig
+    from ray_jobs.build import build_cache
+
+    cache = CacheBuildConfig.from_flags(
+        target=str(toy_target), corpus=str(tmp_path / "window"), out=str(tmp_path / "cache"), layers=[0, 2], anchors=4,
+        top_k=4, num_slots=7, min_supervised_tokens=0, rollouts=False,
+    )  # fmt: skip
+    manifest = build_cache(cache, progress=False, log=lambda m: None)
+    assert manifest.corpus_stats["supervised_tokens"] == supervised and manifest.corpus_stats["sequences"] == 5
 
 
 def _lengths(tokenizer, row) -> list[int]:
