@@ -110,6 +110,7 @@ def run_arms(args, work: Path, *, with_vllm: bool) -> None:
         f"regeneration, {args.rows} rows, max {args.max_new_tokens} new tokens per turn, {args.threads} thread(s)",
         ["arm", "load s", "turns", "tokens", "seconds", "tokens/s", "vs hf batched"], results,
     )  # fmt: skip
+    print()
     reference = texts["hf batched"]
     for label, lines in texts.items():
         if label != "hf batched":
