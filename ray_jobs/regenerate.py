@@ -1,0 +1,85 @@
+"""The Ray side of `alrira-cache regenerate`: the build's actor pool (ray_jobs/build.py: the same
+--workers / --gpus-per-worker / --workers-per-node placement, capacity check, resource wait and
+orphan stop), each actor loading the target once and writing whole parts itself. Only `PartSpec`s
+go out and part records come back; planning, resume and the manifest are
+`pipeline.regenerate.driver`'s (docs/design.md, "Regeneration").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import ray
+from tqdm.auto import tqdm
+
+from pipeline.regenerate import driver
+from pipeline.regenerate.config import RegenerateConfig
+from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
+from pipeline.target import target_hash
+from ray_jobs.build import (
+    _plain_error,
+    _wait_for_resources,
+    actor_factory,
+    check_capacity,
+    connect_ray,
+    plan_pool,
+    stop_earlier_workers,
+    target_problem,
+    this_node,
+)
+from ray_jobs.pool import run_pool
+
+
+@ray.remote
+class RegenerateWorker:
+    """A Ray actor around PartWriter. A node whose --target differs from the driver's writes
+    nothing: its first part fails with that one line (as in the build's CacheWorker)."""
+
+    def __init__(self, config: RegenerateConfig, driver_target_hash: str):
+        self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=this_node())
+        self.writer = None if self.problem else PartWriter(config)
+
+    def write(self, spec: PartSpec) -> tuple[dict, str]:
+        if self.problem:
+            raise ValueError(self.problem)
+        return self.writer.write(spec), this_node()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=print) -> dict:
+    """Regenerate or resume `config.corpus` into `config.out` on a Ray cluster; the final manifest."""
+    compute = config.compute
+    connect_ray(compute.ray_address)
+    placements = plan_pool(compute, workers_per_node=compute.workers_per_node)
+    check_capacity(compute, len(placements))
+    stop_earlier_workers(config.out, log=log)  # a killed run's actors must not write while this one starts
+    _wait_for_resources(compute, len(placements), log=log)
+    run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
+    return driver.regenerate_corpus(config, run_parts=run_parts, log=log)
+
+
+def run_parts_on_ray(
+    config: RegenerateConfig, pending: list[PartSpec], publish, *, placements: list, progress: bool = True, log=print
+) -> None:
+    """Keep every actor busy with one part (ray_jobs/pool.py); publish each finished part at once."""
+    placements = placements[: len(pending)]
+    new_worker = actor_factory(
+        RegenerateWorker, out=config.out, compute=config.compute, placements=placements, args=(config, target_hash(config.target))
+    )
+    bar = tqdm(total=sum(s.stop - s.start for s in pending), unit="row", desc="regenerate", disable=not progress)
+
+    def on_result(spec: PartSpec, result: tuple[dict, str], num_done: int) -> None:
+        record, node = result
+        publish({**record, "node": node})
+        bar.update(spec.stop - spec.start)
+
+    try:
+        run_pool(
+            pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.write.remote(spec),
+            on_result=on_result, name_of=lambda spec: part_name(spec.index), translate_error=_plain_error,
+        )  # fmt: skip
+    finally:
+        bar.close()
