@@ -50,7 +50,7 @@ def cache_info(cache: str, as_json: bool):
     """Sequences, tokens, anchors, bytes per token, compression, and which objectives the cache serves."""
     from pipeline.train.methods import METHODS, required_arrays
     from storage.reader import available_arrays, cache_stats, open_cache
-    from storage.verify import size_problems
+    from storage.verify import identity_note, identity_problems, size_problems
 
     try:
         reader = open_cache(cache)
@@ -86,6 +86,10 @@ def cache_info(cache: str, as_json: bool):
                 value = f"{value:,}"
             click.echo(f"{key.ljust(width)}  {value}")
     problems = size_problems(cache, manifest)
+    problems = problems or identity_problems(reader)  # opens each shard: only when all are there
+    note = identity_note(reader)
+    if note is not None:
+        click.echo(note, err=True)
     for problem in problems:
         click.echo(problem, err=True)
     if problems:
