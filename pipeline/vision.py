@@ -342,16 +342,19 @@ def serving_rgb(image):
     return image.convert("RGB")
 
 
+IMAGES_WHERE = "the tokenized corpus's images.json"
+
+
 def changed_images(entries: list[dict | None], *, vision: VisionInputs) -> list[str]:
     """The recorded images (a tokenized corpus's `images`) whose file no longer has the recorded
     sha256 (or is gone): the corpus's token counts and every shard computed from them are stale."""
     digests: dict[str, str | None] = {}
     for entry in entries:
         if entry is not None and entry["path"] not in digests:
-            path = resolve_image_path(entry["path"], image_root=vision.image_root)
             try:
+                path = vision.image_path(entry["path"], where=IMAGES_WHERE)
                 digests[entry["path"]] = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-            except OSError:
+            except (OSError, CorpusError):  # gone, unreadable or now outside the root: not the recorded image
                 digests[entry["path"]] = None
     return sorted({e["path"] for e in entries if e is not None and digests[e["path"]] != e["sha256"]})
 

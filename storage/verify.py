@@ -28,7 +28,7 @@ from storage.manifest import (
     load_manifest,
     target_head_hash,
 )
-from storage.reader import CORPUS_SOURCE_ROWS
+from storage.reader import CORPUS_SOURCE_ROWS, CacheReader
 from storage.shards import (
     ANCHOR_INDEXED_ARRAYS,
     RecordDims,
@@ -286,4 +286,6 @@ def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
     problems += _target_head_problems(cache, manifest)
     for record in manifest.complete_shards:
         problems += [f"{record.name}: {p}" for p in _shard_problems(cache, manifest, record)]
+    if not problems:  # every shard whole: is each the one its record names (rows, not only bytes)?
+        problems += identity_problems(CacheReader(cache, manifest))
     return problems

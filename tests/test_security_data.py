@@ -155,6 +155,7 @@ def _swap_in_shard_0(cache: Path, storage_format: str) -> Path:
 def test_a_swapped_shard_is_refused_at_open_by_both_loaders_and_flagged_by_info(caches, tmp_path, storage_format):
     from ray_jobs.cli import cache_cli
     from storage.reader import open_cache
+    from storage.verify import verify_cache
 
     good = CliRunner().invoke(cache_cli, ["info", str(caches[storage_format])])
     assert good.exit_code == 0 and "note:" not in good.output, good.output
@@ -166,6 +167,7 @@ def test_a_swapped_shard_is_refused_at_open_by_both_loaders_and_flagged_by_info(
         reader.read(4)
     result = CliRunner().invoke(cache_cli, ["info", str(swapped)])
     assert result.exit_code != 0 and f"{name}: " in result.output and "holds corpus rows" in result.output, result.output
+    assert any(p.startswith(f"{name}: ") and "holds corpus rows" in p for p in verify_cache(swapped))
     with pytest.raises(ValueError, match=rf"{name}: holds corpus rows"):
         train(_config(swapped, tmp_path / "map"))
     if storage_format == "wds":

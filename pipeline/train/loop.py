@@ -240,8 +240,8 @@ class TrainState:
 def setup(config: TrainConfig) -> TrainState:
     rank, world_size, device = _distributed()
     run, optim, stream = resolve(config.out), config.optim, config.loader.kind == "stream"
-    check_run_dir(run, cache=resolve(config.cache))
     reader = open_cache(config.cache)
+    check_run_dir(run, cache=resolve(config.cache))
     manifest = reader.manifest
     settings = manifest.settings
     log = print if rank == 0 else (lambda line: None)
