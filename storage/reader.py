@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from storage import codecs
+from storage.errors import first_line
 from storage.format import ALL_GROUPS, CORPUS_DIR, FP8_SCALE_ARRAYS, SHARD_DIR, check_contents, record_array_names
 from storage.location import Location, resolve
 from storage.manifest import Manifest, ShardRecord, load_manifest
@@ -109,10 +110,12 @@ class CacheReader:
         for a cache without a tokenized corpus (assembled by hand), whose shards are not checked."""
         if self._corpus_rows is False:
             location = resolve(self.cache_dir)
+            self._corpus_rows = None
             if location.is_file(CORPUS_SOURCE_ROWS):
-                self._corpus_rows = np.load(io.BytesIO(location.read_bytes(CORPUS_SOURCE_ROWS)), allow_pickle=False)
-            else:
-                self._corpus_rows = None
+                try:
+                    self._corpus_rows = np.load(io.BytesIO(location.read_bytes(CORPUS_SOURCE_ROWS)), allow_pickle=False)
+                except ValueError as error:
+                    raise ValueError(f"{location.join(CORPUS_SOURCE_ROWS)}: unreadable ({first_line(error)})") from None
         if self._corpus_rows is None:
             return None
         size = self.manifest.settings.shard_size
@@ -123,7 +126,7 @@ class CacheReader:
         rows (the Zarr source_rows array, the tar's sample keys: read at open anyway) are the rows
         the build planned for it, and a Zarr shard's sizes are the manifest's. A valid shard of
         another index or another cache put in its place trains on wrong rows and passes every
-        other cheap check (docs/design.md, "The cache format")."""
+        other cheap check (docs/design.md, "The cache contract")."""
         where = self.shard_path(shard)
         if isinstance(handle, ZarrShard):
             found = {"tokens": handle.attrs.get("num_tokens"), "anchors": handle.attrs.get("num_anchors")}
