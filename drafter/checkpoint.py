@@ -106,7 +106,12 @@ def _weight_files(path: Path) -> list[Path]:
     if index.exists():
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        # The index is a downloaded file: its names must stay files of this directory.
+        bad = [n for n in names if not isinstance(n, str) or n != Path(n).name or n in ("", ".", "..")]
+        if bad:
+            raise ValueError(f"{index}: weight file {bad[0]!r} is not a file name in {path}")
+        return [path / name for name in names]
     raise ValueError(f"{path} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
 
 

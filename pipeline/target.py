@@ -10,14 +10,17 @@ Training never imports this module: it reads everything it needs of the target f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
 from pipeline.vision import is_vision_target
+from storage.atomic import atomic_write_text
 
 # Files that define what a target computes; their bytes make the target hash.
 _TARGET_IDENTITY_FILES = (
@@ -32,14 +35,17 @@ _TARGET_IDENTITY_FILES = (
 )
 
 
-WEIGHT_SAMPLE_BYTES = 1 << 20  # bytes read from each end of every weights file for the target hash
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")  # the weights transformers loads from a model directory
+DIGESTS_FILE = ".alrira-weight-digests.json"  # beside the target, or under the user cache dir (read-only targets)
+HASH_CHUNK_BYTES = 8 << 20
 
 
 def target_hash(target_dir: str | Path) -> str:
-    """Content hash of what defines the target: its config and tokenizer files, and for every
-    `*.safetensors` file its size and first and last MiB (the header, and weights that differ
-    between any two trainings). Cheap on a 16 GB checkpoint, and it tells two targets with the same
-    config apart, so a cache's files can be tied to the target that wrote them."""
+    """Content hash of what defines the target: its config and tokenizer files, and the sha256 of
+    every weights file's whole content, so two targets that differ in one tensor anywhere differ
+    (docs/design.md, "The target"). Each file's digest is computed once, streamed, and kept in a
+    digests file keyed by the file's size, mtime and ctime (docs/benchmarks.md: 8 GB in seconds),
+    so a build and each node hash the weights once, and a changed file is hashed again."""
     target_dir = Path(target_dir)
     digest = hashlib.sha256()
     for name in _TARGET_IDENTITY_FILES:
@@ -47,14 +53,52 @@ def target_hash(target_dir: str | Path) -> str:
         if path.is_file():
             digest.update(name.encode())
             digest.update(path.read_bytes())
-    for path in sorted(target_dir.glob("*.safetensors")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            digest.update(f.read(WEIGHT_SAMPLE_BYTES))
-            f.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
-            digest.update(f.read(WEIGHT_SAMPLE_BYTES))
+    weights = sorted({path for pattern in WEIGHT_PATTERNS for path in target_dir.glob(pattern) if path.is_file()})
+    for path, file_digest in zip(weights, _weight_digests(target_dir, weights)):
+        digest.update(f"{path.name}:{file_digest}".encode())
     return "sha256:" + digest.hexdigest()
+
+
+def _weight_digests(target_dir: Path, weights: list[Path]) -> list[str]:
+    """The full-content sha256 of each weights file, from the digests file where its size, mtime
+    and ctime still match, else streamed (and recorded for next time where a digests file can be written)."""
+    places = [target_dir / DIGESTS_FILE, _user_digests_file(target_dir)]
+    known = {}
+    for place in reversed(places):  # the one beside the target wins
+        with contextlib.suppress(OSError, ValueError):
+            known.update(json.loads(place.read_text()))
+    digests, changed = [], False
+    for path in weights:
+        stat = path.stat()
+        key = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+        entry = known.get(path.name)
+        if not (isinstance(entry, dict) and entry.get("key") == key and isinstance(entry.get("sha256"), str)):
+            entry, changed = {"key": key, "sha256": _file_sha256(path)}, True
+            known[path.name] = entry
+        digests.append(entry["sha256"])
+    if changed:
+        text = json.dumps({path.name: known[path.name] for path in weights}, indent=1, sort_keys=True)
+        for place in places:  # a read-only target directory: the user cache dir instead
+            try:
+                place.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(place, text)
+                break
+            except OSError:
+                continue
+    return digests
+
+
+def _user_digests_file(target_dir: Path) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "alrira" / "target-digests"
+    return root / (hashlib.sha256(str(target_dir.resolve()).encode()).hexdigest()[:32] + ".json")
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_target_config(target_dir: str | Path) -> dict:

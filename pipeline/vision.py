@@ -70,6 +70,11 @@ class VisionInputConfig:
     )
     min_pixels: int = opt("Vision-language targets: images are resized to at least this many pixels.", default=DEFAULT_MIN_PIXELS)
     max_pixels: int = opt("Vision-language targets: images are resized to at most this many pixels.", default=DEFAULT_MAX_PIXELS)
+    allow_images_outside_root: bool = opt(
+        "Vision-language targets: read image paths that lead outside the image root ('..', absolute paths, "
+        "symlinks out of it); refused by default.",
+        default=False,
+    )
 
     def __post_init__(self):
         if not 1 <= self.min_pixels <= self.max_pixels:
@@ -79,7 +84,10 @@ class VisionInputConfig:
         """The target's VisionInputs at these settings (None for a text target); relative image
         paths resolve against --image-root, else `default_image_root`."""
         image_root = self.image_root if self.image_root is not None else default_image_root
-        return load_vision_inputs(target_dir, image_root=image_root, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return load_vision_inputs(
+            target_dir, image_root=image_root, min_pixels=self.min_pixels, max_pixels=self.max_pixels,
+            allow_outside_root=self.allow_images_outside_root,
+        )  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -97,6 +105,7 @@ class VisionInputs:
     min_pixels: int
     max_pixels: int
     image_root: Path
+    allow_outside_root: bool = False  # --allow-images-outside-root
 
     @property
     def merge_size(self) -> int:
@@ -107,6 +116,26 @@ class VisionInputs:
         factor = int(self.image_processor.patch_size) * self.merge_size
         resized_h, resized_w = smart_resize(height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
         return 1, resized_h // int(self.image_processor.patch_size), resized_w // int(self.image_processor.patch_size)
+
+    def image_path(self, path: str, *, where: str) -> Path:
+        """A row's image path resolved against the image root, checked to stay inside it."""
+        full = resolve_image_path(path, image_root=self.image_root)
+        self.check_inside_root(full, where=where)
+        return full
+
+    def check_inside_root(self, path: Path, *, where: str) -> None:
+        """Refuse (CorpusError image_outside_root) a path that leads out of the image root: '..',
+        an absolute path elsewhere or a symlink out of it, unless --allow-images-outside-root. A
+        corpus is often someone else's file; it must not read what the user did not point at."""
+        if self.allow_outside_root:
+            return
+        root, real = self.image_root.resolve(), path.resolve()
+        if real != root and root not in real.parents:
+            raise CorpusError(
+                f"{where}: image {path}: outside the image root {root} (it resolves to {real}); "
+                "pass --allow-images-outside-root to read it",
+                "image_outside_root",
+            )
 
     def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         return math.prod(grid_thw) // self.merge_size**2
@@ -176,8 +205,9 @@ def load_image_processor(target_dir: str | os.PathLike) -> tuple[Any, str]:
 
 
 def load_vision_inputs(
-    target_dir: str | os.PathLike, *, image_root: str | os.PathLike, min_pixels: int, max_pixels: int
-) -> VisionInputs | None:
+    target_dir: str | os.PathLike, *, image_root: str | os.PathLike, min_pixels: int, max_pixels: int,
+    allow_outside_root: bool = False,
+) -> VisionInputs | None:  # fmt: skip
     """VisionInputs of a vision-language target; None for a text target."""
     path = Path(target_dir) / "config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
@@ -196,6 +226,7 @@ def load_vision_inputs(
         min_pixels=min_pixels,
         max_pixels=max_pixels,
         image_root=Path(image_root),
+        allow_outside_root=allow_outside_root,
         **ids,
     )
 
@@ -231,7 +262,7 @@ def template_messages(chat: ChatRow, *, system_prompt: str | None) -> list[dict]
 def image_record(chat: ChatRow, *, vision: VisionInputs, where: str) -> dict:
     """The row's image as the tokenized corpus records it: decoded once here, so a missing,
     unreadable or corrupt file is this row's one-line error (or a counted skip)."""
-    image, digest = read_image(resolve_image_path(chat.image, image_root=vision.image_root), where=where)
+    image, digest = read_image(vision.image_path(chat.image, where=where), where=where)
     grid = vision.grid_thw(height=image.height, width=image.width)
     return {"path": chat.image, "sha256": digest, "grid_thw": list(grid), "num_tokens": vision.num_image_tokens(grid)}
 
@@ -265,8 +296,8 @@ def expand_image_tokens(
 
 
 def read_image(path: Path, *, where: str):
-    """(PIL RGB image, "sha256:<hex>" of the file's bytes), decoded in full so a truncated or corrupt
-    file fails here. CorpusError "{where}: image {path}: reason", counted as image_missing /
+    """(PIL RGB image as the serving engines load it (`serving_rgb`), "sha256:<hex>" of the file's
+    bytes), decoded in full so a truncated or corrupt file fails here. CorpusError "{where}: image {path}: reason", counted as image_missing /
     image_unreadable / image_corrupt."""
     from PIL import Image, UnidentifiedImageError
 
@@ -281,11 +312,51 @@ def read_image(path: Path, *, where: str):
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
-            rgb = image.convert("RGB")
+            rgb = serving_rgb(image)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CorpusError(f"{where}: image {path}: corrupt or not an image ({reason})", "image_corrupt") from None
     return rgb, "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def serving_rgb(image):
+    """A decoded PIL image as RGB pixels the way vLLM's image loader and HF `load_image` give them
+    to the processor (docs/vision.md, "Corpus rows"): EXIF orientation applied first, then an image
+    with transparency (RGBA, LA, PA, or a palette / L / RGB image with a tRNS entry) composited on
+    white, any other mode (CMYK, 16-bit, L, P, YCbCr...) converted by PIL's own `convert("RGB")`.
+    (HF `load_image` drops alpha instead of compositing: the two agree on opaque pixels; we follow
+    vLLM, which serves the drafter.)"""
+    from PIL import Image, ImageOps
+
+    try:
+        image = ImageOps.exif_transpose(image)  # a copy (the caller closes the file's image), turned as EXIF says
+    except Exception:  # a broken EXIF block leaves the pixels as stored, as vLLM does
+        image = image.copy()
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        flattened = Image.new("RGB", rgba.size, (255, 255, 255))
+        flattened.paste(rgba, mask=rgba.getchannel("A"))
+        return flattened
+    return image.convert("RGB")
+
+
+IMAGES_WHERE = "the tokenized corpus's images.json"
+
+
+def changed_images(entries: list[dict | None], *, vision: VisionInputs) -> list[str]:
+    """The recorded images (a tokenized corpus's `images`) whose file no longer has the recorded
+    sha256 (or is gone): the corpus's token counts and every shard computed from them are stale."""
+    digests: dict[str, str | None] = {}
+    for entry in entries:
+        if entry is not None and entry["path"] not in digests:
+            try:
+                path = vision.image_path(entry["path"], where=IMAGES_WHERE)
+                digests[entry["path"]] = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+            except (OSError, CorpusError):  # gone, unreadable or now outside the root: not the recorded image
+                digests[entry["path"]] = None
+    return sorted({e["path"] for e in entries if e is not None and digests[e["path"]] != e["sha256"]})
 
 
 @dataclass(kw_only=True)
@@ -302,11 +373,13 @@ class SequenceImage:
     def pixel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values [P, D], image_grid_thw [1, 3]); refuses an image whose bytes changed
         since the corpus was tokenized (its token count and the cache would no longer match)."""
+        self.vision.check_inside_root(self.path, where=self.where)  # a symlink may have changed since
         image, digest = read_image(self.path, where=self.where)
         if digest != self.sha256:
             raise ValueError(
                 f"{self.where}: image {self.path} changed since the corpus was tokenized "
-                f"({self.sha256[:19]}... -> {digest[:19]}...); rebuild the cache with --overwrite"
+                f"({self.sha256[:19]}... -> {digest[:19]}...); rerun the build with --overwrite (it re-tokenizes the "
+                "corpus and rebuilds every shard), or restore the image"
             )
         pixel_values, grid = self.vision.pixel_inputs(image)
         if tuple(int(v) for v in grid[0]) != tuple(self.grid_thw):

@@ -71,11 +71,13 @@ def _cache_argument(ctx, param, value: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def cache_info(cache: str, as_json: bool):
     """Sequences, tokens, anchors, bytes per token, compression, and which objectives the cache serves."""
-    from storage.verify import size_problems
+    from storage.verify import identity_note, identity_problems, size_problems
 
     try:  # a corrupt tar header, a crafted manifest, an endpoint down: one line, no traceback
-        info = _cache_info(cache)
-        problems = size_problems(cache, info.pop("manifest"))
+        info, reader = _cache_info(cache)
+        problems = size_problems(cache, reader.manifest)
+        problems = problems or identity_problems(reader)  # opens each shard: only when all are there
+        note = identity_note(reader)
     except (ValueError, OSError) as error:
         raise click.ClickException(first_line(error)) from None
     if as_json:
@@ -88,14 +90,16 @@ def cache_info(cache: str, as_json: bool):
             elif isinstance(value, int):
                 value = f"{value:,}"
             click.echo(f"{key.ljust(width)}  {value}")
+    if note is not None:
+        click.echo(note, err=True)
     for problem in problems:
         click.echo(problem, err=True)
     if problems:
         raise click.ClickException(f"{cache}: {len(problems)} shard(s) damaged; run `alrira-cache verify {cache}`")
 
 
-def _cache_info(cache: str) -> dict:
-    """What `info` prints, and the manifest under "manifest"."""
+def _cache_info(cache: str):
+    """What `info` prints, and the opened cache's reader."""
     from pipeline.train.methods import METHODS, required_arrays
     from storage.reader import available_arrays, cache_stats, open_cache
 
@@ -117,8 +121,7 @@ def _cache_info(cache: str) -> dict:
         "compression_ratio_vs_raw_bf16": stats["compression_ratio_vs_raw_bf16"],
         "corpus": manifest.corpus_stats,
         "trainable_methods": [m for m in METHODS if required_arrays(m) <= arrays],
-        "manifest": manifest,
-    }
+    }, reader
 
 
 @cache_cli.command("verify")

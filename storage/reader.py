@@ -9,6 +9,7 @@ each chunk or tar member a ranged GET, the store's client opened again in each p
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +18,15 @@ from typing import Any
 import numpy as np
 
 from storage import codecs
-from storage.format import ALL_GROUPS, FP8_SCALE_ARRAYS, SHARD_DIR, check_contents, record_array_names
+from storage.errors import first_line
+from storage.format import ALL_GROUPS, CORPUS_DIR, FP8_SCALE_ARRAYS, SHARD_DIR, check_contents, record_array_names
 from storage.location import Location, resolve
 from storage.manifest import Manifest, ShardRecord, load_manifest
 from storage.shards import WdsShard, ZarrShard, open_shard, shard_bytes
+
+# The tokenized corpus's sequence -> corpus row map (pipeline/cache_build/corpus.py writes it): what
+# rows each shard must hold, the build giving shard i sequences [i * shard_size, (i + 1) * shard_size).
+CORPUS_SOURCE_ROWS = f"{CORPUS_DIR}/source_rows.npy"
 
 
 def decode_record(record: dict[str, np.ndarray], *, feature_codec: str) -> dict[str, np.ndarray]:
@@ -30,6 +36,9 @@ def decode_record(record: dict[str, np.ndarray], *, feature_codec: str) -> dict[
         if name in record:
             out[name] = codecs.decode_features(record[name], record.get(scale_name), codec=feature_codec)
     return out
+
+
+SWAPPED_HINT = "it was replaced by another shard (or one of another cache): rerun the cache build to rebuild it"
 
 
 class CacheReader:
@@ -53,6 +62,7 @@ class CacheReader:
                 raise ValueError(f"{self.shard_path(shard)}: shard {shard.name} listed as complete is missing")
         self._pid: int | None = None
         self._handles: dict[int, ZarrShard | WdsShard] = {}
+        self._corpus_rows: np.ndarray | None | bool = False  # False: not read yet; None: the cache has none
 
     def shard_path(self, shard: ShardRecord) -> Path | str:
         """The shard's Path, or its URL on a store."""
@@ -88,8 +98,52 @@ class CacheReader:
                 raise ValueError(
                     f"{self.shard_path(shard)}: holds {handle.num_sequences} sequences, manifest says {shard.sequences}"
                 )
+            problem = self.identity_problem(shard, handle)
+            if problem is not None:
+                handle.close()
+                raise ValueError(problem)
             self._handles[pos] = handle
         return handle
+
+    def expected_source_rows(self, shard: ShardRecord) -> np.ndarray | None:
+        """The sorted corpus rows the build gave `shard` (its slice of the tokenized corpus); None
+        for a cache without a tokenized corpus (assembled by hand), whose shards are not checked."""
+        if self._corpus_rows is False:
+            location = resolve(self.cache_dir)
+            self._corpus_rows = None
+            if location.is_file(CORPUS_SOURCE_ROWS):
+                try:
+                    self._corpus_rows = np.load(io.BytesIO(location.read_bytes(CORPUS_SOURCE_ROWS)), allow_pickle=False)
+                except ValueError as error:
+                    raise ValueError(f"{location.join(CORPUS_SOURCE_ROWS)}: unreadable ({first_line(error)})") from None
+        if self._corpus_rows is None:
+            return None
+        size = self.manifest.settings.shard_size
+        return np.sort(np.asarray(self._corpus_rows[shard.index * size : (shard.index + 1) * size], dtype=np.int64))
+
+    def identity_problem(self, shard: ShardRecord, handle: ZarrShard | WdsShard) -> str | None:
+        """Whether an opened shard is the one the manifest lists under its name: its records' source
+        rows (the Zarr source_rows array, the tar's sample keys: read at open anyway) are the rows
+        the build planned for it, and a Zarr shard's sizes are the manifest's. A valid shard of
+        another index or another cache put in its place trains on wrong rows and passes every
+        other cheap check (docs/design.md, "The cache contract")."""
+        where = self.shard_path(shard)
+        if isinstance(handle, ZarrShard):
+            found = {"tokens": handle.attrs.get("num_tokens"), "anchors": handle.attrs.get("num_anchors")}
+            for what, value in found.items():
+                if value != getattr(shard, what):
+                    return f"{where}: holds {value} {what}, the manifest records {getattr(shard, what)} for {shard.name}; {SWAPPED_HINT}"
+        expected = self.expected_source_rows(shard)
+        if expected is None:
+            return None
+        rows = np.sort(np.asarray(handle.source_rows, dtype=np.int64))
+        if not np.array_equal(rows, expected):
+            first = [int(r) for r in rows[:3]]
+            return (
+                f"{where}: holds corpus rows {first}... where the build put rows {[int(r) for r in expected[:3]]}... "
+                f"in {shard.name}; {SWAPPED_HINT}"
+            )
+        return None
 
     def shard_of(self, index: int) -> tuple[int, int]:
         """(shard index as in the manifest, sequence index within that shard) of global `index`."""

@@ -28,6 +28,7 @@ from storage.manifest import (
     load_manifest,
     target_head_hash,
 )
+from storage.reader import CORPUS_SOURCE_ROWS, CacheReader
 from storage.shards import (
     ANCHOR_INDEXED_ARRAYS,
     RecordDims,
@@ -243,6 +244,32 @@ def size_problems(cache_dir: str | os.PathLike | Location, manifest: Manifest) -
     return problems
 
 
+def identity_problems(reader) -> list[str]:
+    """`alrira-cache info`'s check that every complete shard is the one its manifest record names
+    (storage.reader.CacheReader.identity_problem: the rows read at open, no data). A cache without
+    a tokenized corpus gets only the Zarr size check (`identity_note` says so)."""
+    problems = []
+    for record in reader.shards:
+        try:
+            shard = open_shard(reader.shard_path(record), storage_format=reader.storage_format)
+        except ValueError as error:
+            problems.append(f"{record.name}: {_one_line(error)}")
+            continue
+        try:
+            problem = reader.identity_problem(record, shard)
+        finally:
+            shard.close()
+        if problem is not None:
+            problems.append(f"{record.name}: {problem}")
+    return problems
+
+
+def identity_note(reader) -> str | None:
+    if reader.shards and reader.expected_source_rows(reader.shards[0]) is None:
+        return f"note: {reader.cache_dir} has no {CORPUS_SOURCE_ROWS}: which rows its shards hold is not checked"
+    return None
+
+
 def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
     """Every problem found in the cache at `cache_dir` (a directory or a store URL), one line
     each; empty if it is good. On a store every shard object is downloaded once."""
@@ -259,4 +286,6 @@ def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
     problems += _target_head_problems(cache, manifest)
     for record in manifest.complete_shards:
         problems += [f"{record.name}: {p}" for p in _shard_problems(cache, manifest, record)]
+    if not problems:  # every shard whole: is each the one its record names (rows, not only bytes)?
+        problems += identity_problems(CacheReader(cache, manifest))
     return problems

@@ -238,7 +238,7 @@ def _checkpoint_files(files: dict[str, bytes]) -> dict[str, dict]:
     """state.pt files loaded: torch.save's bytes carry nothing run-specific, but compare values."""
     import io
 
-    return {rel: torch.load(io.BytesIO(data), weights_only=False) for rel, data in files.items() if rel.endswith("state.pt")}
+    return {rel: torch.load(io.BytesIO(data), weights_only=True) for rel, data in files.items() if rel.endswith("state.pt")}
 
 
 def test_a_run_on_the_store_writes_what_a_local_run_writes(caches, local_run, s3_prefix):  # noqa: F811

@@ -172,7 +172,7 @@ def test_resume_mid_epoch_continues_the_stream_exactly(caches, tmp_path, num_wor
     cache = tmp_path / "cache"
     shutil.copytree(caches["wds-bf16"], cache)
     train(_config(cache, resumed, num_workers=num_workers, max_steps=3, save_every=3))
-    state = torch.load(resumed / "checkpoints" / "step-00000003" / "state.pt", weights_only=False)
+    state = torch.load(resumed / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)
     worker_batches = {0: [3], 2: [2, 1]}[num_workers]  # turns w0, w1, w0 (| w1)
     assert state["data_position"] == {"loader": "stream", "epoch": 0, "steps_into_epoch": 3, "worker_batches": worker_batches}
 

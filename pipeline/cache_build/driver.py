@@ -29,6 +29,7 @@ from drafter.config import default_target_layer_ids
 from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
 from pipeline.cache_build.corpus import (
     CORPUS_FILES,
+    IMAGES_FILE,
     corpus_vision_inputs,
     file_sha256,
     ingest_corpus,
@@ -45,6 +46,7 @@ from pipeline.target import (
     stop_token_ids,
     target_hash,
 )
+from pipeline.vision import changed_images
 from storage.format import CORPUS_DIR, MANIFEST_FILE, SHARD_COMPLETE, SHARD_DIR
 from storage.location import Location, resolve
 from storage.manifest import (
@@ -193,6 +195,8 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
     )
 
     previous, replacing = _previous_manifest(out, settings, mask_token_id=mask_token_id, overwrite=config.overwrite)
+    if previous is not None and config.overwrite and _images_changed(out, config, log=log):
+        previous, replacing = None, True  # the tokenized corpus and its shards are stale: start over
     reuse_corpus = previous is not None and out.is_dir(CORPUS_DIR)
     foreign = [] if reuse_corpus else foreign_files(out.child(CORPUS_DIR), CORPUS_FILES)
     if foreign:
@@ -318,6 +322,19 @@ def _previous_manifest(
             "use a new --out or pass --overwrite to replace it"
         )
     return None, True
+
+
+def _images_changed(out: Location, config: CacheBuildConfig, *, log) -> bool:
+    """--overwrite with unchanged settings: whether an image changed since the corpus was tokenized
+    (what the stage-1 worker's error tells the user to rerun with --overwrite for; docs/vision.md)."""
+    if not out.is_file(f"{CORPUS_DIR}/{IMAGES_FILE}"):
+        return False
+    corpus = load_tokenized_corpus(out.child(CORPUS_DIR).local_copy(), mmap=True)
+    vision = corpus_vision_inputs(config.target, config.corpus)
+    changed = [] if vision is None else changed_images(corpus.images or [], vision=vision)
+    if changed:
+        log(f"--overwrite: {len(changed)} image(s) changed since the corpus was tokenized ({changed[0]}, ...); replacing the cache")
+    return bool(changed)
 
 
 def _remove_failed_build(out: Location, *, owner: str, created: bool) -> None:

@@ -30,7 +30,7 @@ LATEST_FILE = "latest"
 # (--attention picks a kernel, not the math: flex and sdpa agree to 1e-5.)
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "max_steps", "save_every", "resume", "progress", "num_workers", "prefetch", "out", "attention",
-     "local_cache_gib", "local_cache_dir", "prefetch_shards"}
+     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial"}
 )  # fmt: skip
 # Settings added after checkpoints were first written: the value an older checkpoint's run had.
 ADDED_SETTINGS = {"loader": "map"}
@@ -65,14 +65,34 @@ def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dic
     return str(final)
 
 
+class UnsafeCheckpoint(ValueError):
+    """A state.pt that holds more than tensors and plain values: never loaded, never skipped over."""
+
+
+def _load_state(path: Path | str, *, where: str) -> dict:
+    """torch.load with weights_only=True: tensors, dicts, lists and plain values only, so a planted
+    pickle (a run directory is often a shared prefix) cannot run code (docs/design.md, "A training step")."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "GLOBAL" not in str(error):  # a corrupt file: weights_only names a refused global (a callable, a class)
+            raise
+        raise UnsafeCheckpoint(
+            f"{where}: refused: it holds objects other than tensors and plain values, which only a tampered or "
+            "foreign file does (loaded with weights_only=True, nothing in it ran); remove it or use a new --out"
+        ) from None
+
+
 def _read_state(run: Location, relative: str) -> dict:
     where = run.join(relative)
     try:
         if run.is_local:
-            return torch.load(where, map_location="cpu", weights_only=False)
+            return _load_state(where, where=where)
         with tempfile.TemporaryDirectory(prefix="alrira-checkpoint-") as tmp:  # streamed to disk, not held twice
             run.download(relative, Path(tmp) / STATE_FILE)
-            return torch.load(Path(tmp) / STATE_FILE, map_location="cpu", weights_only=False)
+            return _load_state(Path(tmp) / STATE_FILE, where=where)
+    except UnsafeCheckpoint:
+        raise
     except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as error:
         raise ValueError(f"{where}: unreadable checkpoint ({first_line(error)})") from None
 
@@ -94,6 +114,8 @@ def load_latest_checkpoint(run: Location, *, log=print) -> dict | None:
     for relative in candidates:
         try:
             state = _read_state(run, relative)
+        except UnsafeCheckpoint:
+            raise  # a tampered checkpoint stops the resume: falling back would hide it
         except ValueError as error:
             problems.append(str(error))
             continue

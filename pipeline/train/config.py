@@ -142,6 +142,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig = group(CheckpointConfig)
     seed: int = opt("Seed of anchors, IRA splits and offsets, data order and fresh init.", default=0)
     max_steps: int | None = opt("Stop after this many steps (smoke tests, benchmarks).", default=None)
+    allow_partial: bool = opt(
+        "Train on a cache whose build did not finish (only its complete shards; says how many).", default=False
+    )
     progress: bool = opt("Show a progress bar.", default=True)
 
     from_flags = classmethod(from_flags)

@@ -43,7 +43,9 @@ class ObjectiveConfig:
     method: str = opt(f"Objective: {', '.join(METHODS)}.", default="alr_ira")
     gamma: float = opt("Slot envelope decay for the distillation family (kd, erase, alr, ira).", default=2.0)
     dflash_gamma: float = opt("Slot envelope decay for the DFlash cross-entropy baseline (7 vision, 2 text).", default=7.0)
-    rollout_depth: int = opt("R: rollout tokens used for labels (R + 1 slots trained); alr_ira needs K - 1.", default=14)
+    rollout_depth: int | None = opt(
+        "R: rollout tokens used for labels (R + 1 slots trained); default and for alr_ira: K - 1 of the cache.", default=None
+    )
     anchors_per_step: int | None = opt("Anchors per sequence per step (default: the whole cached pool).", default=None)
     anchor_source: str = opt("pool (the cached anchors) or all (every eligible position; corpus-only methods).", default="pool")
     # What the cache fixes (not flags): the trainer binds them from the manifest (`for_cache`).
@@ -61,17 +63,10 @@ class ObjectiveConfig:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if not self.dflash_gamma > 0:
             raise ValueError(f"dflash_gamma must be > 0, got {self.dflash_gamma}")
-        if self.rollout_depth < 0:
+        if self.rollout_depth is not None and self.rollout_depth < 0:
             raise ValueError(f"rollout_depth must be >= 0, got {self.rollout_depth}")
-        if self.method in ROLLOUT_METHODS and self.rollout_depth > self.num_slots - 1:
-            raise ValueError(
-                f"rollout_depth must be <= num_slots - 1 = {self.num_slots - 1}, got {self.rollout_depth}"
-            )
-        if recipe(self.method).ira == "secondaries" and self.rollout_depth != self.num_slots - 1:
-            raise ValueError(
-                f"rollout_depth must be num_slots - 1 = {self.num_slots - 1} for alr_ira "
-                f"(secondaries sit at offsets up to K - 1), got {self.rollout_depth}"
-            )
+        if self.mask_token_id is not None:  # bound to a cache (for_cache): its K is known
+            self._check_rollout_depth()
         if self.anchors_per_step is not None and self.anchors_per_step < 1:
             raise ValueError(f"anchors_per_step must be >= 1 or None, got {self.anchors_per_step}")
         if self.anchor_source not in ANCHOR_SOURCES:
@@ -84,6 +79,22 @@ class ObjectiveConfig:
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
         self.stop_token_ids = tuple(int(token) for token in self.stop_token_ids)
+
+    def _check_rollout_depth(self) -> None:
+        """--rollout-depth against the cache's K: flags are parsed before the cache is opened, so
+        this runs once the objective is bound to a cache (the default becomes K - 1 then)."""
+        if self.rollout_depth is None:
+            self.rollout_depth = self.num_slots - 1
+        if self.method in ROLLOUT_METHODS and self.rollout_depth > self.num_slots - 1:
+            raise ValueError(
+                f"--rollout-depth (rollout_depth) must be <= K - 1 = {self.num_slots - 1} for this cache (K = {self.num_slots}), "
+                f"got {self.rollout_depth}"
+            )
+        if recipe(self.method).ira == "secondaries" and self.rollout_depth != self.num_slots - 1:
+            raise ValueError(
+                f"--rollout-depth (rollout_depth) must be K - 1 = {self.num_slots - 1} for alr_ira on this cache (K = {self.num_slots}; "
+                f"secondaries sit at offsets up to K - 1), got {self.rollout_depth}"
+            )
 
     def for_cache(self, *, num_slots: int, mask_token_id: int, stop_token_ids) -> ObjectiveConfig:
         """This objective bound to a cache's K, mask token and stop tokens (validated again)."""

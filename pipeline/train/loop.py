@@ -22,7 +22,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from pipeline.train.batching import (
 from pipeline.train.checkpoints import check_data_position, check_resume_settings, load_latest_checkpoint, save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.methods import check_cache_serves
+from pipeline.train.preflight import check_cache_complete, check_run_dir
 from pipeline.train.streaming import (
     StreamTrainDataset,
     stream_batches,
@@ -235,6 +236,7 @@ class TrainState:
     data_position: object  # step -> where the data stream stands after it (stored in checkpoints)
     total_steps: int
     last_step: int
+    settings: dict  # the run's flat settings, --rollout-depth resolved for the cache (train_config.json, checkpoints)
 
     def epoch_of(self, step: int) -> int:
         return bisect.bisect_right(self.epoch_ends, step)
@@ -244,8 +246,11 @@ def setup(config: TrainConfig) -> TrainState:
     rank, world_size, device = _distributed()
     run, optim, stream = resolve(config.out), config.optim, config.loader.kind == "stream"
     reader = open_cache(config.cache)
+    check_run_dir(run, cache=resolve(config.cache))
     manifest = reader.manifest
     settings = manifest.settings
+    log = print if rank == 0 else (lambda line: None)
+    check_cache_complete(manifest, cache=resolve(config.cache), allow_partial=config.allow_partial, log=log)
     # --loader stream: which shards every rank and worker streams (a Zarr cache is refused here).
     plan = stream_plan(
         reader, seed=config.seed, rank=rank, world_size=world_size, num_workers=config.loader.num_workers,
@@ -262,6 +267,8 @@ def setup(config: TrainConfig) -> TrainState:
     objective = config.objective.for_cache(
         num_slots=settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids
     )
+    # The flags with the depth the cache gave (K - 1 by default): what checkpoints record and compare.
+    run_settings = to_flags(replace(config, objective=replace(config.objective, rollout_depth=objective.rollout_depth)))
     per_epoch = steps_per_epoch(len(reader), batch_size=optim.batch_size)
     epoch_steps = _stream_epoch_steps(plan, optim.epochs) if stream else [per_epoch] * optim.epochs
     epoch_ends = list(itertools.accumulate(epoch_steps))
@@ -273,7 +280,7 @@ def setup(config: TrainConfig) -> TrainState:
     start_step = 0
     state = load_latest_checkpoint(run) if config.checkpoint.resume else None
     if state is not None:
-        check_resume_settings(state["config"], to_flags(config), run=run)
+        check_resume_settings(state["config"], run_settings, run=run)
         check_data_position(state, data_position(state["step"]), run=run)
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -305,6 +312,7 @@ def setup(config: TrainConfig) -> TrainState:
         data_position=data_position,
         total_steps=total_steps,
         last_step=min(total_steps, config.max_steps) if config.max_steps else total_steps,
+        settings=run_settings,
     )  # fmt: skip
 
 
@@ -414,14 +422,15 @@ def _next_batch(s: TrainState) -> TrainBatch:
 
 def train(config: TrainConfig) -> dict:
     s = setup(config)
-    settings = to_flags(config)
+    settings = s.settings
+    if s.rank == 0:  # first: what marks --out as a run (pipeline/train/preflight.py) for the other ranks' checks
+        s.run.make_dirs()
+        atomic_write_text(s.run.join("train_config.json"), json.dumps(settings, indent=2))
     logs = RunLogs.open(s.run, start_step=s.start_step) if s.rank == 0 else None
     method = config.objective.method
     bar = tqdm(total=s.last_step, initial=s.start_step, unit="step", desc=method, disable=s.rank != 0 or not config.progress)
     history, started = [], time.time()
     try:
-        if logs is not None:
-            atomic_write_text(s.run.join("train_config.json"), json.dumps(settings, indent=2))
         for step in range(s.start_step, s.last_step):
             record = train_step(s, config, step)
             history.append(record)

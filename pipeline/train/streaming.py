@@ -54,7 +54,7 @@ from storage.errors import first_line
 from storage.format import FP8_SCALE_ARRAYS
 from storage.local_cache import CachedObject, LocalCache, read_ahead
 from storage.location import is_url
-from storage.reader import CacheReader
+from storage.reader import SWAPPED_HINT, CacheReader
 from storage.wds import decode_sample, member_selector, open_tar
 
 
@@ -64,6 +64,9 @@ class StreamShard:
     start: int  # global index of its first sequence (manifest order, as CacheReader numbers them)
     sequences: int
     bytes: int  # the tar's size (manifest)
+    # The sorted corpus rows the build put in it (CacheReader.expected_source_rows): each sample's key
+    # is checked against them as it is read, so a swapped tar stops at its first sample. None: unchecked.
+    rows: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,6 +191,7 @@ def _read_shards(sources: Iterator[str], *, expected: list[StreamShard], stubbed
             with open_tar(source) as stream:  # webdataset's expander and grouping, our opener (stores)
                 files = wds.tariterators.tar_file_expander([{"url": shard.url, "stream": stream}], select_files=select)
                 for sample in wds.tariterators.group_by_keys(files):
+                    _check_key(shard, sample)
                     sample["__index__"] = shard.start + count
                     count += 1
                     yield sample
@@ -197,6 +201,20 @@ def _read_shards(sources: Iterator[str], *, expected: list[StreamShard], stubbed
             raise ValueError(f"{shard.url}: corrupt tar shard ({reason})") from None
         if count != shard.sequences:
             raise ValueError(f"{shard.url}: holds {count} sequences, manifest says {shard.sequences}")
+
+
+def _check_key(shard: StreamShard, sample: dict) -> None:
+    """A sample whose corpus row is not one the build put in this shard: the tar was swapped."""
+    if shard.rows is None:
+        return
+    key = sample.get("__key__", "")
+    row = int(key) if key.isdigit() else -1
+    at = int(np.searchsorted(shard.rows, row))
+    if at == len(shard.rows) or shard.rows[at] != row:
+        raise ValueError(
+            f"{shard.url}: sample {key!r} is corpus row {row}, not one of the rows the build put in this shard "
+            f"({shard.rows[:3].tolist()}...); {SWAPPED_HINT}"
+        )
 
 
 class StreamTrainDataset(torch.utils.data.IterableDataset):
@@ -273,7 +291,10 @@ def stream_plan(reader: CacheReader, *, seed: int, rank: int, world_size: int, n
         raise ValueError(f"--loader stream needs a wds cache; {reader.cache_dir} is {reader.storage_format} (use --loader map)")
     starts = np.cumsum([0] + [s.sequences for s in reader.shards])
     shards = tuple(
-        StreamShard(url=str(reader.shard_path(s)), start=int(start), sequences=s.sequences, bytes=s.bytes)
+        StreamShard(
+            url=str(reader.shard_path(s)), start=int(start), sequences=s.sequences, bytes=s.bytes,
+            rows=reader.expected_source_rows(s),
+        )  # fmt: skip
         for s, start in zip(reader.shards, starts)
     )
     plan = StreamPlan(
