@@ -87,6 +87,13 @@ def test_a_planted_pickle_in_a_checkpoint_never_runs_and_stops_the_resume(caches
     assert "\n" not in message and f"{newest}: refused" in message and "nothing in it ran" in message
     assert not marker.exists()  # and the resume did not fall back to step 2 quietly either
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+    # `latest` is a name that becomes a path: one pointing out of the run is refused, not followed.
+    outside = tmp_path / "outside"
+    (outside / "step-00000009").mkdir(parents=True)
+    shutil.copy(run / "checkpoints" / "step-00000002" / "state.pt", outside / "step-00000009" / "state.pt")
+    (run / "checkpoints" / "latest").write_text("../../outside/step-00000009\n")
+    with pytest.raises(ValueError, match=r"latest: refused: names '\.\./\.\./outside/step-00000009'"):
+        train(_config(caches["zarr"], run, method="alr_ira", max_steps=4, resume=True))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import first_line
 from storage.location import Location
+from storage.paths import unsafe_name_reason
 
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
@@ -103,7 +104,9 @@ def load_latest_checkpoint(run: Location, *, log=print) -> dict | None:
     latest = f"checkpoints/{LATEST_FILE}"
     if not run.is_file(latest):
         return None
-    named = run.read_bytes(latest).decode().strip()
+    named = run.read_bytes(latest).decode(errors="replace").strip()
+    if unsafe_name_reason(named) is not None or "/" in named:  # it becomes a path: one plain name only
+        raise ValueError(f"{run.join(latest)}: refused: names {named[:80]!r}, not a checkpoint directory; remove it or use a new --out")
     others = sorted((n for n in run.names("checkpoints") if n.startswith("step-") and n != named), reverse=True)
     candidates = [f"checkpoints/{n}/{STATE_FILE}" for n in [named, *others]]
     candidates = [c for c in candidates if run.is_file(c)]
