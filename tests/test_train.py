@@ -38,7 +38,7 @@ def cache(ray_address, toy_target, toy_corpus, tmp_path_factory) -> Path:
 
 
 def _config(cache: Path, out: Path, **overrides) -> TrainConfig:
-    base = dict(cache=str(cache), out=str(out), method="alr_ira", epochs=1, batch_size=4, num_workers=0, progress=False)
+    base = dict(cache=str(cache), out=str(out), method="alr_ira", epochs=1, batch_size=4, num_workers=0, progress=False, log_every=1)
     return TrainConfig.from_flags(**{**base, **overrides})
 
 
@@ -101,7 +101,7 @@ def test_two_rank_ddp_equals_single_process(cache, tmp_path):
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
         "-m", "pipeline.train", "--cache", str(cache), "--out", str(ddp), "--method", "alr_ira", "--epochs", "1",
-        "--batch-size", "4", "--num-workers", "0", "--no-progress", "--save-dtype", "float32",
+        "--batch-size", "4", "--num-workers", "0", "--no-progress", "--save-dtype", "float32", "--log-every", "1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
