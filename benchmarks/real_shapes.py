@@ -8,7 +8,8 @@ A = 128 anchors, K = 15, top-k 8; random bf16 features) through storage's Zarr w
     arrays `required_arrays(method)` names (rollout_features aside), plus for alr_ira the compressed
     chunks of the parents' rollout features it draws;
 (b) loader sequences/s on one core (getitem + collate of per-rank batches, torch on 1 thread), and
-    an 8-GPU node projection from (a) and (b);
+    an 8-GPU node projection from (a) and (b); (b2) for alr and alr_ira the loader next to its
+    floor, the same Blosc frames decoded by bare Blosc on one core, and the cores a rank needs;
 (c) one drafter training step (forward_loss + backward) at the Qwen3-4B DFlash shape (1 layer,
     H 2560, 32 x 128 heads, 8 kv heads, I 9728, frozen fp32 embed/lm_head [151936, 2560]) in a
     fresh process: wall time and peak RSS;
@@ -34,6 +35,7 @@ import contextlib
 import json
 import multiprocessing
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -273,6 +275,99 @@ def measure_loader(reader, *, method: str, shapes: Shapes, anchors_per_step: int
     return statistics.median(rates)
 
 
+def _chunk_frames(array_dir: Path, rows) -> list[bytes]:
+    """The compressed Blosc frames of the Zarr v3 chunks (chunked along the first axis only) of
+    array `array_dir` that hold `rows`: whole chunk files, or the inner chunks of a shard file
+    located through its index (at the end: offset, length per inner chunk, then a crc32c); each
+    chunk less its own trailing crc32c (docs/cache-format.md)."""
+    meta = json.loads((array_dir / "zarr.json").read_text())
+    file_shape, shape = meta["chunk_grid"]["configuration"]["chunk_shape"], meta["shape"]
+    sharding = next((c["configuration"] for c in meta["codecs"] if c["name"] == "sharding_indexed"), None)
+    chunk_rows = sharding["chunk_shape"][0] if sharding else file_shape[0]
+    if list(file_shape[1:]) != list(shape[1:]) or (sharding and list(sharding["chunk_shape"][1:]) != list(shape[1:])):
+        raise ValueError(f"{array_dir}: chunks split more than the first axis of {shape}")
+    trailing = ["0"] * (len(shape) - 1)
+    frames = []
+    for chunk in sorted({int(r) // chunk_rows for r in rows}):
+        file_index, inner = divmod(chunk * chunk_rows, file_shape[0])
+        data = (array_dir / "c" / "/".join([str(file_index), *trailing])).read_bytes()
+        if sharding is None:
+            frames.append(data[:-4])
+            continue
+        num_inner = file_shape[0] // chunk_rows
+        index = np.frombuffer(data[len(data) - 4 - 16 * num_inner : len(data) - 4], dtype="<u8").reshape(num_inner, 2)
+        offset, length = (int(x) for x in index[inner // chunk_rows])
+        frames.append(data[offset : offset + length - 4])
+    return frames
+
+
+def sequence_chunk_bytes(cache: Path, *, index: int, arrays: set[str], parent_rows) -> list[bytes]:
+    """The compressed Blosc frames the map loader decodes for sequence `index` of the
+    (single-shard) cache: every chunk of `arrays` that its rows touch, and the chunks of the
+    rollout_features rows `parent_rows` of its pool."""
+    import zarr
+
+    from storage.shards import ANCHOR_INDEXED_ARRAYS
+
+    shard = cache / SHARD_DIR / "shard-00000.zarr"
+    seq_offsets, anchor_offsets = (zarr.open_array(shard / name, mode="r")[:] for name in ("seq_offsets", "anchor_offsets"))
+    t0, t1, a0, a1 = (int(x) for x in (seq_offsets[index], seq_offsets[index + 1], anchor_offsets[index], anchor_offsets[index + 1]))
+    frames = []
+    for name in sorted(arrays - {"source_row"}):
+        frames += _chunk_frames(shard / name, range(a0, a1) if name in ANCHOR_INDEXED_ARRAYS else range(t0, t1))
+    return frames + _chunk_frames(shard / "rollout_features", [a0 + int(r) for r in parent_rows])
+
+
+def decompression_floor(reader, cache: Path, *, method: str) -> float:
+    """Sequences/s that bare Blosc (zstd + shuffle) decoding on one core allows for the bytes the
+    method's map loader decodes: its floor (docs/benchmarks.md, "Real shapes")."""
+    from numcodecs import blosc
+
+    dataset = CacheTrainDataset(reader, objective=objective(method, reader), seed=0)
+    frames = []
+    for i in range(len(reader)):
+        example = dataset[(0, i)]
+        parents = {int(p) for p, n in zip(example.targets.private_parent.tolist(), example.targets.private_len.tolist()) if p >= 0 and n > 0}
+        frames.append(sequence_chunk_bytes(cache, index=i, arrays=dataset.arrays, parent_rows=sorted(parents)))
+    blosc.use_threads, threads = False, blosc.set_nthreads(1)
+    try:
+        start = time.perf_counter()
+        for sequence in frames:
+            for frame in sequence:
+                blosc.decompress(frame)
+        return len(frames) / (time.perf_counter() - start)
+    finally:
+        blosc.set_nthreads(threads)
+
+
+# A rank's demand: its share of the global batch of 24 over 8 ranks, at a step of 0.15-0.1 s.
+RANK_STEP_S = (0.15, 0.1)
+
+
+def loader_against_floor(reader, cache: Path, *, rates: dict[str, float], shapes: Shapes) -> list[dict]:
+    """(b2) for alr and alr_ira: the loader's sequences/s per core (from (b)) next to its
+    decompression floor, and the cores a rank needs at each to keep up with its GPU."""
+    rows = []
+    for method in ("alr", "alr_ira"):
+        floor = decompression_floor(reader, cache, method=method)
+        demand = [shapes.rank_batch / s for s in RANK_STEP_S]
+        rows.append({"method": method, "loader_seq_per_s": rates[method], "floor_seq_per_s": floor,
+                     "floor_over_loader": floor / rates[method], "rank_demand_seq_per_s": demand})  # fmt: skip
+    print_table(
+        f"(b2) loader vs its decompression floor (the same Blosc frames through bare Blosc/zstd, one core); a rank's "
+        f"demand at {shapes.rank_batch} sequences per {RANK_STEP_S[0]}-{RANK_STEP_S[1]} s step",
+        ["method", "loader seq/s/core", "floor seq/s/core", "floor / loader", "rank needs seq/s", "cores/rank at loader",
+         "cores/rank at floor"],
+        [[r["method"], f"{r['loader_seq_per_s']:.2f}", f"{r['floor_seq_per_s']:.2f}", f"{r['floor_over_loader']:.2f}x",
+          f"{r['rank_demand_seq_per_s'][0]:.0f}-{r['rank_demand_seq_per_s'][1]:.0f}",
+          f"{r['rank_demand_seq_per_s'][0] / r['loader_seq_per_s']:.1f}-{r['rank_demand_seq_per_s'][1] / r['loader_seq_per_s']:.1f}",
+          f"{r['rank_demand_seq_per_s'][0] / r['floor_seq_per_s']:.1f}-{r['rank_demand_seq_per_s'][1] / r['floor_seq_per_s']:.1f}"]
+         for r in rows],
+    )  # fmt: skip
+    sys.stdout.flush()
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # (c) one drafter step at the Qwen3-4B DFlash shape, in a fresh process
 
@@ -455,6 +550,7 @@ def main() -> None:
               f"{p['node_seq_per_s'][0]:.0f}-{p['node_seq_per_s'][1]:.0f} seq/s = {lo / 1e3:.2f}-{hi / 1e3:.2f} GB/s decompressed "
               f"({p['node_read_mb_per_s'][0] / 1e3:.2f}-{p['node_read_mb_per_s'][1] / 1e3:.2f} GB/s read); measured "
               f"{rates[p['label']]:.2f} seq/s per core -> {p['cores'][0]:.0f}-{p['cores'][1]:.0f} loader cores per node")  # fmt: skip
+    floors = loader_against_floor(reader, cache, rates=rates, shapes=shapes)
     reader.close()
 
     print("\n(c) drafter step (fresh process) ...", flush=True)
@@ -479,7 +575,7 @@ def main() -> None:
               f"{s['rss_before_gib']:.2f}", f"{s['peak_rss_gib']:.2f}"] for s in stage1],
         )  # fmt: skip
 
-    results = {"shapes": asdict(shapes), "reads": reads, "projection": projection, "drafter_step": step, "stage1": stage1,
+    results = {"shapes": asdict(shapes), "reads": reads, "projection": projection, "loader_floor": floors, "drafter_step": step, "stage1": stage1,
                "load_average": [load_before, os.getloadavg()[0]], "wall_s": time.perf_counter() - began}  # fmt: skip
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\nwall {results['wall_s']:.0f} s; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; {work / 'results.json'}")
