@@ -130,7 +130,7 @@ def example_from_record(
     return SequenceExample(
         index=index,
         num_tokens=num_tokens,
-        context_features=torch.cat(features),
+        context_features=torch.cat(features) if len(features) > 1 else features[0],  # (a cat would copy [T, F])
         context_positions=torch.cat(positions).long(),
         context_owner=torch.cat(owners).long(),
         targets=targets,
@@ -191,7 +191,8 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
     feature_dim = examples[0].context_features.shape[1]
     num_slots, top_k = examples[0].targets.label_ids.shape[1:]
 
-    context_features = torch.zeros((batch, num_context, feature_dim), dtype=examples[0].context_features.dtype)
+    # [B, C, F] is most of a batch's bytes: only its pad rows are zeroed (each real row is copied once).
+    context_features = torch.empty((batch, num_context, feature_dim), dtype=examples[0].context_features.dtype)
     fp8 = examples[0].context_feature_scales is not None
     context_feature_scales = torch.zeros((batch, num_context)) if fp8 else None
     context_positions = torch.zeros((batch, num_context), dtype=torch.long)
@@ -208,6 +209,7 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         c, t = e.context_features.shape[0], e.targets
         n = t.block_tokens.shape[0]
         context_features[b, :c] = e.context_features
+        context_features[b, c:] = 0
         if fp8:
             context_feature_scales[b, :c] = e.context_feature_scales
         context_positions[b, :c] = e.context_positions
