@@ -19,33 +19,49 @@ if [[ "${1:-}" == "--cpu-smoke" ]]; then SMOKE=(--cpu-smoke); fi
 export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-# Needs, one line each.
-missing=0
-need() {  # need NAME PYTHON-CODE: the code prints what it found, or fails
-    local out
-    if out=$("$PYTHON" -c "$2" 2>&1); then
-        echo "need $1: ok, $out"
-    else
-        echo "need $1: MISSING, $(printf '%s' "$out" | tail -n 1)"
-        missing=1
-    fi
-}
+# Needs, one line each, checked by one interpreter (each import of torch costs seconds).
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
     echo "need python: MISSING, no interpreter at $PYTHON (make the venv or set PYTHON=...)"
     exit 2
 fi
-need torch 'import torch; print("torch", torch.__version__, "CUDA build", torch.version.cuda)'
-if [[ ${#SMOKE[@]} -eq 0 ]]; then
-    need cuda 'import sys, torch
-if torch.version.cuda is None: sys.exit("this torch is a CPU build (install a CUDA torch)")
-if not torch.cuda.is_available(): sys.exit("CUDA torch but no device visible (CUDA_VISIBLE_DEVICES? driver?)")
-print(torch.cuda.get_device_name(), torch.cuda.device_count(), "device(s)")'
-fi
-need pytest 'import pytest; print("pytest", pytest.__version__)'
-need psutil 'import psutil; print("psutil", psutil.__version__)'
-need alrira 'import pipeline.train.loop, transformers, zarr; print("transformers", transformers.__version__, "zarr", zarr.__version__)'
-if [[ $missing -ne 0 ]]; then
-    echo "gpu_check.sh: a need is missing (pip install -e . into the venv); nothing was run" >&2
+CUDA_NEEDED=$([[ ${#SMOKE[@]} -eq 0 ]] && echo 1 || echo 0) "$PYTHON" - <<'PY'
+import os, sys
+
+def need(name, check):
+    try:
+        found = check()
+    except Exception as error:  # an ImportError, or a need that is not met
+        print(f"need {name}: MISSING, {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+        return False
+    print(f"need {name}: ok, {found}")
+    return True
+
+def torch_build():
+    import torch
+    return f"torch {torch.__version__}, CUDA build {torch.version.cuda}"
+
+def cuda_device():
+    import torch
+    if torch.version.cuda is None:
+        raise RuntimeError("this torch is a CPU build (install a CUDA torch)")
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA torch but no device visible (CUDA_VISIBLE_DEVICES? driver?)")
+    return f"{torch.cuda.get_device_name()}, {torch.cuda.device_count()} device(s)"
+
+def version(module):
+    return lambda: f"{module} {__import__(module).__version__}"
+
+def alrira():
+    import pipeline.train.loop, transformers, zarr  # noqa: F401
+    return f"transformers {transformers.__version__}, zarr {zarr.__version__}"
+
+checks = [("torch", torch_build)] + ([("cuda", cuda_device)] if os.environ["CUDA_NEEDED"] == "1" else [])
+checks += [("pytest", version("pytest")), ("psutil", version("psutil")), ("alrira", alrira)]
+results = [need(name, check) for name, check in checks]  # every line, even after a miss
+sys.exit(0 if all(results) else 1)
+PY
+if [[ $? -ne 0 ]]; then
+    echo "gpu_check.sh: install what is MISSING above; nothing was run" >&2
     exit 2
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
