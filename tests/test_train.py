@@ -574,3 +574,14 @@ def test_flex_equals_sdpa_on_real_batches_of_ten_lengths_with_at_most_two_compil
         assert abs(flex.loss_sum - sdpa.loss_sum) <= 1e-5 * abs(sdpa.loss_sum), (length, flex.loss_sum, sdpa.loss_sum)
     graphs = counters["stats"]["unique_graphs"] - before
     assert graphs <= 2 * 2, graphs  # (block mask, attention) x at most two padded shapes; unpadded: x 10
+
+
+def test_num_workers_defaults_to_the_cores_each_rank_of_the_node_may_use(monkeypatch):
+    from pipeline.train.config import LoaderConfig, default_num_workers
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_num_workers() == cores - 1 == LoaderConfig().num_workers
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert default_num_workers() == 0  # one core per rank: it reads in the training process
+    assert LoaderConfig(num_workers=3).num_workers == 3

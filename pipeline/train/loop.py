@@ -567,9 +567,13 @@ def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
 
 
 def _single_threaded_worker(worker_id: int) -> None:
-    # Data workers build labels with small tensor ops; several multi-threaded workers next to the
-    # training process would oversubscribe the cores and stall the training step.
+    # Data workers build labels with small tensor ops and decode Blosc chunks; several
+    # multi-threaded workers next to the training process would oversubscribe the cores (the
+    # default --num-workers already takes one per core) and stall the training step.
+    from numcodecs import blosc
+
     torch.set_num_threads(1)
+    blosc.set_nthreads(1)
 
 
 def _tensorboard(directory: Path):
