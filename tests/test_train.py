@@ -500,8 +500,8 @@ def test_a_micro_batch_needs_no_host_sync_and_keeps_its_loss_and_gradients(cache
     that wait on the device, which the boolean-masked loss runs (so the detector detects)."""
     from pipeline.train.loop import setup
 
-    s = setup(_config(cache, tmp_path / "run", method="alr_ira"))
-    batch = next(s.batches)
+    s = setup(_config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32"))
+    batch = next(s.batches).to(s.device)
     assert batch.context_features.shape[1] % 128 == 0 and not batch.context_valid[:, -1].any()
     assert torch.equal(batch.supervised_index, torch.nonzero(batch.slot_weights.flatten() > 0).flatten())
 
@@ -549,7 +549,7 @@ def test_flex_equals_sdpa_on_real_batches_of_ten_lengths_with_at_most_two_compil
     from pipeline.train.batching import CacheTrainDataset, collate
     from pipeline.train.loop import setup
 
-    config = _config(cache, tmp_path / "run", method="alr_ira", attention="sdpa")
+    config = _config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32")
     s, reader = setup(config), open_cache(cache)
     m = reader.manifest
     objective = config.objective.for_cache(num_slots=s.num_slots, mask_token_id=m.mask_token_id, stop_token_ids=m.stop_token_ids)
@@ -566,7 +566,7 @@ def test_flex_equals_sdpa_on_real_batches_of_ten_lengths_with_at_most_two_compil
 
     before = counters["stats"]["unique_graphs"]
     for length in lengths:
-        batch = collate([cut(examples[0], length), examples[1]])
+        batch = collate([cut(examples[0], length), examples[1]]).to(s.device)
         with torch.no_grad():
             sdpa, flex = _stats_on(s, batch, attention="sdpa"), _stats_on(s, batch, attention="flex")
         assert batch.context_owner.max() >= 0 and not batch.context_valid.all()  # private and padded context
