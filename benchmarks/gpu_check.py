@@ -48,7 +48,7 @@ from pipeline.train.config import default_num_workers
 from storage.reader import open_cache
 
 from _common import print_table, write_toy_corpus
-from real_shapes import FULL, QUICK, Shapes, decompression_floor, drafter_config, measure_loader, objective, write_cache
+from real_shapes import FULL, QUICK, Shapes, drafter_config, loader_and_floor, objective, write_cache
 
 SECTIONS = ("attention", "step", "loader", "stage1")
 # Dense bf16 peak of the GPUs this is run on (FLOP/s); GPU_PEAK_TFLOPS overrides.
@@ -290,8 +290,7 @@ def loader_section(sizes: CheckSizes, work: Path, device: torch.device) -> dict:
     torch.set_num_threads(1)
     for method in ("alr", "alr_ira"):
         reader = open_cache(cache)
-        one_core = measure_loader(reader, method=method, shapes=replace(sizes.cache, rank_batch=sizes.rank_batch), anchors_per_step=None)
-        floor = decompression_floor(reader, cache, method=method)
+        one_core, floor = loader_and_floor(reader, cache, method=method, shapes=replace(sizes.cache, rank_batch=sizes.rank_batch))
         reader.close()
         node = _data_loader_rate(cache, method=method, sizes=sizes, workers=workers, pin=device.type == "cuda")
         demand = sizes.rank_batch / step_s if step_s else None
