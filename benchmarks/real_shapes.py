@@ -275,47 +275,26 @@ def measure_loader(reader, *, method: str, shapes: Shapes, anchors_per_step: int
     return statistics.median(rates)
 
 
-def _chunk_frames(array_dir: Path, rows) -> list[bytes]:
-    """The compressed Blosc frames of the Zarr v3 chunks (chunked along the first axis only) of
-    array `array_dir` that hold `rows`: whole chunk files, or the inner chunks of a shard file
-    located through its index (at the end: offset, length per inner chunk, then a crc32c); each
-    chunk less its own trailing crc32c (docs/cache-format.md)."""
-    meta = json.loads((array_dir / "zarr.json").read_text())
-    file_shape, shape = meta["chunk_grid"]["configuration"]["chunk_shape"], meta["shape"]
-    sharding = next((c["configuration"] for c in meta["codecs"] if c["name"] == "sharding_indexed"), None)
-    chunk_rows = sharding["chunk_shape"][0] if sharding else file_shape[0]
-    if list(file_shape[1:]) != list(shape[1:]) or (sharding and list(sharding["chunk_shape"][1:]) != list(shape[1:])):
-        raise ValueError(f"{array_dir}: chunks split more than the first axis of {shape}")
-    trailing = ["0"] * (len(shape) - 1)
-    frames = []
-    for chunk in sorted({int(r) // chunk_rows for r in rows}):
-        file_index, inner = divmod(chunk * chunk_rows, file_shape[0])
-        data = (array_dir / "c" / "/".join([str(file_index), *trailing])).read_bytes()
-        if sharding is None:
-            frames.append(data[:-4])
-            continue
-        num_inner = file_shape[0] // chunk_rows
-        index = np.frombuffer(data[len(data) - 4 - 16 * num_inner : len(data) - 4], dtype="<u8").reshape(num_inner, 2)
-        offset, length = (int(x) for x in index[inner // chunk_rows])
-        frames.append(data[offset : offset + length - 4])
-    return frames
-
-
 def sequence_chunk_bytes(cache: Path, *, index: int, arrays: set[str], parent_rows) -> list[bytes]:
     """The compressed Blosc frames the map loader decodes for sequence `index` of the
     (single-shard) cache: every chunk of `arrays` that its rows touch, and the chunks of the
-    rollout_features rows `parent_rows` of its pool."""
+    rollout_features rows `parent_rows` of its pool (read, crc32c checked, by storage/zarr_rows.py)."""
     import zarr
 
     from storage.shards import ANCHOR_INDEXED_ARRAYS
+    from storage.zarr_rows import ZarrRows
 
     shard = cache / SHARD_DIR / "shard-00000.zarr"
+    chunks = ZarrRows(shard)
     seq_offsets, anchor_offsets = (zarr.open_array(shard / name, mode="r")[:] for name in ("seq_offsets", "anchor_offsets"))
     t0, t1, a0, a1 = (int(x) for x in (seq_offsets[index], seq_offsets[index + 1], anchor_offsets[index], anchor_offsets[index + 1]))
+    wanted = {name: range(a0, a1) if name in ANCHOR_INDEXED_ARRAYS else range(t0, t1) for name in arrays - {"source_row"}}
+    wanted["rollout_features"] = [a0 + int(r) for r in parent_rows]
     frames = []
-    for name in sorted(arrays - {"source_row"}):
-        frames += _chunk_frames(shard / name, range(a0, a1) if name in ANCHOR_INDEXED_ARRAYS else range(t0, t1))
-    return frames + _chunk_frames(shard / "rollout_features", [a0 + int(r) for r in parent_rows])
+    for name, rows in sorted(wanted.items()):
+        size = chunks.layout(name).chunk_rows
+        frames += [chunks.frame(name, c) for c in sorted({int(r) // size for r in rows})]
+    return [f for f in frames if f is not None]
 
 
 def _floor_frames(reader, cache: Path, dataset) -> list[list[bytes]]:

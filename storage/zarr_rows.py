@@ -127,18 +127,16 @@ class ZarrRows:
             out[mine] = decoded[rows[mine] - int(chunk) * layout.chunk_rows]
         return out
 
-    def _chunk(self, name: str, layout: ChunkLayout, chunk: int, *, into: np.ndarray | None = None) -> np.ndarray:
-        """Chunk `chunk` of array `name` decoded: [chunk_rows, *row_shape], written into `into`
-        (a contiguous view of that shape) when given."""
+    def frame(self, name: str, chunk: int) -> bytes | None:
+        """The Blosc frame of chunk `chunk` of array `name`, its crc32c checked; None for a chunk
+        never written (the fill value applies)."""
+        layout = self.layout(name)
         file_index, first = divmod(chunk * layout.chunk_rows, layout.file_rows)
         path = self._file_path(name, file_index, len(layout.row_shape))
         if layout.sharded:
             offset, length = (int(x) for x in self._index(path, layout)[first // layout.chunk_rows])
             if offset == _MISSING and length == _MISSING:
-                if into is None:
-                    return np.full((layout.chunk_rows, *layout.row_shape), layout.fill_value, dtype=layout.dtype)
-                into[...] = layout.fill_value
-                return into
+                return None
             with open(path, "rb") as f:
                 data = os.pread(f.fileno(), length, offset)
             if len(data) != length:
@@ -146,7 +144,17 @@ class ZarrRows:
         else:
             with open(path, "rb") as f:
                 data = f.read()
-        frame = _checked(data, path, self.root)
+        return _checked(data, path, self.root)
+
+    def _chunk(self, name: str, layout: ChunkLayout, chunk: int, *, into: np.ndarray | None = None) -> np.ndarray:
+        """Chunk `chunk` of array `name` decoded: [chunk_rows, *row_shape], written into `into`
+        (a contiguous view of that shape) when given."""
+        frame = self.frame(name, chunk)
+        if frame is None:
+            if into is None:
+                return np.full((layout.chunk_rows, *layout.row_shape), layout.fill_value, dtype=layout.dtype)
+            into[...] = layout.fill_value
+            return into
         if into is not None:
             blosc.decompress(frame, into)
             return into
