@@ -8,7 +8,8 @@ A = 128 anchors, K = 15, top-k 8; random bf16 features) through storage's Zarr w
     arrays `required_arrays(method)` names (rollout_features aside), plus for alr_ira the compressed
     chunks of the parents' rollout features it draws;
 (b) loader sequences/s on one core (getitem + collate of per-rank batches, torch on 1 thread), and
-    an 8-GPU node projection from (a) and (b);
+    an 8-GPU node projection from (a) and (b); (b2) for alr and alr_ira the loader next to its
+    floor, the same Blosc frames decoded by bare Blosc on one core, and the cores a rank needs;
 (c) one drafter training step (forward_loss + backward) at the Qwen3-4B DFlash shape (1 layer,
     H 2560, 32 x 128 heads, 8 kv heads, I 9728, frozen fp32 embed/lm_head [151936, 2560]) in a
     fresh process: wall time and peak RSS;
@@ -34,6 +35,7 @@ import contextlib
 import json
 import multiprocessing
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -273,6 +275,114 @@ def measure_loader(reader, *, method: str, shapes: Shapes, anchors_per_step: int
     return statistics.median(rates)
 
 
+def sequence_chunk_bytes(cache: Path, *, index: int, arrays: set[str], parent_rows) -> list[bytes]:
+    """The compressed Blosc frames the map loader decodes for sequence `index` of the
+    (single-shard) cache: every chunk of `arrays` that its rows touch, and the chunks of the
+    rollout_features rows `parent_rows` of its pool (read, crc32c checked, by storage/zarr_rows.py)."""
+    import zarr
+
+    from storage.shards import ANCHOR_INDEXED_ARRAYS
+    from storage.zarr_rows import ZarrRows
+
+    shard = cache / SHARD_DIR / "shard-00000.zarr"
+    chunks = ZarrRows(shard)
+    seq_offsets, anchor_offsets = (zarr.open_array(shard / name, mode="r")[:] for name in ("seq_offsets", "anchor_offsets"))
+    t0, t1, a0, a1 = (int(x) for x in (seq_offsets[index], seq_offsets[index + 1], anchor_offsets[index], anchor_offsets[index + 1]))
+    wanted = {name: range(a0, a1) if name in ANCHOR_INDEXED_ARRAYS else range(t0, t1) for name in arrays - {"source_row"}}
+    wanted["rollout_features"] = [a0 + int(r) for r in parent_rows]
+    frames = []
+    for name, rows in sorted(wanted.items()):
+        size = chunks.layout(name).chunk_rows
+        frames += [chunks.frame(name, c) for c in sorted({int(r) // size for r in rows})]
+    return [f for f in frames if f is not None]
+
+
+def _floor_frames(reader, cache: Path, dataset) -> list[list[bytes]]:
+    """Per sequence, the Blosc frames the map loader decodes for it (its drawn parents included)."""
+    frames = []
+    for i in range(len(reader)):
+        t = dataset[(0, i)].targets
+        parents = {int(p) for p, n in zip(t.private_parent.tolist(), t.private_len.tolist()) if p >= 0 and n > 0}
+        frames.append(sequence_chunk_bytes(cache, index=i, arrays=dataset.arrays, parent_rows=sorted(parents)))
+    return frames
+
+
+def _decode_pass(frames: list[list[bytes]]) -> float:
+    """Sequences/s of bare Blosc decoding of `frames` on one thread."""
+    from numcodecs import blosc
+
+    blosc.use_threads, threads = False, blosc.set_nthreads(1)
+    try:
+        start = time.perf_counter()
+        for sequence in frames:
+            for frame in sequence:
+                blosc.decompress(frame)
+        return len(frames) / (time.perf_counter() - start)
+    finally:
+        blosc.set_nthreads(threads)
+
+
+def decompression_floor(reader, cache: Path, *, method: str) -> float:
+    """Sequences/s that bare Blosc (zstd + shuffle) decoding on one core allows for the bytes the
+    method's map loader decodes: its floor (docs/benchmarks.md, "Real shapes")."""
+    dataset = CacheTrainDataset(reader, objective=objective(method, reader), seed=0)
+    return _decode_pass(_floor_frames(reader, cache, dataset))
+
+
+def loader_and_floor(reader, cache: Path, *, method: str, shapes: Shapes, rounds: int = 3) -> tuple[float, float]:
+    """(loader, floor) sequences/s on one core, each the best of `rounds` passes taken in turn, so
+    that both see the same load on a shared machine (the ratio is what is compared). The process
+    is pinned to one CPU meanwhile: a reader's own threads (zarr's pool) get no second core."""
+    from numcodecs import blosc
+
+    dataset = CacheTrainDataset(reader, objective=objective(method, reader), seed=0)
+    frames = _floor_frames(reader, cache, dataset)
+    batches = [list(range(len(reader)))[i : i + shapes.rank_batch] for i in range(0, len(reader), shapes.rank_batch)]
+    loader, floor, threads = [], [], blosc.set_nthreads(1)  # the loader's workers decode on one thread
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        for p in range(rounds):
+            start = time.perf_counter()
+            for batch in batches:
+                collate([dataset[(p, i)] for i in batch])
+            loader.append(len(reader) / (time.perf_counter() - start))
+            floor.append(_decode_pass(frames))
+    finally:
+        blosc.set_nthreads(threads)
+        os.sched_setaffinity(0, cpus)
+    return max(loader), max(floor)
+
+
+# A rank's demand: its share of the global batch of 24 over 8 ranks, at a step of 0.15-0.1 s.
+RANK_STEP_S = (0.15, 0.1)
+
+
+def loader_against_floor(reader, cache: Path, *, shapes: Shapes) -> list[dict]:
+    """(b2) for alr and alr_ira: the loader's sequences/s per core next to its decompression floor,
+    measured in turn, and the cores a rank needs at each to keep up with its GPU."""
+    rows = []
+    for method in ("alr", "alr_ira"):
+        loader, floor = loader_and_floor(reader, cache, method=method, shapes=shapes)
+        demand = [shapes.rank_batch / s for s in RANK_STEP_S]
+        rows.append({"method": method, "loader_seq_per_s": loader, "floor_seq_per_s": floor,
+                     "floor_over_loader": floor / loader, "rank_demand_seq_per_s": demand})  # fmt: skip
+    print_table(
+        f"(b2) loader vs its decompression floor (the same Blosc frames through bare Blosc/zstd, one core; best of 3 "
+        f"passes each, taken in turn); a rank's "
+        f"demand at {shapes.rank_batch} sequences per {RANK_STEP_S[0]}-{RANK_STEP_S[1]} s step",
+        ["method", "loader seq/s/core", "floor seq/s/core", "floor / loader", "rank needs seq/s", "cores/rank at loader",
+         "cores/rank at floor"],
+        [[r["method"], f"{r['loader_seq_per_s']:.2f}", f"{r['floor_seq_per_s']:.2f}", f"{r['floor_over_loader']:.2f}x",
+          f"{r['rank_demand_seq_per_s'][0]:.0f}-{r['rank_demand_seq_per_s'][1]:.0f}",
+          f"{r['rank_demand_seq_per_s'][0] / r['loader_seq_per_s']:.1f}-{r['rank_demand_seq_per_s'][1] / r['loader_seq_per_s']:.1f}",
+          f"{r['rank_demand_seq_per_s'][0] / r['floor_seq_per_s']:.1f}-{r['rank_demand_seq_per_s'][1] / r['floor_seq_per_s']:.1f}"]
+         for r in rows],
+    )  # fmt: skip
+    sys.stdout.flush()
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # (c) one drafter step at the Qwen3-4B DFlash shape, in a fresh process
 
@@ -455,6 +565,7 @@ def main() -> None:
               f"{p['node_seq_per_s'][0]:.0f}-{p['node_seq_per_s'][1]:.0f} seq/s = {lo / 1e3:.2f}-{hi / 1e3:.2f} GB/s decompressed "
               f"({p['node_read_mb_per_s'][0] / 1e3:.2f}-{p['node_read_mb_per_s'][1] / 1e3:.2f} GB/s read); measured "
               f"{rates[p['label']]:.2f} seq/s per core -> {p['cores'][0]:.0f}-{p['cores'][1]:.0f} loader cores per node")  # fmt: skip
+    floors = loader_against_floor(reader, cache, shapes=shapes)
     reader.close()
 
     print("\n(c) drafter step (fresh process) ...", flush=True)
@@ -479,7 +590,7 @@ def main() -> None:
               f"{s['rss_before_gib']:.2f}", f"{s['peak_rss_gib']:.2f}"] for s in stage1],
         )  # fmt: skip
 
-    results = {"shapes": asdict(shapes), "reads": reads, "projection": projection, "drafter_step": step, "stage1": stage1,
+    results = {"shapes": asdict(shapes), "reads": reads, "projection": projection, "loader_floor": floors, "drafter_step": step, "stage1": stage1,
                "load_average": [load_before, os.getloadavg()[0]], "wall_s": time.perf_counter() - began}  # fmt: skip
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\nwall {results['wall_s']:.0f} s; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; {work / 'results.json'}")

@@ -22,7 +22,8 @@ from storage.errors import first_line
 from storage.format import ALL_GROUPS, CORPUS_DIR, FP8_SCALE_ARRAYS, SHARD_DIR, check_contents, record_array_names
 from storage.location import Location, resolve
 from storage.manifest import Manifest, ShardRecord, load_manifest
-from storage.shards import WdsShard, ZarrShard, open_shard, shard_bytes
+from storage.shards import ANCHOR_INDEXED_ARRAYS, ZARR_INDEX_ARRAYS, WdsShard, ZarrShard, open_shard, shard_bytes
+from storage.zarr_rows import ZarrRows
 
 # The tokenized corpus's sequence -> corpus row map (pipeline/cache_build/corpus.py writes it): what
 # rows each shard must hold, the build giving shard i sequences [i * shard_size, (i + 1) * shard_size).
@@ -63,6 +64,7 @@ class CacheReader:
         self._pid: int | None = None
         self._handles: dict[int, ZarrShard | WdsShard] = {}
         self._corpus_rows: np.ndarray | None | bool = False  # False: not read yet; None: the cache has none
+        self._rows: dict[int, ZarrRows] = {}  # local Zarr shards: chunks decoded without zarr (storage/zarr_rows.py)
 
     def shard_path(self, shard: ShardRecord) -> Path | str:
         """The shard's Path, or its URL on a store."""
@@ -83,12 +85,13 @@ class CacheReader:
         state = self.__dict__.copy()
         state["_pid"] = None
         state["_handles"] = {}
+        state["_rows"] = {}
         return state
 
     def _handle(self, pos: int) -> ZarrShard | WdsShard:
         if self._pid != os.getpid():
             # A forked child shares the parent's file offsets: never reuse its handles.
-            self._handles = {}
+            self._handles, self._rows = {}, {}
             self._pid = os.getpid()
         handle = self._handles.get(pos)
         if handle is None:
@@ -103,6 +106,8 @@ class CacheReader:
                 handle.close()
                 raise ValueError(problem)
             self._handles[pos] = handle
+            if isinstance(handle, ZarrShard) and isinstance(handle.path, Path):
+                self._rows[pos] = ZarrRows(handle.path)
         return handle
 
     def expected_source_rows(self, shard: ShardRecord) -> np.ndarray | None:
@@ -144,6 +149,34 @@ class CacheReader:
                 f"in {shard.name}; {SWAPPED_HINT}"
             )
         return None
+    def _read_shard(self, pos: int, local: int, arrays: set[str] | None) -> dict[str, np.ndarray]:
+        """The encoded record of sequence `local` of shard `pos`: the local Zarr arrays whose layout
+        storage/zarr_rows.py reads straight from their chunks (the map loader's decode path), the
+        rest through the shard handle."""
+        handle, rows = self._handle(pos), self._rows.get(pos)
+        if rows is None:
+            return handle.read(local, arrays)
+        fast = {n for n in handle.arrays if n not in ZARR_INDEX_ARRAYS and (arrays is None or n in arrays) and rows.layout(n)}
+        record = handle.read(local, (set(handle.array_names) if arrays is None else set(arrays)) - fast)
+        t0, t1 = int(handle.seq_offsets[local]), int(handle.seq_offsets[local + 1])
+        a0, a1 = int(handle.anchor_offsets[local]), int(handle.anchor_offsets[local + 1])
+        for name in sorted(fast):
+            try:
+                record[name] = rows.rows(name, a0, a1) if name in ANCHOR_INDEXED_ARRAYS else rows.rows(name, t0, t1)
+            except Exception as e:  # a failed checksum or a chunk that no longer decodes
+                raise handle._corrupt(name, e) from None
+        return record
+
+    def _read_anchor_rows(self, index: int, name: str, pool_rows) -> np.ndarray:
+        shard_index, local = self.shard_of(index)
+        pos = self._position[shard_index]
+        handle, rows = self._handle(pos), self._rows.get(pos)
+        if rows is None or not rows.layout(name):
+            return handle.read_anchor_rows(local, name, pool_rows)
+        try:
+            return rows.pick(name, int(handle.anchor_offsets[local]) + np.asarray(pool_rows, dtype=np.int64))
+        except Exception as e:
+            raise handle._corrupt(name, e) from None
 
     def shard_of(self, index: int) -> tuple[int, int]:
         """(shard index as in the manifest, sequence index within that shard) of global `index`."""
@@ -160,24 +193,21 @@ class CacheReader:
         shard_index, local = self.shard_of(index)
         if arrays is not None:
             arrays = set(arrays) | {FP8_SCALE_ARRAYS[n] for n in arrays if n in FP8_SCALE_ARRAYS}
-        record = self._handle(self._position[shard_index]).read(local, arrays)
+        record = self._read_shard(self._position[shard_index], local, arrays)
         return decode_record(record, feature_codec=self.feature_codec) if decode_features else record
 
     def read_rollout_features(self, index: int, pool_rows, *, decode_features: bool = True) -> np.ndarray:
         """`rollout_features` of the anchors `pool_rows` (indices into the sequence's pool) only:
         [len(pool_rows), K-2, F], what an IRA secondary block sees of its parent's rollout."""
-        shard_index, local = self.shard_of(index)
-        handle = self._handle(self._position[shard_index])
-        bits = handle.read_anchor_rows(local, "rollout_features", pool_rows)
+        bits = self._read_anchor_rows(index, "rollout_features", pool_rows)
         if not decode_features:
             return bits
-        scales = handle.read_anchor_rows(local, "rollout_feature_scales", pool_rows) if self.feature_codec == "fp8" else None
+        scales = self._read_anchor_rows(index, "rollout_feature_scales", pool_rows) if self.feature_codec == "fp8" else None
         return codecs.decode_features(bits, scales, codec=self.feature_codec)
 
     def read_rollout_feature_scales(self, index: int, pool_rows) -> np.ndarray:
         """fp8 caches: the per-row scales [len(pool_rows), K-2] of those anchors' rollout features."""
-        shard_index, local = self.shard_of(index)
-        return self._handle(self._position[shard_index]).read_anchor_rows(local, "rollout_feature_scales", pool_rows)
+        return self._read_anchor_rows(index, "rollout_feature_scales", pool_rows)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return self.read(index)
@@ -195,7 +225,7 @@ class CacheReader:
         if self._pid == os.getpid():
             for handle in self._handles.values():
                 handle.close()
-        self._handles = {}
+        self._handles, self._rows = {}, {}
 
 
 def open_cache(cache_dir: str | os.PathLike | Location) -> CacheReader:

@@ -382,7 +382,7 @@ def _train(cache, run, *, num_workers: int) -> list[float]:
 
     train(TrainConfig.from_flags(
         cache=str(cache), out=str(run), method="alr", epochs=1, batch_size=2, num_workers=num_workers, rollout_depth=4,
-        max_steps=3, progress=False, save_dtype="float32",
+        max_steps=3, progress=False, save_dtype="float32", log_every=1,
     ))  # fmt: skip
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 

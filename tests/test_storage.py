@@ -792,3 +792,39 @@ def test_rollout_features_are_chunked_by_anchor_at_real_row_sizes():
     assert _chunk_layout("rollout_features", row, 2, num_rows=32_768)[0] == 1
     chunk_rows, shard_rows = _chunk_layout("features", (12_800,), 2, num_rows=180_000)
     assert chunk_rows * 12_800 * 2 <= 256 << 10 and shard_rows % chunk_rows == 0 and shard_rows > chunk_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The map loader's decode path (storage/zarr_rows.py)
+
+
+def test_zarr_rows_reads_what_zarr_reads_sharded_or_not_and_refuses_a_flipped_byte(tmp_path):
+    """Row ranges that start and end inside chunks, span shard files, rows picked in any order with
+    repeats, a one-row-chunk array decoded in place: all equal zarr's own reads. A layout it does
+    not read (chunks across the second axis) is left to zarr; a flipped byte is a crc32c error."""
+    import zarr
+
+    from storage.zarr_rows import ZarrRows
+
+    root = tmp_path / "shard-00000.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    codecs = [zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), zarr.codecs.Crc32cCodec()]
+    rng = np.random.default_rng(0)
+    data = {"sharded": rng.standard_normal((100, 3)).astype(np.float32), "plain": rng.integers(0, 9, (10, 2, 2)).astype(np.int32),
+            "rows": rng.integers(0, 2**16, (9, 4)).astype(np.uint16), "split": rng.random((8, 6)).astype(np.float32)}  # fmt: skip
+    layouts = {"sharded": ((7, 3), (21, 3)), "plain": ((10, 2, 2), None), "rows": ((1, 4), (3, 4)), "split": ((4, 3), None)}
+    for name, (chunks, shards) in layouts.items():
+        array = group.create_array(name, shape=data[name].shape, dtype=data[name].dtype, chunks=chunks, shards=shards,
+                                   compressors=codecs, fill_value=0)  # fmt: skip
+        array[:] = data[name]
+    rows = ZarrRows(root)
+    assert rows.layout("split") is None and rows.layout("sharded").sharded and not rows.layout("plain").sharded
+    for start, stop in [(0, 100), (3, 5), (6, 29), (20, 22), (99, 100), (42, 42)]:
+        np.testing.assert_array_equal(rows.rows("sharded", start, stop), data["sharded"][start:stop])
+    np.testing.assert_array_equal(rows.rows("plain", 2, 9), data["plain"][2:9])
+    picked = np.array([8, 0, 4, 4, 5])
+    for name in ("sharded", "rows"):
+        np.testing.assert_array_equal(rows.pick(name, picked), data[name][picked])
+    _flip_a_byte(root / "sharded" / "c" / "1" / "0", at=0.3)
+    with pytest.raises(ValueError, match=r"shard-00000.zarr/sharded/c/1/0: crc32c checksum mismatch"):
+        ZarrRows(root).rows("sharded", 21, 42)

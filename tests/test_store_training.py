@@ -37,7 +37,7 @@ def _losses(run) -> list[float]:
 
 def _stream_config(cache: str, out: str, **overrides) -> TrainConfig:
     base = dict(cache=cache, out=out, method="alr_ira", epochs=2, batch_size=2, num_workers=0, progress=False,
-                loader="stream", shuffle_buffer=3, save_dtype="float32")  # fmt: skip
+                loader="stream", shuffle_buffer=3, save_dtype="float32", log_every=1)  # fmt: skip
     return TrainConfig.from_flags(**{**base, **overrides})
 
 
@@ -210,7 +210,7 @@ def test_a_shard_object_that_changed_stops_the_stream_in_one_line(caches, s3_buc
 
 def _map_config(cache, out, **overrides) -> TrainConfig:
     base = dict(cache=str(cache), out=str(out), method="alr", epochs=2, batch_size=2, num_workers=0, rollout_depth=4,
-                progress=False, save_dtype="float32", save_every=2)  # fmt: skip
+                progress=False, save_dtype="float32", save_every=2, log_every=1)  # fmt: skip
     return TrainConfig.from_flags(**{**base, **overrides})
 
 
@@ -298,7 +298,7 @@ def test_two_ranks_stream_from_the_store_into_a_store_run_as_from_disk(caches, s
     from test_wds_stream import _torchrun
 
     flags = dict(method="alr_ira", epochs=2, batch_size=4, num_workers=1, progress=False, loader="stream", shuffle_buffer=3,
-                 save_every=1, local_cache_gib=0.01, local_cache_dir=str(tmp_path / "local-cache"))  # fmt: skip
+                 save_every=1, log_every=1, local_cache_gib=0.01, local_cache_dir=str(tmp_path / "local-cache"))  # fmt: skip
     _torchrun(tmp_path, {**flags, "cache": str(caches["wds-bf16"]), "out": str(tmp_path / "local-run")})
     run = f"{s3_prefix}/ddp-run"
     _torchrun(tmp_path, {**flags, "cache": store_wds, "out": run})

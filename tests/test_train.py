@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.train.methods import METHODS
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import lr_at, train
+from storage.reader import open_cache
 
 GOLDEN = Path(__file__).parent / "golden" / "loss_trace.json"
 
@@ -38,7 +40,7 @@ def cache(ray_address, toy_target, toy_corpus, tmp_path_factory) -> Path:
 
 
 def _config(cache: Path, out: Path, **overrides) -> TrainConfig:
-    base = dict(cache=str(cache), out=str(out), method="alr_ira", epochs=1, batch_size=4, num_workers=0, progress=False)
+    base = dict(cache=str(cache), out=str(out), method="alr_ira", epochs=1, batch_size=4, num_workers=0, progress=False, log_every=1)
     return TrainConfig.from_flags(**{**base, **overrides})
 
 
@@ -101,7 +103,7 @@ def test_two_rank_ddp_equals_single_process(cache, tmp_path):
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
         "-m", "pipeline.train", "--cache", str(cache), "--out", str(ddp), "--method", "alr_ira", "--epochs", "1",
-        "--batch-size", "4", "--num-workers", "0", "--no-progress", "--save-dtype", "float32",
+        "--batch-size", "4", "--num-workers", "0", "--no-progress", "--save-dtype", "float32", "--log-every", "1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
@@ -250,22 +252,6 @@ def test_attention_flag_resolves_per_device_and_refuses_flex_without_cuda(cache,
             train(_config(cache, tmp_path / "flex", attention="flex"))
 
 
-def test_flex_and_sdpa_give_the_same_loss_on_real_batches(cache, tmp_path):
-    """Real collated batches (IRA private context, padded blocks and context), the loop's own
-    forward_loss: the compiled flex path (block mask + flex attention) equals SDPA. Forward only on
-    CPU, where PyTorch has no flex backward; the training comparison below needs CUDA."""
-    from pipeline.train.loop import setup
-
-    s = setup(_config(cache, tmp_path / "run", method="alr_ira", attention="sdpa"))
-    for _ in range(2):  # two batches of different shapes: the compiled mask is traced dynamic
-        batch = next(s.batches)
-        with torch.no_grad():
-            sdpa, flex = _stats_on(s, batch, attention="sdpa"), _stats_on(s, batch, attention="flex")
-        assert batch.context_owner.max() >= 0 and not batch.context_valid.all()  # private and padded context
-        assert flex.weight_sum == sdpa.weight_sum > 0
-        assert abs(flex.loss_sum - sdpa.loss_sum) <= 1e-5 * abs(sdpa.loss_sum), (flex.loss_sum, sdpa.loss_sum)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's backward needs CUDA")
 def test_flex_and_sdpa_train_the_same_on_cuda(cache, tmp_path):
     runs = {}
@@ -345,7 +331,7 @@ def test_train_batch_pin_memory_pins_every_tensor(cache, tmp_path, monkeypatch):
             assert getattr(pinned, name) == value, name
     if not torch.cuda.is_available():
         assert sorted(pinned_ids) == sorted(id(getattr(batch, name)) for name in tensor_fields)
-    assert len(tensor_fields) == 11
+    assert len(tensor_fields) == 12
 
 
 def test_a_collective_refuses_a_tensor_off_the_training_device():
@@ -443,6 +429,159 @@ def test_fp8_features_travel_as_bits_and_scales_and_decode_exactly(tmp_path, sto
             parent_rollout_features=lambda rows, floats=floats: (floats["rollout_features"][rows], None),
         )  # fmt: skip
         decoded = decode_feature_bits(batch.context_features, batch.context_feature_scales)[0]
-        assert decoded.dtype == torch.float32 and torch.equal(decoded, want.context_features)
+        length = want.context_features.shape[0]  # then the batch's padding to a multiple of 128: zeros
+        assert decoded.dtype == torch.float32 and torch.equal(decoded[:length], want.context_features)
+        assert not decoded[length:].any() and decoded.shape[0] % 128 == 0
         secondaries += int(example.context_features.shape[0] > example.num_tokens)
     assert secondaries > 0  # some IRA parents' rollout rows were decoded too
+
+
+# ----------------------------------------------------------------------------------------------
+# No host sync per micro-batch, one compiled graph (docs/design.md, "A training step")
+
+# The ops that make the host wait on a CUDA device: a value read (.item(), float(), if t:) or an
+# output whose shape depends on the data (nonzero, boolean-mask indexing and its backward).
+_SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "item"}
+
+
+def _syncing_ops(fn) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            bool_index = name in ("index", "index_put", "index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
+            )
+            if name in _SYNCING_OPS or bool_index:
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def _masked_loss(s, batch):
+    """forward_loss as it was: the context cut to its longest sequence, the supervised slots picked
+    by boolean masks (one host sync each), everything else the same (the loss's own chunking aside)."""
+    import torch.nn.functional as F
+
+    from drafter.masks import visibility_mask
+    from pipeline.train.objectives import topk_tail_loss
+
+    c = int(batch.context_valid.sum(1).max())
+    mask = visibility_mask(
+        context_positions=batch.context_positions[:, :c], context_owner=batch.context_owner[:, :c],
+        context_valid=batch.context_valid[:, :c], block_corpus_limit=batch.block_corpus_limit,
+        block_valid=batch.block_valid, block_size=s.num_slots + 1,
+    )  # fmt: skip
+    hidden = s.model(
+        context_features=(batch.context_features[:, :c].to(torch.int32) << 16).view(torch.float32),
+        context_positions=batch.context_positions[:, :c], block_embeds=F.embedding(batch.block_tokens, s.embed_tokens),
+        block_positions=batch.block_positions, attention_mask=mask,
+    )  # fmt: skip
+    num_batch, num_blocks, _ = batch.slot_weights.shape
+    hidden = hidden.view(num_batch, num_blocks, s.num_slots + 1, -1)[:, :, 1:]
+    supervised = batch.slot_weights > 0
+    logits = F.linear(hidden[supervised], s.lm_head)
+    loss_sum, weight_sum = topk_tail_loss(
+        draft_logits=logits, label_ids=batch.label_ids[supervised], label_probs=batch.label_probs[supervised],
+        weights=batch.slot_weights[supervised],
+    )  # fmt: skip
+    return loss_sum, weight_sum
+
+
+def test_a_micro_batch_needs_no_host_sync_and_keeps_its_loss_and_gradients(cache, tmp_path):
+    """The loss of a padded batch with the collate's indices equals the unpadded, boolean-masked one
+    (values and gradients, fp32 rounding), and its forward, backward and clip run none of the ops
+    that wait on the device, which the boolean-masked loss runs (so the detector detects)."""
+    from pipeline.train.loop import setup
+
+    s = setup(_config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32"))
+    batch = next(s.batches).to(s.device)
+    assert batch.context_features.shape[1] % 128 == 0 and not batch.context_valid[:, -1].any()
+    assert torch.equal(batch.supervised_index, torch.nonzero(batch.slot_weights.flatten() > 0).flatten())
+
+    def gradients(loss_fn):
+        s.model.zero_grad(set_to_none=True)
+        loss_sum, weight_sum = loss_fn()
+        loss_sum.backward()
+        torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), 1e9)
+        return loss_sum.detach(), weight_sum.detach(), {n: p.grad.clone() for n, p in s.drafter.named_parameters()}
+
+    def fast():
+        stats = _stats_on(s, batch, loss_chunk=7)  # several chunks
+        return stats.loss_sum, stats.weight_sum
+
+    results = {}
+    assert _syncing_ops(lambda: results.update(fast=gradients(fast))) == []
+    assert "index" in _syncing_ops(lambda: results.update(masked=gradients(lambda: _masked_loss(s, batch))))
+    (fast_loss, fast_weight, fast_grads), (loss, weight, grads) = results["fast"], results["masked"]
+    assert fast_weight == weight > 0
+    torch.testing.assert_close(fast_loss, loss, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item(), msg=name)
+
+
+def test_metrics_are_read_every_log_every_steps_and_at_the_last(cache, tmp_path):
+    run = tmp_path / "run"
+    summary = train(_config(cache, run, epochs=3, log_every=4))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 6 and [r["step"] for r in records] == [4, 6]
+    every = tmp_path / "every"
+    train(_config(cache, every, epochs=3))
+    assert [r["loss"] for r in records] == [_losses(every)[3], _losses(every)[5]]
+    with pytest.raises(ValueError, match="--log-every must be >= 1"):
+        _config(cache, run, log_every=0)
+
+
+def test_flex_equals_sdpa_on_real_batches_of_ten_lengths_with_at_most_two_compiled_shapes(cache, tmp_path):
+    """Real examples (IRA private context, padded blocks) whose corpus context is cut to ten lengths:
+    the loop's forward_loss with the compiled flex path (block mask + flex attention) equals SDPA on
+    each, and, the context padded to a multiple of 128, the compiled functions (CPU: one graph per
+    shape) see at most two shapes. Forward only on CPU, where PyTorch has no flex backward; the
+    training comparison below needs CUDA."""
+    from torch._dynamo.utils import counters
+
+    from pipeline.train.batching import CacheTrainDataset, collate
+    from pipeline.train.loop import setup
+
+    config = _config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32")
+    s, reader = setup(config), open_cache(cache)
+    m = reader.manifest
+    objective = config.objective.for_cache(num_slots=s.num_slots, mask_token_id=m.mask_token_id, stop_token_ids=m.stop_token_ids)
+    dataset = CacheTrainDataset(reader, objective=objective, seed=0)
+    examples = [dataset[(0, i)] for i in range(2)]
+    shortest = min(e.num_tokens for e in examples)
+    lengths = [shortest - 6 * i for i in range(10)]
+    assert lengths[-1] > 0
+
+    def cut(example, length):  # the corpus context's first `length` tokens and all the private ones
+        keep = (torch.arange(len(example.context_owner)) < length) | (example.context_owner >= 0)
+        return replace(example, num_tokens=length, context_features=example.context_features[keep],
+                       context_positions=example.context_positions[keep], context_owner=example.context_owner[keep])  # fmt: skip
+
+    before = counters["stats"]["unique_graphs"]
+    for length in lengths:
+        batch = collate([cut(examples[0], length), examples[1]]).to(s.device)
+        with torch.no_grad():
+            sdpa, flex = _stats_on(s, batch, attention="sdpa"), _stats_on(s, batch, attention="flex")
+        assert batch.context_owner.max() >= 0 and not batch.context_valid.all()  # private and padded context
+        assert flex.weight_sum == sdpa.weight_sum > 0
+        assert abs(flex.loss_sum - sdpa.loss_sum) <= 1e-5 * abs(sdpa.loss_sum), (length, flex.loss_sum, sdpa.loss_sum)
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert graphs <= 2 * 2, graphs  # (block mask, attention) x at most two padded shapes; unpadded: x 10
+
+
+def test_num_workers_defaults_to_the_cores_each_rank_of_the_node_may_use(monkeypatch):
+    from pipeline.train.config import LoaderConfig, default_num_workers
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_num_workers() == cores - 1 == LoaderConfig().num_workers
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert default_num_workers() == 0  # one core per rank: it reads in the training process
+    assert LoaderConfig(num_workers=3).num_workers == 3

@@ -47,6 +47,7 @@ def alr_ira_run(vl_cache, tmp_path_factory):
     run = tmp_path_factory.mktemp("vl-train") / "alr_ira"
     summary = train(TrainConfig.from_flags(
         cache=str(vl_cache), out=str(run), method="alr_ira", epochs=4, batch_size=2, num_workers=0, lr=3e-3, progress=False, save_dtype="float32",
+        log_every=1,
     ))  # fmt: skip
     return run, summary
 

@@ -89,7 +89,7 @@ def caches(toy_target, tmp_path_factory) -> dict[str, Path]:
 
 def _config(cache: Path, out: Path, **overrides) -> TrainConfig:
     base = dict(cache=str(cache), out=str(out), method="alr_ira", epochs=2, batch_size=2, num_workers=0, progress=False,
-                loader="stream", shuffle_buffer=3, save_dtype="float32")  # fmt: skip
+                loader="stream", shuffle_buffer=3, save_dtype="float32", log_every=1)  # fmt: skip
     return TrainConfig.from_flags(**{**base, **overrides})
 
 
@@ -278,7 +278,7 @@ def test_two_rank_ddp_streams_each_sequence_once_per_epoch(caches, tmp_path, num
     run the same number of steps and together see every sequence once per epoch; they train, and a
     run killed after step 1 and resumed (both ranks) gives the same losses."""
     flags = dict(cache=str(caches["wds-bf16"]), out=str(tmp_path / "ddp"), method="alr_ira", epochs=2, batch_size=4,
-                 num_workers=num_workers, progress=False, loader="stream", shuffle_buffer=3)  # fmt: skip
+                 num_workers=num_workers, progress=False, loader="stream", shuffle_buffer=3, log_every=1)  # fmt: skip
     _torchrun(tmp_path, flags, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["epoch_ends"] == ranks[1]["epoch_ends"] == [2, 4]

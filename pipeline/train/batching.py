@@ -22,6 +22,11 @@ from storage.format import ANCHOR_ARRAYS, TOKEN_ARRAYS
 # Record arrays the label builder reads (features are handled separately, below).
 _LABEL_ARRAYS = tuple(name for name in TOKEN_ARRAYS + ANCHOR_ARRAYS if name not in ("features", "rollout_features"))
 
+# The context axis of a batch is padded to a multiple of this (flex attention's tile size): the
+# compiled attention then sees a handful of shapes instead of one per batch (docs/design.md, "A
+# training step"). Pad rows are invalid, so the visibility mask hides them from every query.
+CONTEXT_MULTIPLE = 128
+
 
 def _derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
@@ -125,7 +130,7 @@ def example_from_record(
     return SequenceExample(
         index=index,
         num_tokens=num_tokens,
-        context_features=torch.cat(features),
+        context_features=torch.cat(features) if len(features) > 1 else features[0],  # (a cat would copy [T, F])
         context_positions=torch.cat(positions).long(),
         context_owner=torch.cat(owners).long(),
         targets=targets,
@@ -148,6 +153,7 @@ class TrainBatch:
     label_ids: Tensor  # [B, N, K, k]
     label_probs: Tensor  # [B, N, K, k]
     slot_weights: Tensor  # [B, N, K]
+    supervised_index: Tensor  # [M] long: flat indices into [B * N * K] of the slots with weight > 0, ascending
     num_tokens: int  # corpus tokens in the batch (for throughput)
     num_sequences: int
     indices: tuple[int, ...] = ()  # the cache's sequence index of each row (which data a step saw)
@@ -167,18 +173,26 @@ class TrainBatch:
         return TrainBatch(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in values.items()})
 
 
+def padded_length(length: int, multiple: int = CONTEXT_MULTIPLE) -> int:
+    """`length` rounded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
+
+
 def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadFailure:
+    """Pad the examples into one batch. Runs in the DataLoader worker, so what depends on the data
+    (the supervised slots' indices) is computed here on the CPU and the step needs no host sync."""
     failure = next((e for e in examples if isinstance(e, ReadFailure)), None)
     if failure is not None:
         return failure
     batch = len(examples)
-    num_context = max(e.context_features.shape[0] for e in examples)
+    num_context = padded_length(max(e.context_features.shape[0] for e in examples))
     num_blocks = max(max(e.targets.block_tokens.shape[0] for e in examples), 1)
     block_size = examples[0].targets.block_tokens.shape[1]
     feature_dim = examples[0].context_features.shape[1]
     num_slots, top_k = examples[0].targets.label_ids.shape[1:]
 
-    context_features = torch.zeros((batch, num_context, feature_dim), dtype=examples[0].context_features.dtype)
+    # [B, C, F] is most of a batch's bytes: only its pad rows are zeroed (each real row is copied once).
+    context_features = torch.empty((batch, num_context, feature_dim), dtype=examples[0].context_features.dtype)
     fp8 = examples[0].context_feature_scales is not None
     context_feature_scales = torch.zeros((batch, num_context)) if fp8 else None
     context_positions = torch.zeros((batch, num_context), dtype=torch.long)
@@ -195,6 +209,7 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         c, t = e.context_features.shape[0], e.targets
         n = t.block_tokens.shape[0]
         context_features[b, :c] = e.context_features
+        context_features[b, c:] = 0
         if fp8:
             context_feature_scales[b, :c] = e.context_feature_scales
         context_positions[b, :c] = e.context_positions
@@ -219,6 +234,7 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         label_ids=label_ids,
         label_probs=label_probs,
         slot_weights=slot_weights,
+        supervised_index=torch.nonzero(slot_weights.view(-1) > 0).flatten(),
         num_tokens=sum(e.num_tokens for e in examples),
         num_sequences=batch,
         indices=tuple(e.index for e in examples),

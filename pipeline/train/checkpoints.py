@@ -31,7 +31,7 @@ LATEST_FILE = "latest"
 # (--attention picks a kernel, not the math: flex and sdpa agree to 1e-5.)
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "max_steps", "save_every", "resume", "progress", "num_workers", "prefetch", "out", "attention",
-     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial"}
+     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every"}
 )  # fmt: skip
 # Settings added after checkpoints were first written: the value an older checkpoint's run had.
 ADDED_SETTINGS = {"loader": "map"}

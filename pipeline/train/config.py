@@ -67,6 +67,15 @@ class OptimConfig:
             raise ValueError(f"--attention must be auto, flex or sdpa, got {self.attention!r}")
 
 
+def default_num_workers() -> int:
+    """DataLoader workers per rank that this node's CPUs allow: the cores this process may use,
+    split over the node's ranks (torchrun's LOCAL_WORLD_SIZE), less one for the rank's own loop
+    (docs/design.md, "A training step")."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(0, cores // ranks - 1)
+
+
 @dataclass(kw_only=True)
 class LoaderConfig:
     """DataLoader workers that read the cache and build labels (docs/design.md, "A training step")."""
@@ -78,7 +87,11 @@ class LoaderConfig:
         flag="loader",
         default="map",
     )
-    num_workers: int = opt("DataLoader worker processes reading the cache.", default=2)
+    num_workers: int | None = opt(
+        "DataLoader worker processes reading the cache (default: the cores this process may run on, "
+        "os.sched_getaffinity, split over the node's ranks, LOCAL_WORLD_SIZE, less one for the rank itself).",
+        default=None,
+    )
     prefetch: int = opt("Batches each worker prepares ahead.", default=2)
     shuffle_buffer: int = opt(
         "--loader stream: samples each worker holds to shuffle, compressed, with only the arrays the method reads "
@@ -97,6 +110,8 @@ class LoaderConfig:
     def __post_init__(self):
         if self.kind not in LOADERS:
             raise ValueError(f"--loader must be map or stream, got {self.kind!r}")
+        if self.num_workers is None:
+            self.num_workers = default_num_workers()
         if self.num_workers < 0:
             raise ValueError("--num-workers must be >= 0")
         if self.shuffle_buffer < 1:
@@ -146,5 +161,14 @@ class TrainConfig:
         "Train on a cache whose build did not finish (only its complete shards; says how many).", default=False
     )
     progress: bool = opt("Show a progress bar.", default=True)
+    log_every: int = opt(
+        "Read the metrics from the device and log them (metrics.jsonl, tensorboard, the bar) every N steps and at "
+        "the last; each read waits for the device, the steps between never do.",
+        default=10,
+    )
+
+    def __post_init__(self):
+        if self.log_every < 1:
+            raise ValueError(f"--log-every must be >= 1, got {self.log_every}")
 
     from_flags = classmethod(from_flags)

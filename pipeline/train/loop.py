@@ -128,12 +128,17 @@ def forward_loss(
             block_positions=batch.block_positions,
             attention_mask=attention_mask,
         )  # [B, Q, H]
-    num_batch, num_blocks, num_slots = batch.slot_weights.shape
-    hidden = hidden.view(num_batch, num_blocks, block_size, -1)[:, :, 1:]  # slots 1..K: [B, N, K, H]
-    supervised = batch.slot_weights > 0
-    slot_index = torch.arange(num_slots, device=hidden.device).expand_as(batch.slot_weights)[supervised]  # [M]
-    hidden, weights = hidden[supervised], batch.slot_weights[supervised]  # [M, H], [M]
-    label_ids, label_probs = batch.label_ids[supervised], batch.label_probs[supervised]  # [M, k]
+    num_slots, top_k = batch.label_ids.shape[-2:]
+    # The supervised slots' flat indices come from the collate (computed on the CPU by the worker):
+    # a boolean mask here would wait on the device for its count, once per tensor and micro-batch.
+    supervised = batch.supervised_index  # [M] into [B * N * K]
+    slot_index = supervised % num_slots  # [M]: slot k - 1
+    # Slot k of block (b, n) is query row (b * N + n) * block_size + k of the drafter's output.
+    rows = (supervised // num_slots) * block_size + slot_index + 1  # [M]
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [M, H]
+    weights = batch.slot_weights.reshape(-1).index_select(0, supervised)  # [M]
+    label_ids = batch.label_ids.reshape(-1, top_k).index_select(0, supervised)  # [M, k]
+    label_probs = batch.label_probs.reshape(-1, top_k).index_select(0, supervised)  # [M, k]
 
     def chunk_loss(h, ids, probs, w):
         with autocast:
@@ -374,9 +379,20 @@ def _as_is(item):
 # The loop
 
 
-def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
-    """One optimizer step over this rank's micro-batches; returns the step's metrics record."""
-    step_start = time.time()
+@dataclass(kw_only=True)
+class StepResult:
+    """One step's figures, left on the device; only a logged step reads them (`step_record`)."""
+
+    step: int  # 0-based
+    lr: float
+    totals: StepStats  # this rank's sums, detached
+    grad_norm: torch.Tensor  # [] the clipped gradients' norm before clipping
+    num_tokens: int  # this rank's corpus tokens
+
+
+def train_step(s: TrainState, config: TrainConfig, step: int) -> StepResult:
+    """One optimizer step over this rank's micro-batches. Nothing here waits on the device: the
+    supervised slots' indices come with the batch and the metrics stay where they are."""
     micro_batches = [_next_batch(s) for _ in range(config.optim.grad_accum)]
     weight_total = all_reduce_on(sum(b.slot_weights.sum() for b in micro_batches).double(), device=s.device, world_size=s.world_size)
     lr = lr_at(step, total_steps=s.total_steps, peak_lr=config.optim.lr, warmup_frac=config.optim.warmup_frac)
@@ -396,20 +412,35 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> dict:
     grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), config.optim.grad_clip)
     s.optimizer.step()
     s.optimizer.zero_grad(set_to_none=True)
+    return StepResult(step=step, lr=lr, totals=totals, grad_norm=grad_norm.detach(), num_tokens=sum(b.num_tokens for b in micro_batches))
 
-    totals = totals.all_reduced(device=s.device, world_size=s.world_size)
-    num_tokens = torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=s.device)
-    num_tokens = all_reduce_on(num_tokens, device=s.device, world_size=s.world_size).item()
-    slot_acc = (totals.slot_correct / totals.slot_count.clamp_min(1)).tolist()
+
+def is_logged(step: int, *, log_every: int, last_step: int) -> bool:
+    """Whether 0-based `step` is read and logged: every log_every-th step and the run's last."""
+    return (step + 1) % log_every == 0 or step + 1 == last_step
+
+
+def step_record(s: TrainState, window: list[StepResult], *, seconds: float) -> dict:
+    """The metrics record of the last step of `window` (the steps since the previous logged one),
+    summed over ranks, with the window's corpus tokens/s. Every rank calls it on the same steps
+    (one collective); its one copy to the host is the only sync of the step."""
+    last = window[-1]
+    totals = last.totals.all_reduced(device=s.device, world_size=s.world_size)
+    num_tokens = torch.tensor([float(sum(r.num_tokens for r in window))], dtype=torch.float64, device=s.device)
+    num_tokens = all_reduce_on(num_tokens, device=s.device, world_size=s.world_size)
+    loss = totals.loss_sum / (totals.weight_sum + 1e-6)
+    flat = torch.cat([loss[None], last.grad_norm.double()[None], num_tokens, totals.slot_correct, totals.slot_count])
+    loss, grad_norm, tokens, *counts = flat.tolist()  # the host sync
+    correct, count = counts[: s.num_slots], counts[s.num_slots :]
     return {
-        "step": step + 1,
-        "epoch": s.epoch_of(step),
-        "loss": (totals.loss_sum / (totals.weight_sum + 1e-6)).item(),
-        "lr": lr,
-        "grad_norm": float(grad_norm),
-        "slot_acc": [round(a, 5) for a in slot_acc],
-        "supervised_slots": int(totals.slot_count.sum()),
-        "tokens_per_s": num_tokens / max(time.time() - step_start, 1e-9),
+        "step": last.step + 1,
+        "epoch": s.epoch_of(last.step),
+        "loss": loss,
+        "lr": last.lr,
+        "grad_norm": grad_norm,
+        "slot_acc": [round(c / max(n, 1.0), 5) for c, n in zip(correct, count)],
+        "supervised_slots": int(sum(count)),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
     }
 
 
@@ -431,13 +462,18 @@ def train(config: TrainConfig) -> dict:
     bar = tqdm(total=s.last_step, initial=s.start_step, unit="step", desc=method, disable=s.rank != 0 or not config.progress)
     history, started = [], time.time()
     try:
+        window, window_start = [], time.time()
         for step in range(s.start_step, s.last_step):
-            record = train_step(s, config, step)
-            history.append(record)
+            window.append(train_step(s, config, step))
+            if is_logged(step, log_every=config.log_every, last_step=s.last_step):
+                record = step_record(s, window, seconds=time.time() - window_start)
+                window, window_start = [], time.time()
+                history.append(record)
+                if logs is not None:
+                    logs.add(record)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", acc1=f"{record['slot_acc'][0]:.3f}")
             if s.rank != 0:
                 continue
-            logs.add(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", acc1=f"{record['slot_acc'][0]:.3f}")
             bar.update(1)
             end_of_epoch = (step + 1) in s.epoch_ends
             if end_of_epoch or (config.checkpoint.save_every and (step + 1) % config.checkpoint.save_every == 0):
@@ -545,9 +581,13 @@ def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
 
 
 def _single_threaded_worker(worker_id: int) -> None:
-    # Data workers build labels with small tensor ops; several multi-threaded workers next to the
-    # training process would oversubscribe the cores and stall the training step.
+    # Data workers build labels with small tensor ops and decode Blosc chunks; several
+    # multi-threaded workers next to the training process would oversubscribe the cores (the
+    # default --num-workers already takes one per core) and stall the training step.
+    from numcodecs import blosc
+
     torch.set_num_threads(1)
+    blosc.set_nthreads(1)
 
 
 def _tensorboard(directory: Path):

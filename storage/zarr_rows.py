@@ -1,0 +1,186 @@
+"""Rows of a local Zarr shard's arrays decoded straight from their chunk files (docs/cache-format.md).
+
+zarr-python reads a slice through its asyncio pipeline, one inner chunk at a time with a thread
+hand-off per codec: at real shapes that costs 2-3x the Blosc decode itself (benchmarks/real_shapes.py,
+"(b2)"), so the map loader ran far below its decompression floor. This reads the one layout the
+cache writer produces (chunked along the first axis only; codecs bytes, blosc, crc32c; optionally
+inside a `sharding_indexed` file with its index at the end, bytes + crc32c) with one read and one
+Blosc call per chunk, checking every crc32c as zarr does. An array laid out any other way returns
+None from `ZarrRows.layout` and is read through zarr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+from numcodecs import blosc
+
+_MISSING = 2**64 - 1  # a shard index entry of a chunk never written (zarr's fill value applies)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkLayout:
+    """How one array's rows sit in its chunk files."""
+
+    dtype: np.dtype
+    row_shape: tuple[int, ...]
+    chunk_rows: int  # rows per (inner) chunk
+    file_rows: int  # rows per chunk file (a multiple of chunk_rows)
+    sharded: bool  # chunk files are shard files with an index at the end
+    fill_value: int | float
+
+
+def _checked(data: bytes, path: str, root: Path) -> bytes:
+    """`data` less its trailing little-endian crc32c, which must match (`path` names the file)."""
+    frame = data[:-4]  # (google_crc32c takes bytes only)
+    if len(data) < 4 or google_crc32c.value(frame) != int.from_bytes(data[-4:], "little"):
+        raise ValueError(f"{os.path.relpath(path, root.parent)}: crc32c checksum mismatch")
+    return frame
+
+
+def _plain_codecs(codecs: list[dict], *, itemsize: int) -> bool:
+    names = [c["name"] for c in codecs]
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little") if codecs else None
+    return names == ["bytes", "blosc", "crc32c"] and (endian == "little" or itemsize == 1)
+
+
+def parse_layout(meta: dict) -> ChunkLayout | None:
+    """The layout of an array from its zarr.json, or None if it is not one this module reads."""
+    shape, grid = meta.get("shape"), meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+    encoding = meta.get("chunk_key_encoding", {})
+    if not shape or not grid or encoding.get("name") != "default" or encoding.get("configuration", {}).get("separator", "/") != "/":
+        return None
+    try:
+        dtype = np.dtype(meta["data_type"])
+    except TypeError:
+        return None
+    codecs, sharded = meta["codecs"], meta["codecs"][0]["name"] == "sharding_indexed"
+    chunk_shape = grid
+    if sharded:
+        config = codecs[0]["configuration"]
+        index_names = [c["name"] for c in config["index_codecs"]]
+        if len(codecs) != 1 or index_names != ["bytes", "crc32c"] or config.get("index_location", "end") != "end":
+            return None
+        codecs, chunk_shape = config["codecs"], config["chunk_shape"]
+    if not _plain_codecs(codecs, itemsize=dtype.itemsize) or list(grid[1:]) != list(shape[1:]):
+        return None
+    if list(chunk_shape[1:]) != list(shape[1:]) or grid[0] % chunk_shape[0]:
+        return None
+    return ChunkLayout(dtype=dtype, row_shape=tuple(shape[1:]), chunk_rows=int(chunk_shape[0]), file_rows=int(grid[0]),
+                       sharded=sharded, fill_value=meta.get("fill_value") or 0)  # fmt: skip
+
+
+class ZarrRows:
+    """Row ranges of the arrays of one local Zarr shard directory. Chunk files are read with a
+    fresh open each time (nothing to re-open after a fork); shard indexes are cached (a complete
+    shard never changes)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._layouts: dict[str, ChunkLayout | None] = {}
+        self._indexes: dict[str, np.ndarray] = {}
+        self._paths: dict[tuple[str, int], str] = {}
+
+    def layout(self, name: str) -> ChunkLayout | None:
+        if name not in self._layouts:
+            meta_path = self.root / name / "zarr.json"
+            self._layouts[name] = parse_layout(json.loads(meta_path.read_text())) if meta_path.is_file() else None
+        return self._layouts[name]
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of array `name` (its layout must be readable here). A chunk wholly
+        inside the range is decoded straight into the result."""
+        layout = self.layout(name)
+        out = np.empty((stop - start, *layout.row_shape), dtype=layout.dtype)
+        size = layout.chunk_rows
+        for chunk in range(start // size, -(-stop // size)):
+            lo, hi = max(start, chunk * size), min(stop, (chunk + 1) * size)
+            if (lo, hi) == (chunk * size, (chunk + 1) * size):
+                self._chunk(name, layout, chunk, into=out[lo - start : hi - start])
+            else:
+                out[lo - start : hi - start] = self._chunk(name, layout, chunk)[lo - chunk * size : hi - chunk * size]
+        return out
+
+    def pick(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` (any order, repeats allowed) of array `name`; each chunk is decoded once."""
+        layout = self.layout(name)
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), *layout.row_shape), dtype=layout.dtype)
+        if layout.chunk_rows == 1:  # rollout_features: a chunk per anchor row, decoded in place
+            decoded = {}
+            for i, row in enumerate(rows.tolist()):
+                if row in decoded:
+                    out[i] = out[decoded[row]]
+                else:
+                    self._chunk(name, layout, row, into=out[i : i + 1])
+                    decoded[row] = i
+            return out
+        chunks = rows // layout.chunk_rows
+        for chunk in np.unique(chunks):
+            decoded = self._chunk(name, layout, int(chunk))  # [chunk_rows, *row_shape]
+            mine = np.nonzero(chunks == chunk)[0]
+            out[mine] = decoded[rows[mine] - int(chunk) * layout.chunk_rows]
+        return out
+
+    def frame(self, name: str, chunk: int) -> bytes | None:
+        """The Blosc frame of chunk `chunk` of array `name`, its crc32c checked; None for a chunk
+        never written (the fill value applies)."""
+        layout = self.layout(name)
+        file_index, first = divmod(chunk * layout.chunk_rows, layout.file_rows)
+        path = self._file_path(name, file_index, len(layout.row_shape))
+        if layout.sharded:
+            offset, length = (int(x) for x in self._index(path, layout)[first // layout.chunk_rows])
+            if offset == _MISSING and length == _MISSING:
+                return None
+            with open(path, "rb") as f:
+                data = os.pread(f.fileno(), length, offset)
+            if len(data) != length:
+                raise ValueError(f"{self._name(path)}: chunk at {offset} truncated ({len(data)} of {length} bytes)")
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+        return _checked(data, path, self.root)
+
+    def _chunk(self, name: str, layout: ChunkLayout, chunk: int, *, into: np.ndarray | None = None) -> np.ndarray:
+        """Chunk `chunk` of array `name` decoded: [chunk_rows, *row_shape], written into `into`
+        (a contiguous view of that shape) when given."""
+        frame = self.frame(name, chunk)
+        if frame is None:
+            if into is None:
+                return np.full((layout.chunk_rows, *layout.row_shape), layout.fill_value, dtype=layout.dtype)
+            into[...] = layout.fill_value
+            return into
+        if into is not None:
+            blosc.decompress(frame, into)
+            return into
+        return np.frombuffer(blosc.decompress(frame), dtype=layout.dtype).reshape(layout.chunk_rows, *layout.row_shape)
+
+    def _file_path(self, name: str, file_index: int, trailing: int) -> str:
+        key = (name, file_index)
+        path = self._paths.get(key)
+        if path is None:
+            path = self._paths[key] = os.path.join(self.root, name, "c", str(file_index), *["0"] * trailing)
+        return path
+
+    def _name(self, path: str) -> str:
+        """A chunk file as messages name it: shard-NNNNN.zarr/array/c/..."""
+        return os.path.relpath(path, self.root.parent)
+
+    def _index(self, path: str, layout: ChunkLayout) -> np.ndarray:
+        index = self._indexes.get(path)
+        if index is None:
+            num_chunks = layout.file_rows // layout.chunk_rows
+            size = 16 * num_chunks + 4
+            with open(path, "rb") as f:
+                end = os.fstat(f.fileno()).st_size
+                if end < size:
+                    raise ValueError(f"{self._name(path)}: shard file of {end} bytes is shorter than its index")
+                data = os.pread(f.fileno(), size, end - size)
+            index = np.frombuffer(_checked(data, path, self.root), dtype="<u8").reshape(num_chunks, 2)
+            self._indexes[path] = index
+        return index
