@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -123,6 +124,51 @@ def stop_token_ids(tokenizer, generation_config: dict | None = None) -> list[int
     eos = (generation_config or {}).get("eos_token_id")
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return sorted(ids)
+
+
+def unused_special_tokens(tokenizer, *, stop_ids: Collection[int] = ()) -> list[str]:
+    """Special tokens the tokenizer defines that neither its chat template, its bos/eos/unk/pad
+    roles nor a stop id use (Llama 3's `<|reserved_special_token_N|>`, SmolLM2's code tokens), names
+    with "reserved" or "unused" first, then by id: candidates for the mask token of a target whose
+    tokenizer fills the embedding (docs/design.md, "The target")."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    roles = {getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    candidates = [
+        token.content
+        for token_id, token in sorted(tokenizer.added_tokens_decoder.items())
+        if token.special and token_id not in stop_ids and token.content not in roles and token.content not in template
+    ]
+    reserved = [t for t in candidates if "reserved" in t.lower() or "unused" in t.lower()]
+    return reserved + [t for t in candidates if t not in reserved]
+
+
+def resolve_mask_token_id(
+    tokenizer, *, vocab_size: int, mask_token: str | None, stop_ids: Collection[int], target: str | Path
+) -> int:
+    """The drafter's mask token id: `--mask-token` (a token of the tokenizer, or an id when all
+    digits), else the first unused embedding row, len(tokenizer) (z-lab's Qwen3 heads). A tokenizer
+    that fills the embedding (Llama 3, SmolLM2) has no such row: the error names the flag and
+    suggests an unused special token. A stop id is refused (every supervised turn ends in one)."""
+    suggestions = unused_special_tokens(tokenizer, stop_ids=stop_ids)
+    example = f"e.g. --mask-token '{suggestions[0]}'" if suggestions else "--mask-token TOKEN|ID"
+    if mask_token is None:
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+        raise ValueError(
+            f"--mask-token: the tokenizer of {target} fills the whole embedding ({vocab_size} rows), so no unused "
+            f"row can be the mask token; pick an existing token the corpus never contains, {example}"
+        )
+    if mask_token.isdigit():
+        token_id = int(mask_token)
+        if token_id >= vocab_size:
+            raise ValueError(f"--mask-token {mask_token}: out of range for the target's {vocab_size}-row embedding")
+    else:
+        token_id = tokenizer.get_vocab().get(mask_token)
+        if token_id is None:
+            raise ValueError(f"--mask-token {mask_token!r}: not a token of the tokenizer of {target}; {example}")
+    if token_id in stop_ids:
+        raise ValueError(f"--mask-token {mask_token}: id {token_id} is a stop token of {target}; {example}")
+    return token_id
 
 
 def tapped_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:

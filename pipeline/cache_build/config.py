@@ -112,6 +112,12 @@ class CacheBuildConfig:
     """`alrira-cache build`: run the target over a corpus and write the stage-1 cache."""
 
     target: str = opt("Local HF directory of the target model (config, tokenizer, weights).")
+    mask_token: str | None = opt(
+        "The drafter's mask token: a token of the target's tokenizer, or its id (all digits), that the corpus never "
+        "contains (default: the first unused embedding row, len(tokenizer); a tokenizer that fills the embedding, "
+        "as Llama 3's and SmolLM2's do, needs one, e.g. a reserved special token; docs/design.md, 'The target').",
+        default=None,
+    )
     corpus: CorpusConfig = group(CorpusConfig)
     out: str = opt(
         "Cache directory to create or resume, or an object-store URL (s3://bucket/prefix; credentials from the environment)."
@@ -123,6 +129,10 @@ class CacheBuildConfig:
     overwrite: bool = opt("Replace an existing cache built with different settings.", default=False)
 
     from_flags = classmethod(from_flags)
+
+    def __post_init__(self):
+        if self.mask_token == "":
+            raise ValueError("--mask-token must be a token or an id, got an empty string")
 
     def with_taps(self, layer_ids: list[int]) -> CacheBuildConfig:
         """This config with its taps resolved (pipeline.cache_build.driver.resolve_layer_ids)."""

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 import pipeline
 from drafter.config import default_target_layer_ids
 from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
@@ -33,8 +35,16 @@ from pipeline.cache_build.corpus import (
     load_tokenized_corpus,
     save_tokenized_corpus,
 )
-from pipeline.chat import iter_corpus_rows
-from pipeline.target import load_tokenizer, read_generation_config, read_target_config, read_target_head, stop_token_ids, target_hash
+from pipeline.chat import iter_corpus_rows, row_locator
+from pipeline.target import (
+    load_tokenizer,
+    read_generation_config,
+    read_target_config,
+    read_target_head,
+    resolve_mask_token_id,
+    stop_token_ids,
+    target_hash,
+)
 from storage.format import CORPUS_DIR, MANIFEST_FILE, SHARD_COMPLETE, SHARD_DIR
 from storage.location import Location, resolve
 from storage.manifest import (
@@ -154,8 +164,14 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
     layer_ids = resolve_layer_ids(config, num_target_layers=num_layers)
     config = config.with_taps(layer_ids)
     settings = cache_settings(config, layer_ids=layer_ids)
+    tokenizer = load_tokenizer(config.target)
+    stop_ids = stop_token_ids(tokenizer, read_generation_config(config.target))
+    mask_token_id = resolve_mask_token_id(
+        tokenizer, vocab_size=int(target_config["vocab_size"]), mask_token=config.mask_token, stop_ids=stop_ids,
+        target=config.target,
+    )  # fmt: skip
 
-    previous, replacing = _previous_manifest(out, settings, overwrite=config.overwrite)
+    previous, replacing = _previous_manifest(out, settings, mask_token_id=mask_token_id, overwrite=config.overwrite)
     reuse_corpus = previous is not None and out.is_dir(CORPUS_DIR)
     foreign = [] if reuse_corpus else foreign_files(out.child(CORPUS_DIR), CORPUS_FILES)
     if foreign:
@@ -178,7 +194,8 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
             remove_write_leftovers(out)
         manifest = _build_claimed(
             config, out=out, owner=owner, settings=settings, target_config=target_config, previous=previous,
-            reuse_corpus=reuse_corpus, run_shards=run_shards, num_published=num_published, progress=progress, log=log,
+            tokenizer=tokenizer, stop_ids=stop_ids, mask_token_id=mask_token_id, reuse_corpus=reuse_corpus,
+            run_shards=run_shards, num_published=num_published, progress=progress, log=log,
         )  # fmt: skip
     except Exception as error:
         if not had_cache and num_published[0] == 0 and not isinstance(error, CacheOwnershipLost):
@@ -190,19 +207,15 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
 
 def _build_claimed(
     config: CacheBuildConfig, *, out: Location, owner: str, settings: CacheSettings, target_config: dict,
-    previous: Manifest | None, reuse_corpus: bool, run_shards: RunShards, num_published: list[int], progress: bool, log,
+    previous: Manifest | None, tokenizer, stop_ids: list[int], mask_token_id: int, reuse_corpus: bool,
+    run_shards: RunShards, num_published: list[int], progress: bool, log,
 ) -> Manifest:  # fmt: skip
     """The build once `owner` has claimed `out`: corpus, head, shard plan, manifest, shards."""
-    tokenizer = load_tokenizer(config.target)
     corpus = _tokenized_corpus(config, tokenizer, reuse=reuse_corpus, progress=progress)
     if len(corpus) == 0:
         raise ValueError(f"{config.corpus.path}: no sequences left after filtering ({corpus.stats['dropped']})")
+    check_corpus_lacks_mask_token(corpus, mask_token_id=mask_token_id, tokenizer=tokenizer, corpus_path=config.corpus.path)
     vocab_size = int(target_config["vocab_size"])
-    mask_token_id = len(tokenizer)
-    if mask_token_id >= vocab_size:
-        raise ValueError(
-            f"{config.target}: the tokenizer fills the whole embedding ({vocab_size} rows), no unused row for the mask token"
-        )
     if target_head_hash(out) != settings.target_hash:  # missing, or written for another target
         embed_tokens, lm_head = read_target_head(config.target)
         save_target_head(out, embed_tokens=embed_tokens, lm_head=lm_head, target_hash=settings.target_hash)
@@ -224,7 +237,7 @@ def _build_claimed(
         num_target_layers=int(target_config["num_hidden_layers"]),
         hidden_size=int(target_config["hidden_size"]),
         vocab_size=vocab_size,
-        stop_token_ids=stop_token_ids(tokenizer, read_generation_config(config.target)),
+        stop_token_ids=stop_ids,
         mask_token_id=mask_token_id,
         corpus_path=str(Path(config.corpus.path).resolve()),
         corpus_stats=corpus.stats,
@@ -263,13 +276,19 @@ def run_shards_here(config: CacheBuildConfig, pending: list[ShardSpec], publish,
         publish(spec, builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner))
 
 
-def _previous_manifest(out: Location, settings: CacheSettings, *, overwrite: bool) -> tuple[Manifest | None, bool]:
+def _previous_manifest(
+    out: Location, settings: CacheSettings, *, mask_token_id: int, overwrite: bool
+) -> tuple[Manifest | None, bool]:
     """(the manifest to resume from or None, whether the existing cache is to be replaced);
-    refuses a changed setting without --overwrite."""
+    refuses a changed setting without --overwrite. The mask token is compared as the id it
+    resolves to (the manifest's `mask_token_id`): `--mask-token 128002` and the token it names
+    are one setting, and so are the default and the first unused row given by id."""
     if not out.exists(MANIFEST_FILE):
         return None, False
     previous = load_manifest(out)
     changed = settings_diff(previous.settings, settings)
+    if previous.mask_token_id != mask_token_id:
+        changed.append(f"mask_token_id (--mask-token): {previous.mask_token_id} -> {mask_token_id}")
     if not changed:
         return previous, False
     if not overwrite:
@@ -290,6 +309,21 @@ def _remove_failed_build(out: Location, *, owner: str, created: bool) -> None:
     remove_cache_files(out, corpus_files=CORPUS_FILES, claim=True)
     if created:
         out.remove_dir_if_empty()
+
+
+def check_corpus_lacks_mask_token(corpus, *, mask_token_id: int, tokenizer, corpus_path: str) -> None:
+    """Refuse, naming the first row, a tokenized corpus that holds the mask token: the drafter
+    could not tell that token in its context from a slot to predict (docs/design.md, "The target")."""
+    hits = np.flatnonzero(np.asarray(corpus.input_ids) == mask_token_id)
+    if len(hits) == 0:
+        return
+    sequence = int(np.searchsorted(np.asarray(corpus.offsets), hits[0], side="right")) - 1
+    where = row_locator(corpus_path)(int(corpus.source_rows[sequence]))
+    token = tokenizer.convert_ids_to_tokens(mask_token_id)
+    raise ValueError(
+        f"{where}: contains the mask token {token!r} (id {mask_token_id}); pick a token the corpus never contains "
+        "with --mask-token"
+    )
 
 
 def _tokenized_corpus(config: CacheBuildConfig, tokenizer, *, reuse: bool, progress: bool):
