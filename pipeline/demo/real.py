@@ -179,7 +179,7 @@ def chatterbot_exchanges(language: str = "english") -> list[tuple[str, str]]:
 @dataclass(kw_only=True)
 class PromptSplit:
     corpus: list[tuple[str, str]]  # (prompt, the corpus's own answer): the off-policy corpus is regenerated from these
-    head: list[str]  # prompts of the "public-style" initial head, disjoint from the corpus and MT-Bench
+    head: list[tuple[str, str]]  # the "public-style" initial head's, disjoint from the corpus and MT-Bench
 
 
 def split_chatterbot(*, num_corpus: int, num_head: int, seed: int) -> PromptSplit:
@@ -194,7 +194,8 @@ def split_chatterbot(*, num_corpus: int, num_head: int, seed: int) -> PromptSpli
     if num_corpus + num_head > len(prompts):
         raise ValueError(f"asked for {num_corpus} corpus + {num_head} head prompts, chatterbot has {len(prompts)} unique ones")
     return PromptSplit(
-        corpus=[(p, first_answer[p]) for p in prompts[:num_corpus]], head=prompts[num_corpus : num_corpus + num_head]
+        corpus=[(p, first_answer[p]) for p in prompts[:num_corpus]],
+        head=[(p, first_answer[p]) for p in prompts[num_corpus : num_corpus + num_head]],
     )
 
 
