@@ -9,6 +9,8 @@ part; docs/vision.md). Errors are one line naming the file and row (docs/design.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
 import re
@@ -27,6 +29,11 @@ SHAREGPT_ROLES = {
 }
 OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 JSONL_SUFFIXES = (".jsonl", ".json")
+# A regenerated corpus (`alrira-cache regenerate`, docs/design.md "Regeneration") is a folder of
+# JSONL parts listed in its manifest; the corpus reader takes the folder as one corpus.
+REGENERATED_KIND = "alrira-regenerated-corpus"
+REGENERATED_MANIFEST = "manifest.json"
+LOSS_TOKENS_KEY = "loss_tokens"  # on an assistant message: how many leading tokens carry loss
 
 
 class CorpusError(ValueError):
@@ -48,11 +55,55 @@ def _is_jsonl(path: Path) -> bool:
 
 def row_locator(path: str | os.PathLike) -> Callable[[int], str]:
     """row_index -> where the row is, for error messages: "path:line" (1-based) for JSONL,
-    "path:row N" (0-based) for parquet/arrow."""
+    "path:row N" (0-based) for parquet/arrow, "folder/part-00002.jsonl:line" for a regenerated
+    corpus (whose row index counts the lines of its parts in order)."""
     path = Path(path)
     if _is_jsonl(path):
         return lambda row_index: f"{path}:{row_index + 1}"
+    parts = regenerated_parts(path)
+    if parts is not None:
+        firsts = [first for first, _ in parts]
+
+        def locate(row_index: int) -> str:
+            first, part = parts[bisect.bisect_right(firsts, row_index) - 1]
+            return f"{part}:{row_index - first + 1}"
+
+        return locate
     return lambda row_index: f"{path}:row {row_index}"
+
+
+def regenerated_manifest(path: str | os.PathLike) -> dict | None:
+    """The manifest of a regenerated corpus folder, or None when `path` is not one."""
+    manifest = Path(path) / REGENERATED_MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        data = json.loads(manifest.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{manifest}: unreadable manifest ({error})") from None
+    return data if isinstance(data, dict) and data.get("kind") == REGENERATED_KIND else None
+
+
+def regenerated_parts(path: str | os.PathLike) -> list[tuple[int, Path]] | None:
+    """(row index of its first line, file) of every part of a finished regenerated corpus, in
+    order; None when `path` is not a regenerated corpus. An unfinished one is refused."""
+    path = Path(path)
+    manifest = regenerated_manifest(path) if path.is_dir() else None
+    if manifest is None:
+        return None
+    parts = sorted(manifest["parts"], key=lambda part: part["index"])
+    if len(parts) != manifest["num_parts"]:
+        raise ValueError(
+            f"{path}: regeneration not finished ({len(parts)}/{manifest['num_parts']} parts); rerun alrira-cache regenerate"
+        )
+    firsts = itertools.accumulate((part["lines"] for part in parts), initial=0)
+    return [(first, path / part["name"]) for first, part in zip(firsts, parts)]
+
+
+def _iter_regenerated(parts: list[tuple[int, Path]]) -> Iterator[tuple[int, object]]:
+    for first, part in parts:
+        for line_index, row in _iter_jsonl(part):
+            yield first + line_index, row
 
 
 def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
@@ -62,6 +113,9 @@ def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: corpus not found")
+    parts = regenerated_parts(path)
+    if parts is not None:
+        return _iter_regenerated(parts)
     if path.is_dir():
         import datasets
 
@@ -226,7 +280,10 @@ def normalize_row(row: object, *, where: str, require_assistant: bool = True) ->
             raise CorpusError(
                 f"{where}: message {j} '{content_key}' is {type(content).__name__}, not a string", "bad_content"
             )
-        normalized.append({"role": roles[role.strip().lower()], "content": content})
+        message = {"role": roles[role.strip().lower()], "content": content}
+        if LOSS_TOKENS_KEY in turn:
+            message[LOSS_TOKENS_KEY] = _loss_tokens(turn[LOSS_TOKENS_KEY], role=message["role"], where=where, message=j)
+        normalized.append(message)
 
     image, image_turn = _place_image(normalized, row_image=row_image, part_images=part_images, where=where)
     # Some ShareGPT exports keep the system prompt beside the turns.
@@ -255,6 +312,15 @@ def _turns(row: dict, *, where: str) -> tuple[list, str, str, dict[str, str]]:
     if not turns:
         raise CorpusError(f"{where}: empty conversation", "empty_conversation")
     return turns, role_key, content_key, roles
+
+
+def _loss_tokens(value: object, *, role: str, where: str, message: int) -> int:
+    """A message's loss window (docs/design.md, "Regeneration"): a count >= 0 on an assistant turn."""
+    if role != "assistant":
+        raise CorpusError(f"{where}: message {message} is a {role} turn with '{LOSS_TOKENS_KEY}' (only assistant turns carry loss)", "bad_loss_tokens")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CorpusError(f"{where}: message {message} '{LOSS_TOKENS_KEY}' is {_short(value)}, not a count >= 0", "bad_loss_tokens")
+    return value
 
 
 def _row_image(row: dict, *, where: str) -> str | None:

@@ -1,5 +1,5 @@
-"""`alrira-cache`: build (on Ray), inspect and verify a stage-1 cache; and docs/cli.md, generated
-from every command's own help."""
+"""`alrira-cache`: build (on Ray), inspect and verify a stage-1 cache, regenerate a corpus with the
+target (on Ray); and docs/cli.md, generated from every command's own help."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.regenerate.config import RegenerateConfig
 from storage.errors import first_line
 from storage.location import is_url
 from pipeline.cli import config_from_flags, config_options, eval_compare, eval_run, eval_score, train_cli
@@ -35,6 +36,22 @@ def cache_build(progress: bool, **kwargs):
         build_cache(config, progress=progress, log=lambda m: click.echo(m, err=True))
     except (ValueError, OSError) as error:  # bad input or a failing filesystem / cluster: one line, no traceback
         raise click.ClickException(first_line(error)) from None
+
+
+@cache_cli.command("regenerate")
+@config_options(RegenerateConfig)
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+def cache_regenerate(progress: bool, **kwargs):
+    """Rewrite every assistant turn of a corpus with the target, turn by turn, on a Ray cluster (resumable); the output is a corpus `build` reads as is."""
+    from pipeline.regenerate.driver import summary_line
+    from ray_jobs.regenerate import regenerate_corpus
+
+    config = config_from_flags(RegenerateConfig, kwargs)
+    try:
+        manifest = regenerate_corpus(config, progress=progress, log=lambda m: click.echo(m, err=True))
+    except (ValueError, OSError) as error:
+        raise click.ClickException(first_line(error)) from None
+    click.echo(summary_line(manifest))
 
 
 # A cache is a directory or an object-store URL (s3://bucket/prefix; docs/design.md, "Caches on
@@ -117,6 +134,7 @@ def cli_reference_markdown() -> str:
     """Every command's --help as one markdown page."""
     commands = [
         ("alrira-cache build", cache_build),
+        ("alrira-cache regenerate", cache_regenerate),
         ("alrira-cache info", cache_info),
         ("alrira-cache verify", cache_verify),
         ("alrira-train", train_cli),

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.cache_build.rollouts import TargetSequence
-from pipeline.chat import CorpusError, iter_corpus_rows, normalize_row, row_locator
+from pipeline.chat import LOSS_TOKENS_KEY, CorpusError, iter_corpus_rows, normalize_row, row_locator
 from pipeline.config import group, opt
 from pipeline.vision import (
     SequenceImage,
@@ -203,11 +203,12 @@ def _assistant_span(tokenizer, messages: list[dict[str, str]], i: int, full: str
     return start, stop
 
 
-def _tokenize_conversation(tokenizer, messages: list[dict[str, str]], *, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Untruncated (input_ids [S] int32, loss_mask [S] uint8) of one normalized conversation."""
+def _turn_masks(tokenizer, messages: list[dict], *, where: str) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+    """(input_ids [S] int32, [(message index, loss mask [S] bool)] of each assistant turn) of one
+    untruncated conversation; a turn's mask covers its content and its end-of-turn token."""
     full = _render(tokenizer, messages, add_generation_prompt=False, where=where)
     spans = [
-        _assistant_span(tokenizer, messages, i, full, where=where)
+        (i, _assistant_span(tokenizer, messages, i, full, where=where))
         for i, message in enumerate(messages)
         if message["role"] == "assistant"
     ]
@@ -215,10 +216,30 @@ def _tokenize_conversation(tokenizer, messages: list[dict[str, str]], *, where: 
     input_ids = np.asarray(encoding["input_ids"], dtype=np.int32)  # [S]
     token_spans = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [S, 2] char offsets
     token_start, token_stop = token_spans[:, 0], token_spans[:, 1]
+    # Only tokens wholly inside the span: a token straddling the header boundary is template.
+    masks = [(i, (token_start >= start) & (token_stop <= stop) & (token_stop > token_start)) for i, (start, stop) in spans]
+    return input_ids, masks
+
+
+def assistant_turn_lengths(tokenizer, messages: list[dict], *, where: str = "conversation") -> list[int]:
+    """Supervised tokens (content + end-of-turn) of each assistant turn, in order, as the build's
+    loss mask counts them before any loss window: what `alrira-cache regenerate` matches lengths to."""
+    return [int(mask.sum()) for _, mask in _turn_masks(tokenizer, messages, where=where)[1]]
+
+
+def _tokenize_conversation(tokenizer, messages: list[dict], *, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Untruncated (input_ids [S] int32, loss_mask [S] uint8) of one normalized conversation. An
+    assistant message with a loss window (`loss_tokens` N, docs/design.md "Regeneration") keeps
+    loss on the first N tokens of its turn only: its end-of-turn token is supervised only when the
+    whole turn fits in the window."""
+    input_ids, masks = _turn_masks(tokenizer, messages, where=where)
     loss_mask = np.zeros(len(input_ids), dtype=np.uint8)  # [S]
-    for start, stop in spans:
-        # Only tokens wholly inside the span: a token straddling the header boundary is template.
-        loss_mask |= (token_start >= start) & (token_stop <= stop) & (token_stop > token_start)
+    for i, mask in masks:
+        window = messages[i].get(LOSS_TOKENS_KEY)
+        if window is not None:
+            mask = mask.copy()
+            mask[np.flatnonzero(mask)[window:]] = False
+        loss_mask |= mask
     return input_ids, loss_mask
 
 

