@@ -183,3 +183,23 @@ def test_hard_offsets_through_the_cli(toy_target, drafters, prompts_file, tmp_pa
     mean_a = sum(int(r["drafter"]) for r in raw) / len(raw)
     assert float(rows["all"]["drafter_mean"]) == pytest.approx(mean_a, abs=1e-4)
     assert (out / "hard_offsets.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_build_records_its_target_time_per_part(toy_target, toy_corpus, tmp_path):
+    """What `alrira-eval cost` reads: each shard's target seconds for the corpus pass and the rollouts."""
+    from pipeline.cache_build.config import CacheBuildConfig
+    from pipeline.cache_build.driver import build_cache, run_shards_here
+    from pipeline.eval.analysis import stage1_seconds
+    from pipeline.train.methods import RECIPES
+
+    corpus = write_jsonl(tmp_path / "chat.jsonl", [json.loads(line) for line in toy_corpus.read_text().splitlines()[:4]])
+    config = CacheBuildConfig.from_flags(target=str(toy_target), corpus=str(corpus), out=str(tmp_path / "cache"), anchors=8,
+                                         shard_size=2, max_length=256)  # fmt: skip
+    manifest = build_cache(config, run_shards=run_shards_here, progress=False, log=lambda m: None)
+    parts = [s.build_seconds for s in manifest.shards]
+    assert len(parts) == 2 and all(p["corpus"] > 0 and p["rollouts"] > 0 for p in parts)
+    on_disk = json.loads((tmp_path / "cache" / "manifest.json").read_text())["shards"]
+    assert [s["build_seconds"] for s in on_disk] == parts
+    corpus_s, rollout_s = sum(p["corpus"] for p in parts), sum(p["rollouts"] for p in parts)
+    assert stage1_seconds(tmp_path / "cache", arrays=RECIPES["kd"].arrays) == pytest.approx(corpus_s)
+    assert stage1_seconds(tmp_path / "cache", arrays=RECIPES["alr_ira"].arrays) == pytest.approx(corpus_s + rollout_s)
