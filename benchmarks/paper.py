@@ -132,7 +132,7 @@ def render_section(report: dict, *, command: str) -> str:
         f"Corpus: {s['corpus_prompts']} chatterbot prompts answered by the target at T = 1 (per-row seeds); its greedy agreement "
         f"(share of response tokens equal to the target's greedy choice) is **{report['corpus_greedy_agreement']:.3f}** "
         "(the setting asks <= 0.6). Evaluation: MT-Bench first turns, "
-        f"{s['eval_per_category']} per category, {s['eval_max_new_tokens']} new tokens, geometric mean over the 8 categories. "
+        f"{s['eval_per_category']} per category, {s['eval_max_new_tokens']} new tokens, geometric mean over {s['eval_categories']} categories. "
         f"Every arm starts from one initial head (dflash, {s['head_epochs']} epochs on greedy answers to {s['head_prompts']} other "
         f"chatterbot prompts); {s['epochs']} epochs, batch {s['batch_size']}, lr {s['lr']}, seeds {list(s['seeds'])} for the main five.",
         "", "The paper's numbers are on Qwen3 targets (text: Qwen3-4B; ablations: Qwen3-VL-8B on ALLaVA): absolute values "

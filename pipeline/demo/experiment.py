@@ -6,7 +6,7 @@ Phases (each reuses its finished output, so an interrupted run resumes):
   1. prepare     install the packages, convert the GGUF, write the prompt files: chatterbot prompts
                  split into the corpus's and the initial head's (disjoint), MT-Bench first turns
                  (grouped by category) for evaluation
-  2. regenerate  `alrira-cache regenerate`: the off-policy corpus (the corpus prompts answered at
+  2. regenerate  the regeneration driver (`alrira-cache regenerate`'s, in this process): the off-policy corpus (the corpus prompts answered at
                  T = 1, one seed per row), the two references (greedy regeneration of the SAME
                  prompts, --length-control truncate / window, lengths of the off-policy turns) and
                  the head's corpus (greedy answers to the head prompts)
@@ -23,13 +23,11 @@ turns it into docs/results.md's real-model section.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import click
 import numpy as np
 
 from pipeline.cache_build.config import CacheBuildConfig
@@ -39,6 +37,8 @@ from pipeline.demo.run import train_method
 from pipeline.eval.analysis import run_hard_offsets, run_offset_profile, run_training_cost
 from pipeline.eval.compare import run_compare
 from pipeline.eval.evaluate import EvalConfig, run_eval
+from pipeline.regenerate.config import RegenerateConfig
+from pipeline.regenerate.driver import regenerate_corpus, summary_line
 from pipeline.train.config import TrainConfig
 from storage.reader import open_cache
 
@@ -81,7 +81,8 @@ class PaperSizes:
 
     corpus_prompts: int = 240
     head_prompts: int = 120
-    eval_per_category: int = 2  # MT-Bench first turns per category (8 categories)
+    eval_per_category: int = 2  # MT-Bench first turns per category
+    eval_categories: int = 8  # the first N of MT-Bench's 8 categories
     regen_max_new_tokens: int = 96
     eval_max_new_tokens: int = 64
     anchors: int = 32
@@ -104,7 +105,7 @@ class PaperSizes:
         if not quick:
             return cls()
         return cls(
-            corpus_prompts=6, head_prompts=4, eval_per_category=1, regen_max_new_tokens=48, eval_max_new_tokens=24,
+            corpus_prompts=6, head_prompts=4, eval_per_category=1, eval_categories=2, regen_max_new_tokens=48, eval_max_new_tokens=24,
             anchors=16, min_supervised_tokens=16, anchors_per_step=8, epochs=1, head_epochs=1, batch_size=2, max_steps=2, seeds=(0,),
             temperatures=(0.0,), arms=QUICK_ARMS, hard_prompts=1,
         )  # fmt: skip
@@ -123,16 +124,6 @@ class Paths:
         return self.out / "caches" / name
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "TOKENIZERS_PARALLELISM": "false"}
-
-
-def alrira_cache(args: list[str], *, log) -> None:
-    """`alrira-cache ARGS` in a subprocess (only the CLI imports ray_jobs; Ray's processes end with it)."""
-    log(f"alrira-cache {' '.join(args)}")
-    subprocess.run([sys.executable, "-m", "ray_jobs", *args], check=True, env=_env())
-
-
 def prepare(out: Path, sizes: PaperSizes, *, cache_dir: Path, log) -> Paths:
     real.install_packages(log=log)
     paths = Paths(out=out, target=real.convert_gguf(cache_dir, log=log))
@@ -143,7 +134,7 @@ def prepare(out: Path, sizes: PaperSizes, *, cache_dir: Path, log) -> Paths:
     per_category: dict[str, list[dict]] = {}
     for row in real.mtbench_first_turns():
         per_category.setdefault(row["benchmark"], []).append(row)
-    eval_rows = [r for rows in per_category.values() for r in rows[: sizes.eval_per_category]]
+    eval_rows = [r for rows in list(per_category.values())[: sizes.eval_categories] for r in rows[: sizes.eval_per_category]]
     held_out = [r for rows in per_category.values() for r in rows[sizes.eval_per_category :]]
     paths.files["eval"] = real.write_jsonl(eval_rows, prompts / "mtbench.jsonl")
     # Hard offsets use MT-Bench questions the evaluation does not (held out from it and from training).
@@ -152,29 +143,46 @@ def prepare(out: Path, sizes: PaperSizes, *, cache_dir: Path, log) -> Paths:
     return paths
 
 
-def regenerate(paths: Paths, sizes: PaperSizes, *, log) -> None:
-    """The off-policy corpus (T = 1, per-row seeds), the two greedy references of the same prompts, the head's corpus."""
-    common = ["--target", str(paths.target), "--max-new-tokens", str(sizes.regen_max_new_tokens), "--workers", str(sizes.workers)]
+def needed_corpora(sizes: PaperSizes) -> list[str]:
+    """The corpora (and caches) the chosen arms and the head read, in build order."""
+    wanted = {a.cache for a in ARMS if a.name in sizes.arms} | {"offpolicy", "head"}
+    return [name for name in ("offpolicy", "head", "truncate", "window") if name in wanted]
+
+
+def regenerate(paths: Paths, sizes: PaperSizes, *, log) -> dict[str, str]:
+    """The off-policy corpus (T = 1, per-row seeds), the head's corpus (greedy answers to its
+    prompts), and the two greedy references of the SAME prompts as the off-policy corpus, whose
+    turns they replace (so their supervised length is that corpus's). The regeneration driver runs
+    in this process; a rerun keeps the parts already written. Returns each corpus's summary line."""
     jobs = (
-        ("offpolicy", paths.files["corpus_source"], ["--temperature", "1.0", "--seed", str(sizes.seed), "--length-control", "none"]),
-        ("head", paths.files["head_source"], ["--temperature", "0", "--length-control", "none"]),
+        ("offpolicy", paths.files["corpus_source"], 1.0, "none"),
+        ("head", paths.files["head_source"], 0.0, "none"),
+        ("truncate", paths.corpus("offpolicy"), 0.0, "truncate"),
+        ("window", paths.corpus("offpolicy"), 0.0, "window"),
     )
-    for name, source, extra in jobs:
-        alrira_cache(["regenerate", "--corpus", str(source), "--out", str(paths.corpus(name)), *common, *extra], log=log)
-    # The references replace the off-policy turns: their supervised length is that corpus's.
-    for control in ("truncate", "window"):
-        alrira_cache(["regenerate", "--corpus", str(paths.corpus("offpolicy")), "--out", str(paths.corpus(control)), *common,
-                      "--temperature", "0", "--length-control", control], log=log)  # fmt: skip
+    lines = {}
+    for name, source, temperature, control in jobs:
+        if name not in needed_corpora(sizes):
+            continue
+        config = RegenerateConfig.from_flags(
+            target=str(paths.target), corpus=str(source), out=str(paths.corpus(name)), temperature=temperature,
+            seed=sizes.seed, max_new_tokens=sizes.regen_max_new_tokens, length_control=control, cpus_per_worker=1,
+        )  # fmt: skip
+        log(f"regenerate {name}: T = {temperature:g}, length control {control}, from {source}")
+        lines[name] = summary_line(regenerate_corpus(config, log=log))
+        log(f"regenerate {name}: {lines[name]}")
+    return lines
 
 
 def build_caches(paths: Paths, sizes: PaperSizes, *, log) -> None:
     """One build recipe for every corpus: SmolLM2's mask token, the same anchors and one tap. The
     build driver runs in this process (one machine; no Ray start per cache); a rerun keeps the
     shards that verify (docs/design.md, "A cache build")."""
-    for name in ("offpolicy", "truncate", "window", "head"):
+    for name in needed_corpora(sizes):
         config = CacheBuildConfig.from_flags(
             target=str(paths.target), corpus=str(paths.corpus(name)), out=str(paths.cache(name)), mask_token=real.MASK_TOKEN,
             draft_layers=1, anchors=sizes.anchors, min_supervised_tokens=sizes.min_supervised_tokens, cpus_per_worker=1,
+            rollouts=name != "head",  # the head trains dflash: corpus arrays only
         )  # fmt: skip
         log(f"cache {name}: {config.out}")
         build_cache(config, run_shards=run_shards_here, progress=False, log=log)
@@ -245,7 +253,7 @@ def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DI
         return result
 
     paths = timed("prepare", lambda: prepare(out, sizes, cache_dir=cache_dir, log=log))
-    timed("regenerate", lambda: regenerate(paths, sizes, log=log))
+    regenerated = timed("regenerate", lambda: regenerate(paths, sizes, log=log))
     timed("caches", lambda: build_caches(paths, sizes, log=log))
     agreement = corpus_greedy_agreement(paths.cache("offpolicy"))
     log(f"off-policy corpus: greedy agreement {agreement:.3f} (must be <= 0.6)")
@@ -263,7 +271,7 @@ def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DI
     analyses = timed("analyses", lambda: run_analyses(paths, sizes, runs=runs, head=head))
     report = {
         "quick": quick, "sizes": asdict(sizes), "target": str(paths.target), "out": str(out),
-        "corpus_greedy_agreement": agreement,
+        "corpus_greedy_agreement": agreement, "regenerated": regenerated,
         "train_s": {f"{a}-s{s}": v for (a, s), v in trained.items()},
         "evals": {f"{a}-s{s}-T{t:g}": {"dir": str(out / "evals" / f"{a}-s{s}-T{t:g}"), "tau": e["tau_geomean"],
                                        "speedup": e["speedup_geomean"], "lossless_mismatches": e["lossless_mismatches"]}
@@ -297,3 +305,17 @@ def run_analyses(paths: Paths, sizes: PaperSizes, *, runs: list[tuple[Arm, int]]
         max_new_tokens=sizes.eval_max_new_tokens * 2, max_prompts=None,
     )  # fmt: skip
     return results
+
+
+@click.command(help="The paper's experiments on SmolLM2-135M-Instruct from the package index (python -m pipeline.demo --real).")
+@click.option("--out", default="real_out", show_default=True, type=click.Path(file_okay=False), help="Output directory (resumable).")
+@click.option("--quick", is_flag=True, help="A few rows, a few steps, two prompts: the CI smoke run.")
+@click.option("--cache-dir", default=str(real.DEFAULT_CACHE_DIR), show_default=True, help="Where the converted target is kept.")
+def main(out: str, quick: bool, cache_dir: str):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)  # the real model: one thread (two are slower on a shared machine)
+    hf_logging.disable_progress_bar()
+    report = run_paper(out=Path(out), quick=quick, cache_dir=Path(cache_dir))
+    print(f"results: {report['out']}/paper.json ({report['wall_s']:.0f}s); docs/results.md: benchmarks/paper.py")

@@ -1,7 +1,6 @@
 """The no-download demo: one cache, five objectives, real speculative decoding, on the CPU.
 
     python -m pipeline.demo [--out demo_out] [--quick] [--seed 0]
-    python -m pipeline.demo --real [--quick]     the real target instead (pipeline/demo/experiment.py)
 
 Phases (each skipped when its output already exists, so an interrupted demo resumes):
   1. world    pipeline.demo.world: a tiny Qwen3 target trained on source A, an off-policy chat
@@ -258,8 +257,7 @@ def run_demo(*, out: Path, seed: int, quick: bool, temperatures: list[float], me
 @click.option("--seed", default=0, show_default=True, help="Seed of the world and of the drafters' training.")
 @click.option("--temperatures", default="0", show_default=True, help="Comma-separated decoding temperatures.")
 @click.option("--threads", default=1, show_default=True, help="Torch threads of the training and decoding process.")
-@click.option("--real", is_flag=True, help="The paper's experiments on SmolLM2-135M-Instruct from the package index (pipeline/demo/experiment.py); --out defaults to real_out.")
-def main(out: str, quick: bool, seed: int, temperatures: str, threads: int, real: bool):
+def main(out: str, quick: bool, seed: int, temperatures: str, threads: int):
     try:
         temps = [float(t) for t in temperatures.split(",") if t.strip()]
     except ValueError:
@@ -270,11 +268,5 @@ def main(out: str, quick: bool, seed: int, temperatures: str, threads: int, real
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if real:
-        from pipeline.demo.experiment import run_paper
-
-        report = run_paper(out=Path("real_out" if out == "demo_out" else out), quick=quick, log=print)
-        print(f"results: {report['out']}/paper.json ({report['wall_s']:.0f}s)")
-        return
     run_demo(out=Path(out), seed=seed, quick=quick, temperatures=temps)
 
