@@ -28,7 +28,7 @@ def test_paper_quick(tmp_path):
     out = tmp_path / "paper"
     env = dict(os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     command = [sys.executable, str(REPO / "benchmarks" / "paper.py"), "--quick", "--out", str(out), "--cache-dir", str(tmp_path / "models")]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads((out / "paper.json").read_text())
 

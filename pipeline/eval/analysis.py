@@ -311,11 +311,16 @@ def hard_offsets(*, target_dir: str, prompts: str, drafters: dict[str, str], max
                  max_prompts: int | None) -> list[dict]:  # fmt: skip
     """One raw row per (prompt, response offset with K tokens after it): each role's acceptance length."""
     from drafter.checkpoint import load_drafter
-    from pipeline.eval.evaluate import load_prompts, load_target_and_stops
+    from pipeline.eval.evaluate import check_drafter_fits, load_prompts, load_target_and_stops
     from pipeline.target import tapped_features
 
     target, tokenizer, stops = load_target_and_stops(target_dir, device=torch.device("cpu"), dtype=torch.float32)
     models = {role: load_drafter(path, dtype=torch.float32, device=torch.device("cpu")).eval() for role, path in drafters.items()}
+    for role, model in models.items():
+        try:
+            check_drafter_fits(target, model)
+        except ValueError as error:
+            raise ValueError(f"--{role} {drafters[role]}: {error}") from None
     block_sizes = {m.config.block_size for m in models.values()}
     if len(block_sizes) != 1:
         raise ValueError(f"the drafters have different block sizes {sorted(block_sizes)}: one offset grid cannot serve them")

@@ -378,6 +378,12 @@ def load_models(config: EvalConfig, device: torch.device, dtype: torch.dtype):
     """(target, tokenizer, drafter, stop ids), checked to belong together."""
     target, tokenizer, stops = load_target_and_stops(config.target, device=device, dtype=dtype)
     drafter = load_drafter(config.drafter, dtype=dtype, device=device).eval()
+    check_drafter_fits(target, drafter)
+    return target, tokenizer, drafter, stops
+
+
+def check_drafter_fits(target, drafter) -> None:
+    """ValueError unless the drafter was built for this target (layers, taps, sizes, vocabulary)."""
     embed_tokens = target.get_input_embeddings()
     draft_config = drafter.config
     num_target_layers = target.config.get_text_config().num_hidden_layers
@@ -392,7 +398,6 @@ def load_models(config: EvalConfig, device: torch.device, dtype: torch.dtype):
         vocab_size=embed_tokens.num_embeddings,
         block_size=draft_config.block_size,
     )
-    return target, tokenizer, drafter, stops
 
 
 def write_csv_rows(path: Path, rows: list[dict], *, columns: tuple[str, ...]) -> None:
