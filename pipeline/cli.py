@@ -137,7 +137,8 @@ def eval_score(csv_path: str, group: str):
 
 
 def _summaries_args(func):
-    func = click.option("--label", "labels", multiple=True, help="Method name of each summary, in order (default: from the drafter's run).")(func)
+    label_help = "Method name of each summary, in order (default: from the drafter's run)."
+    func = click.option("--label", "labels", multiple=True, help=label_help)(func)
     func = click.option("--out", required=True, help="Output directory.")(func)
     return click.argument("summaries", nargs=-1, required=True, type=click.Path(exists=True))(func)
 
@@ -173,13 +174,15 @@ def eval_cost(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], ref
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="Held-out prompts (JSONL, as for `run`).")
 @click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False), help="Drafter whose gain is measured (e.g. alr_ira).")
 @click.option("--baseline", required=True, type=click.Path(exists=True, file_okay=False), help="Drafter it is compared with (e.g. alr).")
-@click.option("--independent", required=True, type=click.Path(exists=True, file_okay=False), help="Drafter that groups the offsets (trained apart from both, e.g. kd).")
-@click.option("--control", default=None, type=click.Path(exists=True, file_okay=False), help="The baseline's method trained with another seed: its gain should stay near 0.")
+@click.option("--independent", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Drafter that groups the offsets (trained apart from both, e.g. kd).")  # fmt: skip
+@click.option("--control", default=None, type=click.Path(exists=True, file_okay=False),
+              help="The baseline's method trained with another seed: its gain should stay near 0.")  # fmt: skip
 @click.option("--out", required=True, help="Output directory (hard_offsets.csv/.png, hard_offsets_raw.csv).")
 @click.option("--max-new-tokens", default=128, show_default=True, help="Length of each greedy response.")
 @click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts.")
 def eval_hard(**kwargs):
-    """Where drafting is hard: per offset of greedy responses one drafted block; the gain grouped by an independent drafter's acceptance length."""
+    """Where drafting is hard: one drafted block per offset of greedy responses; gains grouped by an independent drafter's acceptance."""
     from pipeline.eval.analysis import format_rows, run_hard_offsets
 
     try:
