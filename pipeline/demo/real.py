@@ -138,6 +138,7 @@ def convert_gguf(cache_dir: Path, *, log=print) -> Path:
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         (tmp / CONVERTED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared model folder from other users
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
