@@ -141,7 +141,9 @@ class DFlashConfig:
         """A fresh drafter for a target, from the target's HF config.json dict.
 
         Vision-language targets keep the language model's config under `text_config`; that is
-        the part the drafter mirrors.
+        the part the drafter mirrors. Its RoPE is plain at the target's theta whatever scaling the
+        target uses (Llama 3's "llama3", YaRN): the drafter's positions are its own, and training
+        and every engine read them from the drafter's config.
         """
         cfg = target_config.get("text_config", target_config)
         num_target_layers = cfg["num_hidden_layers"]
@@ -159,7 +161,7 @@ class DFlashConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(cfg),
-            rope_scaling=_rope_scaling(cfg),
+            rope_scaling=None,
             max_position_embeddings=cfg["max_position_embeddings"],
             vocab_size=cfg["vocab_size"],
             block_size=block_size,

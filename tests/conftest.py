@@ -114,3 +114,39 @@ def vl_corpus(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("vl-corpus")
     write_images(folder / "images")
     return write_jsonl(folder / "corpus.jsonl", mixed_vl_rows())
+
+
+# Llama-architecture targets (docs/design.md, "The target"): the tokenizer fills the embedding, so
+# the mask token is an existing one.
+
+LLAMA_MASK_TOKEN = "<|reserved_special_token_0|>"
+
+
+@pytest.fixture(scope="session")
+def llama_target(tmp_path_factory) -> Path:
+    """A tiny random Llama 3 style target: GQA, tied embeddings, Llama 3's RoPE scaling, special
+    tokens, chat format and end ids, and one embedding row per token."""
+    from pipeline.demo.toy import make_toy_llama_target
+
+    return make_toy_llama_target(tmp_path_factory.mktemp("llama-target") / "toy-llama3", chat_style="llama3", peaked=True)
+
+
+@pytest.fixture(scope="session")
+def llama_cache(ray_address, llama_target, toy_corpus, tmp_path_factory) -> Path:
+    """k7_cache's settings on the Llama 3 style target, the mask token a reserved special token."""
+    from pipeline.cache_build.config import CacheBuildConfig
+    from ray_jobs.build import build_cache
+
+    cache = tmp_path_factory.mktemp("llama-k7") / "cache"
+    config = CacheBuildConfig.from_flags(
+        target=str(llama_target), corpus=str(toy_corpus), out=str(cache), mask_token=LLAMA_MASK_TOKEN, layers=[0, 2],
+        anchors=16, top_k=4, max_length=128, shard_size=10, num_slots=7,
+    )  # fmt: skip
+    build_cache(config, progress=False, log=lambda m: None)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def llama_drafter(llama_cache, tmp_path_factory) -> Path:
+    """A 1-layer alr drafter trained on llama_cache (as tests/test_vllm_serving.py's Qwen3 ones)."""
+    return train_alr_drafter(llama_cache, tmp_path_factory.mktemp("llama-run") / "run", epochs=12, draft_layers=1)

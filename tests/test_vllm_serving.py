@@ -150,20 +150,24 @@ def rounds_until(accepted_lengths: list[int], num_tokens: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def prompts(toy_target, toy_corpus):
+def training_prompts(target: Path, corpus: Path) -> list[list[int]]:
     """The first 60 tokens of four training conversations (the toy drafter accepts little anywhere
     else) and two raw id sequences."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(toy_target)
+    tokenizer = AutoTokenizer.from_pretrained(target)
     roles = {"system": "system", "human": "user", "gpt": "assistant"}
     out = []
-    for line in toy_corpus.read_text().splitlines()[:4]:
+    for line in corpus.read_text().splitlines()[:4]:
         messages = [{"role": roles[m["from"]], "content": m["value"]} for m in json.loads(line)["conversations"]]
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         out.append([int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"][:60]])
     return out + [[3, 17, 42, 8, 99, 5], [120, 7, 7, 64, 30, 31, 2, 150, 11, 90, 4]]
+
+
+@pytest.fixture(scope="module")
+def prompts(toy_target, toy_corpus):
+    return training_prompts(toy_target, toy_corpus)
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +245,18 @@ def test_vllm_serves_a_trained_drafter_like_alrira_eval(toy_target, drafters, pr
     assert abs(tau(unpatched) - tau(ours)) <= UNPATCHED_TAU_ATOL
     drift = sum(abs(a - b) for a, b in zip(unpatched["per_pos"], ours["per_pos"])) + abs(unpatched["drafts"] - ours["drafts"])
     assert drift <= UNPATCHED_PER_POS_RTOL * ours["drafts"], (unpatched, ours)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serves_a_llama_target_drafter_with_its_mask_token(llama_target, toy_corpus, llama_drafter, tmp_path):
+    """A Llama 3 style target (tied, GQA, Llama 3 RoPE scaling, a tokenizer that fills the embedding):
+    vLLM reads the mask token (a reserved special token) from the export and serves losslessly,
+    accepting what alrira-eval accepts, position by position (one engine, one pass)."""
+    prompts = training_prompts(llama_target, toy_corpus)
+    ours, served = serve_and_compare(llama_target, llama_drafter, prompts, tmp_path, passes=["unpatched"])
+    assert {key: served["unpatched"][key] for key in ("drafts", "per_pos")} == ours
+    assert sum(ours["per_pos"]) > 0
 
 
 if __name__ == "__main__":

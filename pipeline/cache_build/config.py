@@ -114,8 +114,9 @@ class CacheBuildConfig:
     target: str = opt("Local HF directory of the target model (config, tokenizer, weights).")
     mask_token: str | None = opt(
         "The drafter's mask token: a token of the target's tokenizer, or its id (all digits), that the corpus never "
-        "contains (default: the first unused embedding row, len(tokenizer); a tokenizer that fills the embedding, "
-        "as Llama 3's and SmolLM2's do, needs one, e.g. a reserved special token; docs/design.md, 'The target').",
+        "contains (default: --drafter-init's mask token, else the first unused embedding row, len(tokenizer); a "
+        "tokenizer that fills the embedding, as Llama 3's and SmolLM2's do, needs one, e.g. a reserved special token; "
+        "docs/design.md, 'The target').",
         default=None,
     )
     corpus: CorpusConfig = group(CorpusConfig)

@@ -92,13 +92,9 @@ def resolve_layer_ids(config: CacheBuildConfig, *, num_target_layers: int) -> li
     if taps.layers is not None:
         layer_ids = list(taps.layers)
     elif taps.drafter_init is not None:
-        path = Path(taps.drafter_init) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"--drafter-init {taps.drafter_init}: no config.json")
-        drafter_config = json.loads(path.read_text())
-        layer_ids = (drafter_config.get("dflash_config") or {}).get("target_layer_ids")
+        layer_ids = _drafter_init_dflash_config(taps.drafter_init).get("target_layer_ids")
         if layer_ids is None:
-            raise ValueError(f"{path}: no dflash_config.target_layer_ids")
+            raise ValueError(f"{Path(taps.drafter_init) / 'config.json'}: no dflash_config.target_layer_ids")
     else:
         layer_ids = default_target_layer_ids(num_target_layers=num_target_layers, num_draft_layers=taps.draft_layers or 1)
     bad = [i for i in layer_ids if not 0 <= i < num_target_layers - 1]
@@ -106,6 +102,32 @@ def resolve_layer_ids(config: CacheBuildConfig, *, num_target_layers: int) -> li
         # The last layer's output in HF hidden_states is after the final norm, not a residual tap.
         raise ValueError(f"--layers: ids {bad} out of range for a {num_target_layers}-layer target (0..{num_target_layers - 2})")
     return [int(i) for i in layer_ids]
+
+
+def _drafter_init_dflash_config(drafter_init: str) -> dict:
+    path = Path(drafter_init) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--drafter-init {drafter_init}: no config.json")
+    return json.loads(path.read_text()).get("dflash_config") or {}
+
+
+def resolve_build_mask_token_id(config: CacheBuildConfig, tokenizer, *, vocab_size: int, stop_ids: list[int]) -> int:
+    """The cache's mask token (pipeline.target.resolve_mask_token_id). A --drafter-init head was
+    trained with its own mask token, which the drafter keeps: it is the default, and another
+    --mask-token is refused (docs/design.md, "The target")."""
+    init_mask = None
+    if config.taps.drafter_init is not None:
+        init_mask = _drafter_init_dflash_config(config.taps.drafter_init).get("mask_token_id")
+    mask_token = config.mask_token if config.mask_token is not None or init_mask is None else str(init_mask)
+    mask_token_id = resolve_mask_token_id(
+        tokenizer, vocab_size=vocab_size, mask_token=mask_token, stop_ids=stop_ids, target=config.target
+    )
+    if init_mask is not None and mask_token_id != init_mask:
+        raise ValueError(
+            f"--mask-token {config.mask_token} (id {mask_token_id}) is not the mask token of --drafter-init "
+            f"{config.taps.drafter_init} (dflash_config.mask_token_id {init_mask}); leave --mask-token out to use it"
+        )
+    return mask_token_id
 
 
 def cache_settings(config: CacheBuildConfig, *, layer_ids: list[int]) -> CacheSettings:
@@ -166,10 +188,9 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
     settings = cache_settings(config, layer_ids=layer_ids)
     tokenizer = load_tokenizer(config.target)
     stop_ids = stop_token_ids(tokenizer, read_generation_config(config.target))
-    mask_token_id = resolve_mask_token_id(
-        tokenizer, vocab_size=int(target_config["vocab_size"]), mask_token=config.mask_token, stop_ids=stop_ids,
-        target=config.target,
-    )  # fmt: skip
+    mask_token_id = resolve_build_mask_token_id(
+        config, tokenizer, vocab_size=int(target_config["vocab_size"]), stop_ids=stop_ids
+    )
 
     previous, replacing = _previous_manifest(out, settings, mask_token_id=mask_token_id, overwrite=config.overwrite)
     reuse_corpus = previous is not None and out.is_dir(CORPUS_DIR)

@@ -187,6 +187,11 @@ def build_drafter(config: TrainConfig, manifest) -> DFlashDrafter:
     settings, init = manifest.settings, config.drafter
     if init.drafter_init is not None:
         drafter = load_drafter(init.drafter_init, dtype=torch.float32)
+        if drafter.config.mask_token_id != manifest.mask_token_id:  # its export would name the wrong one
+            raise ValueError(
+                f"--drafter-init {init.drafter_init}: its mask token {drafter.config.mask_token_id} is not the "
+                f"cache's {manifest.mask_token_id}; build the cache with --mask-token {drafter.config.mask_token_id}"
+            )
     else:
         torch.manual_seed(config.seed)
         drafter_config = DFlashConfig.from_target_config(
