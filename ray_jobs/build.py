@@ -43,16 +43,15 @@ from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.driver import ShardSpec
 from pipeline.cache_build.shard_builder import ShardBuilder
 from pipeline.target import target_hash
+from ray_jobs.pool import kill_and_wait, run_pool
 from storage.errors import first_line
 from storage.format import shard_name
 from storage.location import is_url
 from storage.manifest import Manifest, ShardRecord
 from storage.ownership import CacheOwnershipLost
 
-MAX_SHARD_ATTEMPTS = 3  # a shard whose worker died this many times stops the build
 ACTOR_NAMESPACE = "alrira-cache"  # every build's actors are named in it, after their --out
 RESOURCE_WAIT_S = 300.0  # how long a build waits for CPUs/GPUs held by others before it gives up
-ACTOR_EXIT_WAIT_S = 60.0  # how long to wait for killed actors to be gone
 
 
 @ray.remote
@@ -164,23 +163,8 @@ def stop_earlier_workers(out, *, log=print) -> int:
             continue
     if handles:
         log(f"stopping {len(handles)} worker(s) of an earlier build on {out}")
-        _kill_and_wait(handles)
+        kill_and_wait(handles)
     return len(handles)
-
-
-def _kill_and_wait(handles: list, *, timeout: float = ACTOR_EXIT_WAIT_S) -> None:
-    """ray.kill the actors and wait (bounded) until each is dead, so its CPUs are free again and it
-    writes nothing more."""
-    for handle in handles:
-        ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + timeout
-    for handle in handles:
-        try:
-            ray.get(handle.pid.remote(), timeout=max(0.1, deadline - time.monotonic()))
-        except ray.exceptions.RayActorError:
-            continue  # dead, as wanted
-        except ray.exceptions.GetTimeoutError:
-            return
 
 
 def _per_worker(compute) -> dict[str, float]:
@@ -223,6 +207,19 @@ def _wait_for_resources(compute, num_workers: int, *, log, timeout: float = RESO
         time.sleep(0.2)
 
 
+def actor_factory(actor_class, *, out, compute, placements: list, args: tuple):
+    """new_worker(slot) -> a fresh `actor_class` actor (constructed with `args`) for pool slot
+    `slot`, named after `out` so that stop_earlier_workers finds it; a replacement keeps its slot's
+    placement (the same node under --workers-per-node)."""
+    prefix = _actor_prefix(out)
+    options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
+
+    def new_worker(slot: int):
+        return actor_class.options(name=prefix + uuid.uuid4().hex, scheduling_strategy=placements[slot], **options).remote(*args)
+
+    return new_worker
+
+
 def run_shards_on_ray(
     config: CacheBuildConfig, pending: list[ShardSpec], publish, *, placements: list | None = None,
     progress: bool = True, log=print,
@@ -235,78 +232,46 @@ def run_shards_on_ray(
         ray.init(address=compute.ray_address, logging_level="WARNING", include_dashboard=False)
     placements = (placements or plan_pool(compute, workers_per_node=None))[: len(pending)]
     _wait_for_resources(compute, len(placements), log=log)
-    prefix, driver_target_hash = _actor_prefix(config.out), target_hash(config.target)
-    options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
-
-    def new_worker(worker_index: int):
-        # A replacement keeps its slot's placement: the same node under --workers-per-node.
-        actor = CacheWorker.options(name=prefix + uuid.uuid4().hex, scheduling_strategy=placements[worker_index], **options)
-        return actor.remote(config, driver_target_hash)
-
-    workers = [new_worker(i) for i in range(len(placements))]
-    queue = list(pending)
-    attempts = {s.index: 0 for s in pending}
-    running = {}  # future -> (worker index, spec)
+    new_worker = actor_factory(CacheWorker, out=config.out, compute=compute, placements=placements, args=(config, target_hash(config.target)))
     bar = tqdm(
         total=sum(s.stop - s.start for s in pending), unit="seq", desc="cache build", disable=not progress, dynamic_ncols=True
     )
-    tokens, shards_by_node, released = 0, collections.Counter(), []
+    tokens, shards_by_node = 0, collections.Counter()
 
-    def submit(worker_index: int):
-        spec = queue.pop(0)
-        attempts[spec.index] += 1
-        running[workers[worker_index].build.remote(spec)] = (worker_index, spec)
-
-    def release(worker_index: int):
-        # Nothing left to assign: free its CPUs now rather than at the end of the run.
-        ray.kill(workers[worker_index], no_restart=True)
-        released.append(workers[worker_index])
-        workers[worker_index] = None
+    def on_result(spec: ShardSpec, result: tuple[ShardRecord, str], num_done: int) -> None:
+        nonlocal tokens
+        record, node = result
+        record = dataclasses.replace(record, node=node)
+        publish(spec, record)
+        tokens += record.tokens
+        shards_by_node[node] += 1
+        with tqdm.external_write_mode():  # the line above the bar, not through it
+            log(shard_line(record, node=node))
+        bar.update(record.sequences)
+        bar.set_postfix(tokens=tokens, shards=f"{num_done}/{len(pending)}")
 
     try:
-        for i in range(len(workers)):
-            submit(i)
-        while running:
-            [future], _ = ray.wait(list(running), num_returns=1)
-            worker_index, spec = running.pop(future)
-            try:
-                record, node = ray.get(future)
-            except CacheOwnershipLost:
-                # Ray re-raises the actor's error with its traceback; one line is what the user needs.
-                raise CacheOwnershipLost(
-                    f"{config.out}: another cache build claimed this directory while this one was running; stopped"
-                ) from None
-            except ray.exceptions.RayActorError:
-                # The worker died (OOM, preemption, kill): nothing of its shard was published.
-                if attempts[spec.index] >= MAX_SHARD_ATTEMPTS:
-                    raise RuntimeError(f"{shard_name(spec.index, config.storage.storage_format)}: worker died {MAX_SHARD_ATTEMPTS} times")
-                workers[worker_index] = new_worker(worker_index)
-                queue.insert(0, spec)
-                submit(worker_index)
-                continue
-            except ray.exceptions.RayTaskError as error:
-                raise _plain_error(error) from None
-            record = dataclasses.replace(record, node=node)
-            publish(spec, record)
-            tokens += record.tokens
-            shards_by_node[node] += 1
-            with tqdm.external_write_mode():  # the line above the bar, not through it
-                log(shard_line(record, node=node))
-            bar.update(record.sequences)
-            bar.set_postfix(tokens=tokens, shards=f"{len(pending) - len(queue) - len(running)}/{len(pending)}")
-            if queue:
-                submit(worker_index)
-            else:
-                release(worker_index)
+        run_pool(
+            pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.build.remote(spec),
+            on_result=on_result, name_of=lambda spec: shard_name(spec.index, config.storage.storage_format),
+            translate_error=functools.partial(_build_error, out=config.out),
+        )  # fmt: skip
     finally:
         bar.close()
-        _kill_and_wait([*released, *(w for w in workers if w is not None)])
     log("shards by node: " + ", ".join(f"{node} {count}" for node, count in sorted(shards_by_node.items())))
 
 
 def shard_line(record: ShardRecord, *, node: str) -> str:
     """The log line of a published shard: `shard-00003.zarr: 3 sequences, 412 tokens, node 10.0.0.5/1a2b3c4d`."""
     return f"{record.name}: {record.sequences} sequences, {record.tokens} tokens, node {node}"
+
+
+def _build_error(error: "ray.exceptions.RayTaskError", *, out) -> Exception:
+    """A shard writer's error as the build reports it (Ray re-raises it as an instance of its own
+    class, with the remote traceback; one line is what the user needs)."""
+    if isinstance(error, CacheOwnershipLost):
+        return CacheOwnershipLost(f"{out}: another cache build claimed this directory while this one was running; stopped")
+    return _plain_error(error)
 
 
 def _plain_error(error: "ray.exceptions.RayTaskError") -> Exception:

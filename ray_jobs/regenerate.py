@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import uuid
 
 import ray
 from tqdm.auto import tqdm
@@ -19,18 +18,16 @@ from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
 from pipeline.target import target_hash
 from ray_jobs.build import (
-    ACTOR_NAMESPACE,
-    MAX_SHARD_ATTEMPTS,
-    _actor_prefix,
-    _kill_and_wait,
     _plain_error,
     _wait_for_resources,
+    actor_factory,
     check_capacity,
     plan_pool,
     stop_earlier_workers,
     target_problem,
     this_node,
 )
+from ray_jobs.pool import run_pool
 
 
 @ray.remote
@@ -67,47 +64,22 @@ def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=pr
 def run_parts_on_ray(
     config: RegenerateConfig, pending: list[PartSpec], publish, *, placements: list, progress: bool = True, log=print
 ) -> None:
-    """Keep every actor busy with one part; publish each finished part at once. A part whose actor
-    died is given to a fresh actor (at most MAX_SHARD_ATTEMPTS times)."""
-    compute = config.compute
+    """Keep every actor busy with one part (ray_jobs/pool.py); publish each finished part at once."""
     placements = placements[: len(pending)]
-    prefix, driver_target_hash = _actor_prefix(config.out), target_hash(config.target)
-    options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
-
-    def new_worker(slot: int):
-        actor = RegenerateWorker.options(name=prefix + uuid.uuid4().hex, scheduling_strategy=placements[slot], **options)
-        return actor.remote(config, driver_target_hash)
-
-    workers = [new_worker(slot) for slot in range(len(placements))]
-    queue, attempts, running = list(pending), {spec.index: 0 for spec in pending}, {}
+    new_worker = actor_factory(
+        RegenerateWorker, out=config.out, compute=config.compute, placements=placements, args=(config, target_hash(config.target))
+    )
     bar = tqdm(total=sum(s.stop - s.start for s in pending), unit="row", desc="regenerate", disable=not progress)
 
-    def submit(slot: int) -> None:
-        spec = queue.pop(0)
-        attempts[spec.index] += 1
-        running[workers[slot].write.remote(spec)] = (slot, spec)
+    def on_result(spec: PartSpec, result: tuple[dict, str], num_done: int) -> None:
+        record, node = result
+        publish({**record, "node": node})
+        bar.update(spec.stop - spec.start)
 
     try:
-        for slot in range(len(workers)):
-            submit(slot)
-        while running:
-            [future], _ = ray.wait(list(running), num_returns=1)
-            slot, spec = running.pop(future)
-            try:
-                record, node = ray.get(future)
-            except ray.exceptions.RayActorError:
-                if attempts[spec.index] >= MAX_SHARD_ATTEMPTS:
-                    raise RuntimeError(f"{part_name(spec.index)}: worker died {MAX_SHARD_ATTEMPTS} times") from None
-                workers[slot] = new_worker(slot)
-                queue.insert(0, spec)
-                submit(slot)
-                continue
-            except ray.exceptions.RayTaskError as error:
-                raise _plain_error(error) from None
-            publish({**record, "node": node})
-            bar.update(spec.stop - spec.start)
-            if queue:
-                submit(slot)
+        run_pool(
+            pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.write.remote(spec),
+            on_result=on_result, name_of=lambda spec: part_name(spec.index), translate_error=_plain_error,
+        )  # fmt: skip
     finally:
         bar.close()
-        _kill_and_wait(workers)

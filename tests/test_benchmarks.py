@@ -126,3 +126,9 @@ def test_store_stream_runs_the_stream_loader_from_every_source_within_the_budget
     for row in rows[2::3]:
         peak, budget = (float(x) for x in row[7].split(" / "))
         assert peak <= budget, row
+
+
+def test_regenerate_backends_write_the_same_rows():
+    output = run_benchmark("regenerate.py", "--quick", "--no-vllm")
+    assert [row[0] for row in table_rows(output, "arm")] == ["hf batched", "hf per row"]
+    assert "rows differing from hf batched: hf per row 0/4" in output

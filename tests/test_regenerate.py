@@ -128,6 +128,22 @@ def test_out_refuses_foreign_folders_and_names_changed_settings(greedy_run, toy_
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_sampling_is_seeded_per_row_and_overwrite_replaces_the_output(greedy_run, toy_target, short_corpus, tmp_path):
+    """T > 0: a row's text depends on --seed and the row only (not on the part it falls in), and
+    differs from greedy; --overwrite replaces an output written with other settings."""
+    out, _ = greedy_run
+    sampled = tmp_path / "sampled"
+    regenerate_corpus(config(toy_target, short_corpus, sampled), log=lambda m: None)
+    flags = dict(temperature=0.8, top_p=0.9, seed=3)
+    manifest = regenerate_corpus(config(toy_target, short_corpus, sampled, overwrite=True, **flags), log=lambda m: None)
+    assert manifest["provenance"]["settings"]["temperature"] == 0.8
+    one_part = RegenerateConfig.from_flags(
+        target=str(toy_target), corpus=str(short_corpus), out=str(tmp_path / "one"), max_new_tokens=MAX_NEW, rows_per_part=5, **flags
+    )  # fmt: skip
+    regenerate_corpus(one_part, log=lambda m: None)
+    assert rows_of(sampled) == rows_of(tmp_path / "one") != rows_of(out)
+
+
 def test_truncate_and_window_match_the_corpus_turn_lengths_in_the_build(toy_target, short_corpus, tmp_path):
     """truncate: every turn's supervised length <= the corpus turn's, equal where the target wrote
     more. window: the whole turn kept, the build's loss mask covers its first loss_tokens tokens
@@ -156,7 +172,18 @@ def test_truncate_and_window_match_the_corpus_turn_lengths_in_the_build(toy_targ
         for (_, mask), window in zip(masks, windows):
             expected[np.flatnonzero(mask)[:window]] = 1  # the first N of content + end-of-turn
         assert np.array_equal(built.sequence(i)[1], expected)
-    assert int(built.loss_mask.sum()) == sum(min(w, c) for ws, cs in zip(whole, corpus_lengths) for w, c in zip(ws, cs))
+    supervised = sum(min(w, c) for ws, cs in zip(whole, corpus_lengths) for w, c in zip(ws, cs))
+    assert int(built.loss_mask.sum()) == supervised
+    # The build (its driver, shards written in-process) takes the folder as its --corpus.
+    from pipeline.cache_build.config import CacheBuildConfig
+    from pipeline.cache_build.driver import build_cache, run_shards_here
+
+    cache = CacheBuildConfig.from_flags(
+        target=str(toy_target), corpus=str(tmp_path / "window"), out=str(tmp_path / "cache"), layers=[0, 2], anchors=4,
+        top_k=4, num_slots=7, min_supervised_tokens=0, rollouts=False,
+    )  # fmt: skip
+    manifest = build_cache(cache, run_shards=run_shards_here, progress=False, log=lambda m: None)
+    assert manifest.corpus_stats["supervised_tokens"] == supervised and manifest.corpus_stats["sequences"] == 5
 
 
 def _lengths(tokenizer, row) -> list[int]:
@@ -168,13 +195,15 @@ def _lengths(tokenizer, row) -> list[int]:
 
 def test_bad_rows_stop_with_their_line_or_are_counted(toy_target, short_corpus, tmp_path):
     lines = short_corpus.read_text().splitlines()
-    bad = write_jsonl(tmp_path / "bad.jsonl", [lines[0], "{not json", lines[1], json.dumps({"messages": []})])
+    too_long = {"messages": [{"role": "user", "content": "the " * 4100}, {"role": "assistant", "content": "a cat ."}]}
+    bad = write_jsonl(tmp_path / "bad.jsonl", [lines[0], "{not json", lines[1], json.dumps({"messages": []}), too_long])
     with pytest.raises(ValueError, match=rf"^{bad}:2: bad JSON"):
         regenerate_corpus(config(toy_target, bad, tmp_path / "stop"), log=lambda m: None)
     manifest = regenerate_corpus(config(toy_target, bad, tmp_path / "skip", skip_bad_rows=True), log=lambda m: None)
     assert summary_line(manifest).startswith(
-        f"{tmp_path / 'skip'}: 4 rows in = 2 written + 0 failed + 2 skipped (bad_json 1, empty_conversation 1); "
+        f"{tmp_path / 'skip'}: 5 rows in = 2 written + 1 failed (prompt_too_long 1) + 2 skipped (bad_json 1, empty_conversation 1); "
     )
+    assert [part["failed_rows"] for part in manifest["parts"]] == [[], [], [4]]
     assert [row["source_row"] for row in rows_of(tmp_path / "skip")] == [0, 2]
 
 

@@ -125,11 +125,12 @@ class HfGenerator:
                 pixel_values=pixel_values.to(device, self.model.dtype), image_grid_thw=grid.to(device),
                 mm_token_type_ids=mm_token_type_ids(input_ids, image_token_id=self.model.config.image_token_id),
             )  # fmt: skip
-        if self.sampling.temperature > 0:
+        # The request's own seed, in a forked RNG: the caller's random state is left as it was.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(request.seed)
-        out = self.model.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **extra, **self._decode_kwargs(request.max_new_tokens)
-        )  # [1, n + new]
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **extra, **self._decode_kwargs(request.max_new_tokens)
+            )  # [1, n + new]
         return finish_turn(out[0, len(request.prompt_ids) :].tolist(), stop_ids=set(self.stop_ids))
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pipeline.cache_build.corpus import file_sha256
 from pipeline.chat import REGENERATED_KIND, REGENERATED_MANIFEST, iter_corpus_rows
 from pipeline.regenerate.config import RegenerateConfig
-from pipeline.regenerate.parts import PartSpec, part_name
+from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
 from pipeline.vision import is_vision_target
 from storage.atomic import atomic_write_bytes

@@ -12,6 +12,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
+from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs
 from pipeline.chat import CorpusError, iter_corpus_rows, row_locator
 from pipeline.regenerate.backends import load_generator
 from pipeline.regenerate.config import RegenerateConfig
@@ -49,8 +50,6 @@ class PartWriter:
     publishes the part. Runs in a Ray actor (ray_jobs/regenerate.py) or in-process."""
 
     def __init__(self, config: RegenerateConfig):
-        from pipeline.cache_build.corpus import corpus_vision_inputs, CorpusConfig
-
         self.config = config
         self.generator = load_generator(config)
         self.tokenizer = self.generator.tokenizer
