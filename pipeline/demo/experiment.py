@@ -105,7 +105,7 @@ class PaperSizes:
         if not quick:
             return cls()
         return cls(
-            corpus_prompts=6, head_prompts=4, eval_per_category=1, eval_categories=2, regen_max_new_tokens=48, eval_max_new_tokens=24,
+            corpus_prompts=6, head_prompts=4, eval_per_category=1, eval_categories=2, regen_max_new_tokens=48, eval_max_new_tokens=16,
             anchors=16, min_supervised_tokens=16, anchors_per_step=8, epochs=1, head_epochs=1, batch_size=2, max_steps=2, seeds=(0,),
             temperatures=(0.0,), arms=QUICK_ARMS, hard_prompts=1,
         )  # fmt: skip
