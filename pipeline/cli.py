@@ -181,3 +181,62 @@ def eval_score(csv_path: str, group: str):
         click.echo(score_table(csv_path, group=group))
     except (KeyError, ValueError) as error:
         raise click.ClickException(f"{csv_path}: {error}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# alrira-eval offsets / cost / hard: the paper's analyses (pipeline/eval/analysis.py)
+
+
+def _summaries_args(func):
+    label_help = "Method name of each summary, in order (default: from the drafter's run)."
+    func = click.option("--label", "labels", multiple=True, help=label_help)(func)
+    func = click.option("--out", required=True, help="Output directory.")(func)
+    return click.argument("summaries", nargs=-1, required=True, type=click.Path(exists=True))(func)
+
+
+@eval_cli.command("offsets")
+@_summaries_args
+@click.option("--baseline", default=None, help="Method whose MAT each bucket's gain is measured against (e.g. alr).")
+def eval_offsets(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], baseline: str | None):
+    """Offset profile: MAT by round-start offset bucket (0-15, 16-63, 64-127, 128+) and gain over a baseline (offset_profile.csv/.png)."""
+    from pipeline.eval.analysis import format_rows, run_offset_profile
+
+    try:
+        click.echo(format_rows(run_offset_profile(list(summaries), out=out, baseline=baseline, labels=list(labels) or None)))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@eval_cli.command("cost")
+@_summaries_args
+@click.option("--reference", required=True, help="Method C the training times are relative to (e.g. the best erase schedule).")
+def eval_cost(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], reference: str):
+    """Training cost: MAT against training time / C, alone and with the stage-1 time of the arrays each method reads (training_cost.csv/.png)."""
+    from pipeline.eval.analysis import format_rows, run_training_cost
+
+    try:
+        click.echo(format_rows(run_training_cost(list(summaries), out=out, reference=reference, labels=list(labels) or None)))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@eval_cli.command("hard")
+@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Local HF directory of the target model.")
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="Held-out prompts (JSONL, as for `run`).")
+@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False), help="Drafter whose gain is measured (e.g. alr_ira).")
+@click.option("--baseline", required=True, type=click.Path(exists=True, file_okay=False), help="Drafter it is compared with (e.g. alr).")
+@click.option("--independent", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Drafter that groups the offsets (trained apart from both, e.g. kd).")  # fmt: skip
+@click.option("--control", default=None, type=click.Path(exists=True, file_okay=False),
+              help="The baseline's method trained with another seed: its gain should stay near 0.")  # fmt: skip
+@click.option("--out", required=True, help="Output directory (hard_offsets.csv/.png, hard_offsets_raw.csv).")
+@click.option("--max-new-tokens", default=128, show_default=True, help="Length of each greedy response.")
+@click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts.")
+def eval_hard(**kwargs):
+    """Where drafting is hard: one drafted block per offset of greedy responses; gains grouped by an independent drafter's acceptance."""
+    from pipeline.eval.analysis import format_rows, run_hard_offsets
+
+    try:
+        click.echo(format_rows(run_hard_offsets(**kwargs)))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None

@@ -221,6 +221,9 @@ class ShardRecord:
     # resume can tell with one listing that the objects are still the checksummed ones. None (no
     # key): a local shard. Not content: verify recomputes the checksum.
     object_tags: str | None = None
+    # Wall seconds of the target per part of the cache ({"corpus": s, "rollouts": s}, HF backend),
+    # for `alrira-eval cost`; None (no key): not measured. Not content: resume and verify ignore it.
+    build_seconds: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         _check_str("name", self.name, nonempty=True)
@@ -240,6 +243,10 @@ class ShardRecord:
             _check_str("node", self.node, nonempty=True)
         if self.object_tags is not None and not (isinstance(self.object_tags, str) and self.object_tags.startswith("sha256:")):
             raise ValueError(f"object_tags must look like 'sha256:<hex>', got {self.object_tags!r}")
+        if self.build_seconds is not None and not (
+            isinstance(self.build_seconds, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in self.build_seconds.values())
+        ):
+            raise ValueError(f"build_seconds must map parts to seconds >= 0, got {self.build_seconds!r}")
 
     @property
     def is_complete(self) -> bool:
@@ -247,7 +254,7 @@ class ShardRecord:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("node", "object_tags"):  # absent rather than null: such manifests read as before
+        for optional in ("node", "object_tags", "build_seconds"):  # absent rather than null: such manifests read as before
             if data[optional] is None:
                 del data[optional]
         return data

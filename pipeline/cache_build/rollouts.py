@@ -20,6 +20,7 @@ cache and branch mask. Pixel values are loaded per batch from each sequence's im
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -183,9 +184,13 @@ def _next_token_prob(model, hidden: torch.Tensor, next_ids: torch.Tensor, *, chu
 
 
 @torch.inference_mode()
-def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunConfig) -> list[TargetOutputs]:
+def run_target_batch(
+    model, sequences: list[TargetSequence], config: TargetRunConfig, *, seconds: dict[str, float] | None = None
+) -> list[TargetOutputs]:
     """Corpus forward + batched greedy rollouts (unless config.rollouts is False) for a batch of
-    sequences (right-padded)."""
+    sequences (right-padded). `seconds`, if given, accumulates the wall time of each part ("corpus":
+    the corpus pass and its top-k; "rollouts"), which the manifest records per shard."""
+    started = time.perf_counter()
     device = next(model.parameters()).device
     batch = len(sequences)
     lengths = [len(s.input_ids) for s in sequences]
@@ -226,6 +231,7 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
         anchor_pos[b, : len(pool)] = torch.as_tensor(pool, dtype=torch.long)
         anchor_valid[b, : len(pool)] = True
 
+    corpus_done = time.perf_counter()
     rollout = None
     if config.rollouts:
         rollout = _batched_rollouts(
@@ -234,6 +240,11 @@ def run_target_batch(model, sequences: list[TargetSequence], config: TargetRunCo
             feature_dim=corpus_features.shape[-1], feature_dtype=corpus_features.dtype,
         )  # fmt: skip
 
+    if seconds is not None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds["corpus"] = seconds.get("corpus", 0.0) + corpus_done - started
+        seconds["rollouts"] = seconds.get("rollouts", 0.0) + time.perf_counter() - corpus_done
     results = []
     for b, seq in enumerate(sequences):
         n, a = lengths[b], len(pools[b])

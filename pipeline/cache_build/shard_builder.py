@@ -7,6 +7,7 @@ plans the shards. Everything here also runs in a plain process (tests, benchmark
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,10 +101,10 @@ class ShardBuilder:
                 tensor_parallel_size=config.compute.tensor_parallel_size,
                 dtype=str(dtype).removeprefix("torch."),
             )
-            self.run_batch = runner.run
+            self.run_batch = lambda sequences, seconds=None: runner.run(sequences)  # one engine call: no split by part
         else:
             model = load_target(config.target, device=device, dtype=dtype)
-            self.run_batch = lambda sequences: run_target_batch(model, sequences, config.run)
+            self.run_batch = lambda sequences, seconds=None: run_target_batch(model, sequences, config.run, seconds=seconds)
         # --out on a store: a node-local copy of the tokenized corpus, shared by this node's workers.
         self.corpus = load_tokenized_corpus(resolve(config.out).child(CORPUS_DIR).local_copy(), mmap=True)
         self.vision = corpus_vision_inputs(config.target, config.corpus)  # None for a text target
@@ -135,16 +136,18 @@ class ShardBuilder:
             feature_codec=codec, contents=contents, owner=owner,
         ) as writer:  # fmt: skip
             # The pool is left (its write finished) before the writer aborts on an error.
+            seconds: dict[str, float] = {}  # target time per part of the cache (docs/design.md, "A cache build")
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
                 writing = None
                 for batch in batches:
-                    outputs = self.run_batch([sequences[i] for i in batch])
+                    outputs = self.run_batch([sequences[i] for i in batch], seconds=seconds)
                     if writing is not None:
                         writing.result()  # the previous batch is written (its error raised) first
                     writing = pool.submit(write, outputs)
                 if writing is not None:
                     writing.result()
-            return writer.publish()
+            record = writer.publish()
+            return dataclasses.replace(record, build_seconds={k: round(v, 3) for k, v in seconds.items()} or None)
 
     def _sequence(self, i: int) -> TargetSequence:
         # A vision-language sequence carries its image, re-read and checked when its batch runs.

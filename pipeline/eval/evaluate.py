@@ -7,6 +7,8 @@ drift do not favour either. Outputs in `out/`:
   summary.json      per group: tau pooled over its prompts, speedup; geometric means across groups
   accept_hist.json  counts of committed draft tokens per round (0..K), overall and per group
   accept_hist.png   the same as a bar chart (skipped when matplotlib is missing)
+  rounds.csv        one row per verification round (ROUND_COLUMNS): its start offset (response tokens
+                    committed before it) and accepted drafts, for `alrira-eval offsets`
 At T = 0 the speculative tokens must equal the AR tokens; mismatches are counted in the summary.
 Prompt rows may carry one image for a vision-language target (docs/vision.md); it is read and
 processed before each decode, outside the timed part.
@@ -56,6 +58,7 @@ RESULT_COLUMNS = (
     "ar_ms_per_token",
     "spec_ms_per_token",
 )
+ROUND_COLUMNS = ("prompt_id", "benchmark", "round", "start_offset", "accepted")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP_TOKENS = 32  # new tokens of the untimed warm-up run of each decoder
 
@@ -194,6 +197,24 @@ def result_row(prompt: EvalPrompt, *, ar: DecodeResult, spec: DecodeResult) -> d
         "ar_ms_per_token": _ms_per_token(ar.decode_s, len(ar.tokens)),
         "spec_ms_per_token": _ms_per_token(spec.decode_s, len(spec.tokens)),
     }
+
+
+def round_start_offsets(accepted_lengths: list[int]) -> list[int]:
+    """Response tokens committed before each round: the prefill commits the first token, round i
+    commits accepted_i + 1 (docs/design.md, "Evaluation")."""
+    offsets, committed = [], 1
+    for accepted in accepted_lengths:
+        offsets.append(committed)
+        committed += accepted + 1
+    return offsets
+
+
+def round_rows(prompt: EvalPrompt, spec: DecodeResult) -> list[dict]:
+    starts = round_start_offsets(spec.accepted_lengths)
+    return [
+        {"prompt_id": prompt.prompt_id, "benchmark": prompt.benchmark, "round": i, "start_offset": start, "accepted": accepted}
+        for i, (start, accepted) in enumerate(zip(starts, spec.accepted_lengths, strict=True))
+    ]
 
 
 def geometric_mean(values: list[float]) -> float | None:
@@ -346,11 +367,23 @@ LOW_PRECISION_NOTE = (
 )
 
 
+def load_target_and_stops(target_dir: str, *, device: torch.device, dtype: torch.dtype):
+    """(target, tokenizer, stop ids) of a target directory."""
+    target = load_target(target_dir, device=str(device), dtype=dtype)
+    tokenizer = load_tokenizer(target_dir)
+    return target, tokenizer, stop_token_ids(tokenizer, {"eos_token_id": target.generation_config.eos_token_id})
+
+
 def load_models(config: EvalConfig, device: torch.device, dtype: torch.dtype):
     """(target, tokenizer, drafter, stop ids), checked to belong together."""
-    target = load_target(config.target, device=str(device), dtype=dtype)
-    tokenizer = load_tokenizer(config.target)
+    target, tokenizer, stops = load_target_and_stops(config.target, device=device, dtype=dtype)
     drafter = load_drafter(config.drafter, dtype=dtype, device=device).eval()
+    check_drafter_fits(target, drafter)
+    return target, tokenizer, drafter, stops
+
+
+def check_drafter_fits(target, drafter) -> None:
+    """ValueError unless the drafter was built for this target (layers, taps, sizes, vocabulary)."""
     embed_tokens = target.get_input_embeddings()
     draft_config = drafter.config
     num_target_layers = target.config.get_text_config().num_hidden_layers
@@ -365,18 +398,20 @@ def load_models(config: EvalConfig, device: torch.device, dtype: torch.dtype):
         vocab_size=embed_tokens.num_embeddings,
         block_size=draft_config.block_size,
     )
-    stops = stop_token_ids(tokenizer, {"eos_token_id": target.generation_config.eos_token_id})
-    return target, tokenizer, drafter, stops
+
+
+def write_csv_rows(path: Path, rows: list[dict], *, columns: tuple[str, ...]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(v) for k, v in row.items()})
 
 
 def _write_rows_and_histogram(out: Path, rows: list[dict], accepted_by_group: dict[str, list[int]], *, num_draft: int) -> bool:
     """results.csv, accept_hist.json and (if matplotlib is there) accept_hist.png; True if plotted."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _csv_value(v) for k, v in row.items()})
+    write_csv_rows(out / "results.csv", rows, columns=RESULT_COLUMNS)
 
     all_accepted = [n for lengths in accepted_by_group.values() for n in lengths]
     hist = {
@@ -449,7 +484,7 @@ def run_eval(config: EvalConfig) -> dict:
     run_ar(prompts[0], warmup, config.seed)
     run_spec(prompts[0], warmup, config.seed)
 
-    rows, mismatches = [], 0
+    rows, rounds, mismatches = [], [], 0
     accepted_by_group: dict[str, list[int]] = {}
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=not config.progress)
     for i, prompt in enumerate(bar):
@@ -463,12 +498,14 @@ def run_eval(config: EvalConfig) -> dict:
         if config.temperature == 0 and spec.tokens != ar.tokens:
             mismatches += 1
         rows.append(result_row(prompt, ar=ar, spec=spec))
+        rounds.extend(round_rows(prompt, spec))
         accepted_by_group.setdefault(prompt.benchmark, []).extend(spec.accepted_lengths)
         running = summarize(rows)
         bar.set_postfix(tau=running["tau_geomean"], speedup=running["speedup_geomean"])
 
     out = Path(config.out)
     plotted = _write_rows_and_histogram(out, rows, accepted_by_group, num_draft=num_draft)
+    write_csv_rows(out / "rounds.csv", rounds, columns=ROUND_COLUMNS)
     summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
                        block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
     _write_json(out / "summary.json", summary)

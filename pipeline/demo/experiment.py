@@ -1,0 +1,321 @@
+"""The paper's experiments on the real target (SmolLM2-135M-Instruct, pipeline/demo/real.py), end to end.
+
+    python -m pipeline.demo --real [--quick] [--out real_out]     (also: bash .ci/demo --real)
+
+Phases (each reuses its finished output, so an interrupted run resumes):
+  1. prepare     install the packages, convert the GGUF, write the prompt files: chatterbot prompts
+                 split into the corpus's and the initial head's (disjoint), MT-Bench first turns
+                 (grouped by category) for evaluation
+  2. regenerate  the regeneration driver (`alrira-cache regenerate`'s, in this process): the off-policy corpus (the corpus prompts answered at
+                 T = 1, one seed per row), the two references (greedy regeneration of the SAME
+                 prompts, --length-control truncate / window, lengths of the off-policy turns) and
+                 the head's corpus (greedy answers to the head prompts)
+  3. caches      the cache build of each corpus (the driver in this process), one recipe (mask
+                 token, anchors, taps)
+  4. head        the "public-style" initial head: dflash on the head cache; every arm starts from it
+  5. arms        ARMS below, from the one off-policy cache (the references from theirs), same recipe
+  6. eval        `alrira-eval run` of every arm on the MT-Bench prompts at each temperature
+  7. analyses    compare, offset profile, training cost, hard offsets (pipeline/eval/analysis.py)
+Writes OUT/paper.json: every number with the run directory it came from. benchmarks/paper.py
+turns it into docs/results.md's real-model section.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+import numpy as np
+
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.driver import build_cache, run_shards_here
+from pipeline.demo import real
+from pipeline.demo.run import train_method
+from pipeline.eval.analysis import run_hard_offsets, run_offset_profile, run_training_cost
+from pipeline.eval.compare import run_compare
+from pipeline.eval.evaluate import EvalConfig, run_eval
+from pipeline.regenerate.config import RegenerateConfig
+from pipeline.regenerate.driver import regenerate_corpus, summary_line
+from pipeline.train.config import TrainConfig
+from storage.reader import open_cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    """One trained drafter: a method on a cache, with its own recipe knobs (none tuned per method)."""
+
+    name: str
+    method: str
+    cache: str = "offpolicy"  # which corpus's cache: offpolicy, truncate, window
+    epochs: int | None = None  # None: the recipe's
+    rollout_depth: int = 14
+
+
+# The paper's arms (docs/results.md, "The real target"): three epochs unless said.
+ARMS = (
+    Arm(name="dflash", method="dflash"),
+    Arm(name="kd", method="kd"),
+    Arm(name="erase", method="erase"),
+    Arm(name="alr", method="alr"),
+    Arm(name="alr_r4", method="alr", rollout_depth=4),
+    Arm(name="alr_gate", method="alr_gate"),
+    Arm(name="alr_ira", method="alr_ira"),
+    Arm(name="slot_control", method="slot_control"),
+    Arm(name="ref_truncate", method="kd", cache="truncate"),
+    Arm(name="ref_window", method="kd", cache="window"),
+    Arm(name="erase_1ep", method="erase", epochs=1),
+    Arm(name="alr_r4_1ep", method="alr", rollout_depth=4, epochs=1),
+    Arm(name="alr_ira_1ep", method="alr_ira", epochs=1),
+)
+MAIN_ARMS = ("dflash", "kd", "erase", "alr", "alr_ira")  # trained with every seed
+QUICK_ARMS = ("dflash", "erase", "alr", "alr_ira", "ref_window")
+
+
+@dataclass(kw_only=True)
+class PaperSizes:
+    """The experiment's scale. The full run is sized for about 2 hours on 2 CPU cores
+    (docs/results.md); `quick` is the CI smoke run."""
+
+    corpus_prompts: int = 240
+    head_prompts: int = 120
+    eval_per_category: int = 2  # MT-Bench first turns per category
+    eval_categories: int = 8  # the first N of MT-Bench's 8 categories
+    regen_max_new_tokens: int = 96
+    eval_max_new_tokens: int = 64
+    anchors: int = 32
+    min_supervised_tokens: int = 32  # the build's default (2 blocks)
+    anchors_per_step: int = 16
+    epochs: int = 3
+    head_epochs: int = 3
+    batch_size: int = 8
+    lr: float = 1.47e-3  # the paper's
+    max_steps: int | None = None
+    seeds: tuple[int, ...] = (0, 1, 2)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    arms: tuple[str, ...] = tuple(a.name for a in ARMS)
+    hard_prompts: int = 8  # held-out prompts of the hard-offsets analysis
+    workers: int = 1
+    seed: int = 0  # prompt split and regeneration seed
+
+    @classmethod
+    def make(cls, *, quick: bool) -> PaperSizes:
+        if not quick:
+            return cls()
+        return cls(
+            corpus_prompts=6, head_prompts=4, eval_per_category=1, eval_categories=2, regen_max_new_tokens=48, eval_max_new_tokens=16,
+            anchors=16, min_supervised_tokens=16, anchors_per_step=8, epochs=1, head_epochs=1, batch_size=2, max_steps=2, seeds=(0,),
+            temperatures=(0.0,), arms=QUICK_ARMS, hard_prompts=1,
+        )  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class Paths:
+    out: Path
+    target: Path
+    files: dict[str, Path] = field(default_factory=dict)
+
+    def corpus(self, name: str) -> Path:
+        return self.out / "corpora" / name
+
+    def cache(self, name: str) -> Path:
+        return self.out / "caches" / name
+
+
+def prepare(out: Path, sizes: PaperSizes, *, cache_dir: Path, log) -> Paths:
+    real.install_packages(log=log)
+    paths = Paths(out=out, target=real.convert_gguf(cache_dir, log=log))
+    split = real.split_chatterbot(num_corpus=sizes.corpus_prompts, num_head=sizes.head_prompts, seed=sizes.seed)
+    prompts = out / "prompts"
+    paths.files["corpus_source"] = real.write_jsonl([real.chat_row(p, a) for p, a in split.corpus], prompts / "corpus_source.jsonl")
+    paths.files["head_source"] = real.write_jsonl([real.chat_row(p, a) for p, a in split.head], prompts / "head_source.jsonl")
+    per_category: dict[str, list[dict]] = {}
+    for row in real.mtbench_first_turns():
+        per_category.setdefault(row["benchmark"], []).append(row)
+    eval_rows = [r for rows in list(per_category.values())[: sizes.eval_categories] for r in rows[: sizes.eval_per_category]]
+    held_out = [r for rows in per_category.values() for r in rows[sizes.eval_per_category :]]
+    paths.files["eval"] = real.write_jsonl(eval_rows, prompts / "mtbench.jsonl")
+    # Hard offsets use MT-Bench questions the evaluation does not (held out from it and from training).
+    paths.files["hard"] = real.write_jsonl(held_out[:: max(1, len(held_out) // sizes.hard_prompts)][: sizes.hard_prompts],
+                                           prompts / "mtbench_held_out.jsonl")  # fmt: skip
+    return paths
+
+
+def needed_corpora(sizes: PaperSizes) -> list[str]:
+    """The corpora (and caches) the chosen arms and the head read, in build order."""
+    wanted = {a.cache for a in ARMS if a.name in sizes.arms} | {"offpolicy", "head"}
+    return [name for name in ("offpolicy", "head", "truncate", "window") if name in wanted]
+
+
+def regenerate(paths: Paths, sizes: PaperSizes, *, log) -> dict[str, str]:
+    """The off-policy corpus (T = 1, per-row seeds), the head's corpus (greedy answers to its
+    prompts), and the two greedy references of the SAME prompts as the off-policy corpus, whose
+    turns they replace (so their supervised length is that corpus's). The regeneration driver runs
+    in this process; a rerun keeps the parts already written. Returns each corpus's summary line."""
+    jobs = (
+        ("offpolicy", paths.files["corpus_source"], 1.0, "none"),
+        ("head", paths.files["head_source"], 0.0, "none"),
+        ("truncate", paths.corpus("offpolicy"), 0.0, "truncate"),
+        ("window", paths.corpus("offpolicy"), 0.0, "window"),
+    )
+    lines = {}
+    for name, source, temperature, control in jobs:
+        if name not in needed_corpora(sizes):
+            continue
+        config = RegenerateConfig.from_flags(
+            target=str(paths.target), corpus=str(source), out=str(paths.corpus(name)), temperature=temperature,
+            seed=sizes.seed, max_new_tokens=sizes.regen_max_new_tokens, length_control=control, cpus_per_worker=1,
+        )  # fmt: skip
+        log(f"regenerate {name}: T = {temperature:g}, length control {control}, from {source}")
+        lines[name] = summary_line(regenerate_corpus(config, log=log))
+        log(f"regenerate {name}: {lines[name]}")
+    return lines
+
+
+def build_caches(paths: Paths, sizes: PaperSizes, *, log) -> None:
+    """One build recipe for every corpus: SmolLM2's mask token, the same anchors and one tap. The
+    build driver runs in this process (one machine; no Ray start per cache); a rerun keeps the
+    shards that verify (docs/design.md, "A cache build")."""
+    for name in needed_corpora(sizes):
+        config = CacheBuildConfig.from_flags(
+            target=str(paths.target), corpus=str(paths.corpus(name)), out=str(paths.cache(name)), mask_token=real.MASK_TOKEN,
+            draft_layers=1, anchors=sizes.anchors, min_supervised_tokens=sizes.min_supervised_tokens, cpus_per_worker=1,
+            rollouts=name != "head",  # the head trains dflash: corpus arrays only
+        )  # fmt: skip
+        log(f"cache {name}: {config.out}")
+        build_cache(config, run_shards=run_shards_here, progress=False, log=log)
+
+
+def corpus_greedy_agreement(cache: Path) -> float:
+    """Share of supervised corpus tokens equal to the target's greedy choice at the position before
+    them (corpus_topk_ids[:, 0] is the target's argmax): 1.0 would be an on-policy greedy corpus."""
+    reader = open_cache(cache)
+    equal = total = 0
+    for index in range(len(reader)):
+        record = reader.read(index, decode_features=False, arrays={"input_ids", "loss_mask", "corpus_topk_ids"})
+        ids, mask, top1 = record["input_ids"], record["loss_mask"].astype(bool), record["corpus_topk_ids"][:, 0]
+        scored = mask[1:]
+        equal += int(np.sum((top1[:-1] == ids[1:]) & scored))
+        total += int(scored.sum())
+    reader.close()
+    return equal / total if total else float("nan")
+
+
+def arm_config(arm: Arm, *, paths: Paths, sizes: PaperSizes, seed: int, head: Path | None) -> TrainConfig:
+    """The one recipe: only the method, its rollout depth and (for the one-epoch arms) epochs differ."""
+    return TrainConfig.from_flags(
+        cache=str(paths.cache(arm.cache)), out=str(paths.out / "runs" / f"{arm.name}-s{seed}"), method=arm.method,
+        rollout_depth=arm.rollout_depth, epochs=arm.epochs or sizes.epochs, batch_size=sizes.batch_size, lr=sizes.lr,
+        anchors_per_step=sizes.anchors_per_step, gamma=2.0, dflash_gamma=2.0, seed=seed, max_steps=sizes.max_steps,
+        drafter_init=None if head is None else str(head), draft_layers=None if head is not None else 1,
+        num_workers=1, resume=True, save_dtype="float32", progress=False,
+    )  # fmt: skip
+
+
+def train_head(paths: Paths, sizes: PaperSizes, *, log) -> Path:
+    """The initial head every arm starts from: dflash on greedy target answers to prompts disjoint
+    from the corpus and the evaluation, as the paper's arms start from the released DFlash head."""
+    head = Arm(name="head", method="dflash", cache="head", epochs=sizes.head_epochs)
+    config = arm_config(head, paths=paths, sizes=sizes, seed=sizes.seed, head=None)
+    train_method(config, log=log)
+    return Path(config.out) / "drafter"
+
+
+def evaluate(drafter: Path, *, paths: Paths, sizes: PaperSizes, temperature: float, name: str, log) -> dict:
+    out = paths.out / "evals" / f"{name}-T{temperature:g}"
+    if (out / "summary.json").is_file():
+        return json.loads((out / "summary.json").read_text())
+    summary = run_eval(EvalConfig(
+        target=str(paths.target), drafter=str(drafter), prompts=str(paths.files["eval"]), out=str(out),
+        temperature=temperature, max_new_tokens=sizes.eval_max_new_tokens, seed=sizes.seed, progress=False,
+    ))  # fmt: skip
+    log(f"eval {name} T={temperature:g}: tau {summary['tau_geomean']:.3f}, lossless mismatches {summary['lossless_mismatches']}")
+    return summary
+
+
+def _arm_runs(sizes: PaperSizes) -> list[tuple[Arm, int]]:
+    arms = [a for a in ARMS if a.name in sizes.arms]
+    return [(a, s) for a in arms for s in (sizes.seeds if a.name in MAIN_ARMS else sizes.seeds[:1])]
+
+
+def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DIR, sizes: PaperSizes | None = None, log=print) -> dict:
+    started = time.time()
+    sizes = sizes or PaperSizes.make(quick=quick)
+    out.mkdir(parents=True, exist_ok=True)
+    phase_s: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        t = time.time()
+        result = fn()
+        phase_s[name] = time.time() - t
+        return result
+
+    paths = timed("prepare", lambda: prepare(out, sizes, cache_dir=cache_dir, log=log))
+    regenerated = timed("regenerate", lambda: regenerate(paths, sizes, log=log))
+    timed("caches", lambda: build_caches(paths, sizes, log=log))
+    agreement = corpus_greedy_agreement(paths.cache("offpolicy"))
+    log(f"off-policy corpus: greedy agreement {agreement:.3f} (must be <= 0.6)")
+    head = timed("head", lambda: train_head(paths, sizes, log=log))
+    runs = _arm_runs(sizes)
+    trained = timed("arms", lambda: {
+        (arm.name, seed): train_method(arm_config(arm, paths=paths, sizes=sizes, seed=seed, head=head), log=log)["elapsed_s"]
+        for arm, seed in runs
+    })  # fmt: skip
+    evals = timed("eval", lambda: {
+        (arm.name, seed, t): evaluate(paths.out / "runs" / f"{arm.name}-s{seed}" / "drafter", paths=paths, sizes=sizes,
+                                      temperature=t, name=f"{arm.name}-s{seed}", log=log)
+        for arm, seed in runs for t in sizes.temperatures
+    })  # fmt: skip
+    analyses = timed("analyses", lambda: run_analyses(paths, sizes, runs=runs, head=head))
+    report = {
+        "quick": quick, "sizes": asdict(sizes), "target": str(paths.target), "out": str(out),
+        "corpus_greedy_agreement": agreement, "regenerated": regenerated,
+        "train_s": {f"{a}-s{s}": v for (a, s), v in trained.items()},
+        "evals": {f"{a}-s{s}-T{t:g}": {"dir": str(out / "evals" / f"{a}-s{s}-T{t:g}"), "tau": e["tau_geomean"],
+                                       "speedup": e["speedup_geomean"], "lossless_mismatches": e["lossless_mismatches"]}
+                  for (a, s, t), e in evals.items()},
+        "analyses": analyses, "phase_s": phase_s, "wall_s": time.time() - started,
+    }  # fmt: skip
+    (out / "paper.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return report
+
+
+def run_analyses(paths: Paths, sizes: PaperSizes, *, runs: list[tuple[Arm, int]], head: Path) -> dict:
+    """compare per temperature, the offset profile (alr_ira over alr), the training cost (relative to
+    erase), hard offsets (alr_ira over alr grouped by kd, seed control alr seed 1): CSV + PNG each."""
+    root = paths.out / "analyses"
+    results = {}
+    for t in sizes.temperatures:
+        summaries = [str(paths.out / "evals" / f"{a.name}-s{s}-T{t:g}") for a, s in runs]
+        labels = [a.name for a, _ in runs]
+        results[f"compare_T{t:g}"] = run_compare(summaries, out=str(root / f"compare-T{t:g}"), baseline="dflash", labels=labels)
+        baseline = "alr" if "alr" in labels else None
+        results[f"offsets_T{t:g}"] = run_offset_profile(summaries, out=str(root / f"offsets-T{t:g}"), baseline=baseline, labels=labels)
+        reference = next((n for n in ("erase", "dflash") if n in labels), labels[0])
+        results[f"cost_T{t:g}"] = run_training_cost(summaries, out=str(root / f"cost-T{t:g}"), reference=reference, labels=labels)
+    drafter = lambda name, seed=0: str(paths.out / "runs" / f"{name}-s{seed}" / "drafter")  # noqa: E731
+    names = {a.name for a, _ in runs}
+    independent = "kd" if "kd" in names else "erase"
+    control = drafter("alr", 1) if 1 in sizes.seeds else None
+    results["hard"] = run_hard_offsets(
+        target=str(paths.target), prompts=str(paths.files["hard"]), drafter=drafter("alr_ira"), baseline=drafter("alr"),
+        independent=drafter(independent) if independent in names else str(head), control=control, out=str(root / "hard"),
+        max_new_tokens=sizes.eval_max_new_tokens * 2, max_prompts=None,
+    )  # fmt: skip
+    return results
+
+
+@click.command(help="The paper's experiments on SmolLM2-135M-Instruct from the package index (python -m pipeline.demo --real).")
+@click.option("--out", default="real_out", show_default=True, type=click.Path(file_okay=False), help="Output directory (resumable).")
+@click.option("--quick", is_flag=True, help="A few rows, a few steps, two prompts: the CI smoke run.")
+@click.option("--cache-dir", default=str(real.DEFAULT_CACHE_DIR), show_default=True, help="Where the converted target is kept.")
+def main(out: str, quick: bool, cache_dir: str):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)  # the real model: one thread (two are slower on a shared machine)
+    hf_logging.disable_progress_bar()
+    report = run_paper(out=Path(out), quick=quick, cache_dir=Path(cache_dir))
+    print(f"results: {report['out']}/paper.json ({report['wall_s']:.0f}s); docs/results.md: benchmarks/paper.py")

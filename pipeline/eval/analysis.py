@@ -1,0 +1,379 @@
+"""The paper's analyses over evaluations and training runs (docs/design.md, "Analyses").
+
+- `offset_profile`: MAT by round-start offset bucket (from each evaluation's rounds.csv) and the
+  gain of each method over a baseline per bucket (`alrira-eval offsets`).
+- `training_cost`: MAT against training time relative to a reference arm, training alone and with
+  the stage-1 (cache build) time of the array groups each method reads (`alrira-eval cost`).
+- `hard_offsets`: on held-out greedy responses, one drafted block per offset; the acceptance gain of
+  one drafter over another grouped by an independent drafter's acceptance length there, with a
+  seed control (`alrira-eval hard`).
+Each writes a CSV and (with matplotlib) a PNG.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from drafter.masks import SHARED_OWNER, visibility_mask
+from pipeline.eval.compare import load_replicate, plot_figure
+from pipeline.eval.evaluate import ROUND_COLUMNS, write_csv_rows
+
+OFFSET_BUCKETS = ((0, 15), (16, 63), (64, 127), (128, None))  # SPEC'd buckets of a round's start offset
+
+
+def bucket_name(bucket: tuple[int, int | None]) -> str:
+    low, high = bucket
+    return f"{low}+" if high is None else f"{low}-{high}"
+
+
+def bucket_of(offset: int) -> str:
+    return bucket_name(next(b for b in OFFSET_BUCKETS if offset >= b[0] and (b[1] is None or offset <= b[1])))
+
+
+def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _gain(ours: float | None, theirs: float | None) -> float | None:
+    return 100.0 * (ours / theirs - 1.0) if ours and theirs else None
+
+
+def _labelled(paths: list[str], labels: list[str] | None) -> list[tuple[str, Path]]:
+    """(method, summary.json path) of each evaluation: `labels` in order, else the drafter's run."""
+    if labels is not None and len(labels) != len(paths):
+        raise ValueError(f"--label was given {len(labels)} times for {len(paths)} summaries")
+    replicates = [load_replicate(p, method=labels[i] if labels else None) for i, p in enumerate(paths)]
+    return [(r.method, r.path) for r in replicates]
+
+
+# ----------------------------------------------------------------------------------------------
+# Offset profile
+
+
+def read_rounds(summary_path: Path) -> list[dict]:
+    path = summary_path.parent / "rounds.csv"
+    if not path.is_file():
+        raise ValueError(f"{path}: missing; rerun `alrira-eval run` (it writes one row per round)")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and set(ROUND_COLUMNS) - set(rows[0]):
+        raise ValueError(f"{path}: missing columns {sorted(set(ROUND_COLUMNS) - set(rows[0]))}")
+    return rows
+
+
+def bucket_mat(rounds: list[dict]) -> dict[str, float | None]:
+    """MAT (accepted drafts + 1 per round, pooled over the rounds) per start-offset bucket and 'all'."""
+    sums = {bucket_name(b): [0, 0] for b in OFFSET_BUCKETS} | {"all": [0, 0]}
+    for row in rounds:
+        accepted = int(row["accepted"])
+        for name in (bucket_of(int(row["start_offset"])), "all"):
+            sums[name][0] += accepted + 1
+            sums[name][1] += 1
+    return {name: (total / n if n else None) for name, (total, n) in sums.items()}
+
+
+def offset_profile(paths: list[str], *, baseline: str | None, labels: list[str] | None = None) -> list[dict]:
+    """One row per (method, bucket): replicates, rounds, MAT mean and sd over replicates, gain of the
+    mean over the baseline's in percent."""
+    per_method: dict[str, list[dict]] = {}
+    rounds_of: dict[str, dict[str, int]] = {}
+    for method, path in _labelled(paths, labels):
+        rounds = read_rounds(path)
+        per_method.setdefault(method, []).append(bucket_mat(rounds))
+        counts = rounds_of.setdefault(method, {})
+        for row in rounds:
+            name = bucket_of(int(row["start_offset"]))
+            counts[name] = counts.get(name, 0) + 1
+    if baseline is not None and baseline not in per_method:
+        raise ValueError(f"--baseline {baseline!r} is none of the compared methods ({', '.join(per_method)})")
+    names = [bucket_name(b) for b in OFFSET_BUCKETS] + ["all"]
+    means = {m: {n: _mean_sd([r[n] for r in reps if r[n] is not None]) for n in names} for m, reps in per_method.items()}
+    rows = []
+    for method, reps in per_method.items():
+        for name in names:
+            mean, sd = means[method][name]
+            rounds = rounds_of[method].get(name, 0) if name != "all" else sum(rounds_of[method].values())
+            gain = _gain(mean, means[baseline][name][0]) if baseline else None
+            rows.append({"method": method, "bucket": name, "replicates": len(reps), "rounds": rounds, "mat": mean,
+                         "mat_sd": sd, "gain_pct": gain})  # fmt: skip
+    return rows
+
+
+def _write_table(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_csv_rows(path, rows, columns=tuple(rows[0]))
+
+
+def plot_offset_profile(rows: list[dict], path: Path, *, baseline: str | None) -> bool:
+    """MAT per bucket, one line per method."""
+
+    def draw(axes) -> None:
+        names = list(dict.fromkeys(r["bucket"] for r in rows if r["bucket"] != "all"))
+        for method in dict.fromkeys(r["method"] for r in rows):
+            mats = [next(r["mat"] for r in rows if r["method"] == method and r["bucket"] == n) for n in names]
+            axes.plot(names, [m if m is not None else float("nan") for m in mats], marker="o", label=method)
+        axes.set_xlabel("round start offset (response tokens before the round)")
+        axes.set_ylabel("MAT")
+        axes.set_title("offset profile" + (f" (gains over {baseline} in the CSV)" if baseline else ""))
+        axes.legend()
+
+    return plot_figure(path, draw, size=(6.0, 3.5))
+
+
+def run_offset_profile(paths: list[str], *, out: str, baseline: str | None, labels: list[str] | None = None) -> list[dict]:
+    rows = offset_profile(paths, baseline=baseline, labels=labels)
+    _write_table(rows, Path(out) / "offset_profile.csv")
+    plot_offset_profile(rows, Path(out) / "offset_profile.png", baseline=baseline)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Training cost
+
+
+def stage1_seconds(cache_dir: Path, *, arrays: frozenset[str]) -> float | None:
+    """Build time of the parts of the cache a method reads: the corpus pass always, the rollouts
+    when it reads rollout arrays; None for a cache whose manifest recorded no part times."""
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    parts = [s.get("build_seconds") for s in manifest.get("shards", [])]
+    if not parts or any(p is None for p in parts):
+        return None
+    reads_rollouts = any(name.startswith("rollout_") for name in arrays)
+    return sum(p["corpus"] + (p["rollouts"] if reads_rollouts else 0.0) for p in parts)
+
+
+def training_run(summary_path: Path) -> tuple[dict, dict]:
+    """(train_config.json, the training summary.json) of the run whose drafter an evaluation used."""
+    drafter = Path(json.loads(summary_path.read_text())["drafter"])
+    run = drafter.parent
+    config_path, summary = run / "train_config.json", run / "summary.json"
+    if not config_path.is_file() or not summary.is_file():
+        raise ValueError(f"{summary_path}: its drafter {drafter} has no training run beside it (train_config.json, summary.json)")
+    return json.loads(config_path.read_text()), json.loads(summary.read_text())
+
+
+def training_cost(paths: list[str], *, reference: str, labels: list[str] | None = None) -> list[dict]:
+    """One row per method: MAT (mean over replicates), training seconds, and both relative to the
+    reference method's mean: training alone (`train_over_c`) and training + the stage-1 time of the
+    arrays it reads (`with_stage1_over_c`)."""
+    from pipeline.train.methods import RECIPES
+
+    per_method: dict[str, list[tuple[float | None, float, float | None]]] = {}
+    for method, path in _labelled(paths, labels):
+        config, summary = training_run(path)
+        recipe = RECIPES[config["method"]]
+        stage1 = stage1_seconds(Path(config["cache"]), arrays=recipe.arrays)
+        mat = load_replicate(path).tau["geomean"]
+        per_method.setdefault(method, []).append((mat, float(summary["elapsed_s"]), stage1))
+    if reference not in per_method:
+        raise ValueError(f"--reference {reference!r} is none of the compared methods ({', '.join(per_method)})")
+
+    def means(method: str) -> tuple[float | None, float, float | None]:
+        reps = per_method[method]
+        stage1 = [r[2] for r in reps]
+        total = statistics.fmean(r[1] + r[2] for r in reps) if all(s is not None for s in stage1) else None
+        return _mean_sd([r[0] for r in reps if r[0] is not None])[0], statistics.fmean(r[1] for r in reps), total
+
+    _, ref_train, ref_total = means(reference)
+    rows = []
+    for method, reps in per_method.items():
+        mat, train_s, total = means(method)
+        rows.append({
+            "method": method, "replicates": len(reps), "mat": mat, "train_s": train_s, "train_over_c": train_s / ref_train,
+            "train_plus_stage1_s": total, "with_stage1_over_c": total / ref_total if total and ref_total else None,
+        })  # fmt: skip
+    return rows
+
+
+def plot_training_cost(rows: list[dict], path: Path, *, reference: str) -> bool:
+    def draw(axes) -> None:
+        for key, marker, label in (("train_over_c", "o", "training"), ("with_stage1_over_c", "s", "training + stage 1")):
+            points = [(r[key], r["mat"], r["method"]) for r in rows if r[key] is not None and r["mat"] is not None]
+            axes.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
+            for x, y, name in points:
+                axes.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        axes.set_xlabel(f"time relative to {reference} (C)")
+        axes.set_ylabel("MAT")
+        axes.legend()
+
+    return plot_figure(path, draw, size=(6.0, 4.0))
+
+
+def run_training_cost(paths: list[str], *, out: str, reference: str, labels: list[str] | None = None) -> list[dict]:
+    rows = training_cost(paths, reference=reference, labels=labels)
+    _write_table(rows, Path(out) / "training_cost.csv")
+    plot_training_cost(rows, Path(out) / "training_cost.png", reference=reference)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Where drafting is hard
+
+HARD_GROUPS = ("1", "2", "3", "4", "5", "6+")  # the independent drafter's acceptance length at an offset
+
+
+@torch.inference_mode()
+def block_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features: torch.Tensor, sequence: list[int],
+                 anchors: list[int], chunk: int = 16) -> torch.Tensor:  # fmt: skip
+    """Drafts [N, K]: for each anchor position a of `sequence`, the block [x[a], MASK x K] drafted
+    from the features of positions < a, as a decoding round sees them (several blocks per forward,
+    each with its own corpus limit). features [S, F] of the whole sequence."""
+    block_size = drafter.config.block_size
+    dtype = next(drafter.parameters()).dtype
+    device = features.device
+    tokens = torch.as_tensor(sequence, device=device)
+    context_positions = torch.arange(features.shape[0], device=device)[None]  # [1, S]
+    drafts = []
+    for start in range(0, len(anchors), chunk):
+        group = torch.as_tensor(anchors[start : start + chunk], device=device)  # [N]
+        block_ids = torch.full((len(group), block_size), mask_token_id, dtype=torch.long, device=device)  # [N, B]
+        block_ids[:, 0] = tokens[group]
+        mask = visibility_mask(
+            context_positions=context_positions, context_owner=torch.full_like(context_positions, SHARED_OWNER),
+            context_valid=torch.ones_like(context_positions, dtype=torch.bool), block_corpus_limit=group[None],
+            block_valid=torch.ones((1, len(group)), dtype=torch.bool, device=device), block_size=block_size,
+        )  # fmt: skip  # [1, 1, N*B, S + N*B]
+        hidden = drafter(
+            context_features=features[None].to(dtype), context_positions=context_positions,
+            block_embeds=embed_tokens(block_ids.reshape(1, -1)).to(dtype),
+            block_positions=(group[:, None] + torch.arange(block_size, device=device)).reshape(1, -1), attention_mask=mask,
+        ).reshape(len(group), block_size, -1)  # fmt: skip  # [N, B, H]
+        drafts.append(lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).argmax(dim=-1))  # [N, K]
+    return torch.cat(drafts)
+
+
+def acceptance_lengths(drafts: torch.Tensor, *, sequence: list[int], anchors: list[int]) -> list[int]:
+    """1 + the leading slots of each anchor's drafts [N, K] equal to sequence[a + 1 .. a + K]
+    (every anchor needs K tokens after it)."""
+    num_draft = drafts.shape[1]
+    truth = torch.as_tensor(sequence)[torch.as_tensor(anchors)[:, None] + torch.arange(1, num_draft + 1)]  # [N, K]
+    return (torch.cumprod((drafts.cpu() == truth).long(), dim=1).sum(dim=1) + 1).tolist()
+
+
+def hard_offset_table(raw: list[dict], *, roles: list[str]) -> list[dict]:
+    """Per independent-acceptance group: offsets, each role's mean acceptance length, the gain of
+    `drafter` over `baseline` and of `control` (the baseline's method, another seed) over `baseline`."""
+    rows = []
+    for name in HARD_GROUPS + ("all",):
+        members = [r for r in raw if name == "all" or min(int(r["independent"]), 6) == int(name.rstrip("+"))]
+        row = {"independent_accept": name, "offsets": len(members)}
+        for role in roles:
+            row[f"{role}_mean"] = statistics.fmean(r[role] for r in members) if members else None
+        row["gain_pct"] = _gain(row.get("drafter_mean"), row.get("baseline_mean"))
+        if "control" in roles:
+            row["control_gain_pct"] = _gain(row.get("control_mean"), row.get("baseline_mean"))
+        rows.append(row)
+    return rows
+
+
+def plot_hard_offsets(rows: list[dict], path: Path) -> bool:
+    def draw(axes) -> None:
+        groups = [r for r in rows if r["independent_accept"] != "all"]
+        names = [r["independent_accept"] for r in groups]
+        keys = [("gain_pct", "drafter over baseline")] + ([("control_gain_pct", "seed control")] if "control_gain_pct" in rows[0] else [])
+        width = 0.8 / len(keys)
+        for i, (key, label) in enumerate(keys):
+            axes.bar([j + i * width for j in range(len(names))], [r[key] or 0.0 for r in groups], width=width, label=label)
+        axes.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(names))], names)
+        axes.axhline(0.0, color="black", linewidth=0.8)
+        axes.set_xlabel("independent drafter's acceptance length at the offset")
+        axes.set_ylabel("acceptance gain (%)")
+        axes.legend()
+
+    return plot_figure(path, draw, size=(6.0, 3.5))
+
+
+HARD_RAW_COLUMNS = ("prompt_id", "benchmark", "offset", "independent", "drafter", "baseline", "control")
+
+
+@torch.inference_mode()
+def greedy_sequence(target, prompt_ids: list[int], *, max_new_tokens: int, stops: list[int]) -> tuple[list[int], tuple]:
+    """prompt + the target's greedy response, and the hidden states of one forward over it all."""
+    from pipeline.eval.speculative import autoregressive_decode
+
+    response = autoregressive_decode(
+        target, prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops, generator=None
+    ).tokens
+    sequence = list(prompt_ids) + response
+    device = next(target.parameters()).device
+    out = target(input_ids=torch.as_tensor([sequence], device=device), output_hidden_states=True, logits_to_keep=1)
+    return sequence, out.hidden_states
+
+
+def hard_offsets(*, target_dir: str, prompts: str, drafters: dict[str, str], max_new_tokens: int,
+                 max_prompts: int | None) -> list[dict]:  # fmt: skip
+    """One raw row per (prompt, response offset with K tokens after it): each role's acceptance length."""
+    from drafter.checkpoint import load_drafter
+    from pipeline.eval.evaluate import check_drafter_fits, load_prompts, load_target_and_stops
+    from pipeline.target import tapped_features
+
+    target, tokenizer, stops = load_target_and_stops(target_dir, device=torch.device("cpu"), dtype=torch.float32)
+    models = {role: load_drafter(path, dtype=torch.float32, device=torch.device("cpu")).eval() for role, path in drafters.items()}
+    for role, model in models.items():
+        try:
+            check_drafter_fits(target, model)
+        except ValueError as error:
+            raise ValueError(f"--{role} {drafters[role]}: {error}") from None
+    block_sizes = {m.config.block_size for m in models.values()}
+    if len(block_sizes) != 1:
+        raise ValueError(f"the drafters have different block sizes {sorted(block_sizes)}: one offset grid cannot serve them")
+    num_draft = block_sizes.pop() - 1
+    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    raw = []
+    for prompt in load_prompts(prompts, tokenizer, max_prompts=max_prompts):
+        sequence, hidden_states = greedy_sequence(target, prompt.input_ids, max_new_tokens=max_new_tokens, stops=stops)
+        start = len(prompt.input_ids)
+        anchors = list(range(start, len(sequence) - num_draft))  # response token at offset o sits at start + o
+        if not anchors:
+            continue
+        lengths = {}
+        for role, model in models.items():
+            features = tapped_features(hidden_states, list(model.config.target_layer_ids))[0]  # [S, F]
+            drafts = block_drafts(
+                model, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=model.config.mask_token_id,
+                features=features, sequence=sequence, anchors=anchors,
+            )  # fmt: skip
+            lengths[role] = acceptance_lengths(drafts, sequence=sequence, anchors=anchors)
+        for i, anchor in enumerate(anchors):
+            row = {"prompt_id": prompt.prompt_id, "benchmark": prompt.benchmark, "offset": anchor - start}
+            raw.append(row | {role: lengths[role][i] for role in models})
+    if not raw:
+        raise ValueError(f"{prompts}: no greedy response is longer than one block ({num_draft} tokens); raise --max-new-tokens")
+    return raw
+
+
+def run_hard_offsets(*, target: str, prompts: str, drafter: str, baseline: str, independent: str, control: str | None,
+                     out: str, max_new_tokens: int, max_prompts: int | None) -> list[dict]:  # fmt: skip
+    """hard_offsets_raw.csv, hard_offsets.csv and hard_offsets.png in `out`; the table's rows."""
+    drafters = {"independent": independent, "drafter": drafter, "baseline": baseline} | ({"control": control} if control else {})
+    raw = hard_offsets(target_dir=target, prompts=prompts, drafters=drafters, max_new_tokens=max_new_tokens, max_prompts=max_prompts)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv_rows(out_dir / "hard_offsets_raw.csv", raw, columns=tuple(c for c in HARD_RAW_COLUMNS if c in raw[0]))
+    rows = hard_offset_table(raw, roles=[r for r in ("independent", "drafter", "baseline", "control") if r in drafters])
+    _write_table(rows, out_dir / "hard_offsets.csv")
+    plot_hard_offsets(rows, out_dir / "hard_offsets.png")
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A printable table of an analysis's rows (numbers to 3 decimals, gains in %)."""
+
+    def cell(key: str, value) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:+.1f}%" if key.endswith("_pct") else f"{value:.3f}"
+        return str(value)
+
+    header = list(rows[0])
+    lines = [header] + [[cell(k, r[k]) for k in header] for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))) for line in lines)

