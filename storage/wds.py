@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
+import numcodecs.blosc
 import webdataset
 from numcodecs import CRC32, Blosc
 
@@ -53,6 +54,11 @@ MEMBER_MODE = 0o644
 STORE_TAR_INDEX_BLOCK = 1 << 20
 VERIFY_HINT = "`alrira-cache verify` checks the whole cache"
 
+# Called from the main thread, numcodecs' Blosc compresses one buffer on several internal threads
+# that place its blocks in the order they finish: the same array gave 6 different frames in 6 tries.
+# Single-threaded calls are deterministic; parallelism comes from encoding members on several
+# threads instead (storage.shards.ShardWriter).
+numcodecs.blosc.use_threads = False
 _CRC32 = CRC32(location="start")
 _BLOSC_DECODER = Blosc()  # decoding reads codec, level and shuffle from each frame
 
@@ -173,13 +179,21 @@ class WdsShardWriter:
                 self._file.close()
             raise
 
-    def append(self, record: dict[str, np.ndarray]) -> None:
-        """Write one record's sample (its members sorted by name, TarWriter's order)."""
+    def member_arrays(self, record: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The arrays of a record's members, in member order (sorted by name, TarWriter's order)."""
         source_row = int(record["source_row"])
+        return [np.asarray(source_row, dtype=np.int64) if name == "source_row" else record[name] for name in self.names]
+
+    def append(self, record: dict[str, np.ndarray]) -> None:
+        """Write one record's sample."""
+        members = [encode_member(array, chunk_checksums=self.chunk_checksums) for array in self.member_arrays(record)]
+        self.append_encoded(int(record["source_row"]), members)
+
+    def append_encoded(self, source_row: int, members: list[tuple[str, bytes]]) -> None:
+        """Write the sample of a record whose members (encode_member of each of `member_arrays`)
+        are encoded already."""
         sample = {"__key__": sample_key(source_row)}
-        for name in self.names:
-            array = np.asarray(source_row, dtype=np.int64) if name == "source_row" else record[name]
-            encoding, data = encode_member(array, chunk_checksums=self.chunk_checksums)
+        for name, (encoding, data) in zip(self.names, members, strict=True):
             sample[f"{name}.{encoding}"] = data
         self._tar.write(sample)
         # tarfile keeps a TarInfo per member it wrote; nothing here reads them back, so drop them
