@@ -40,8 +40,8 @@ from tqdm.auto import tqdm
 
 from pipeline.cache_build import driver
 from pipeline.cache_build.config import CacheBuildConfig
-from pipeline.cache_build.driver import ShardSpec
-from pipeline.cache_build.shard_builder import ShardBuilder
+from pipeline.cache_build.driver import BuildProgress, ShardSpec
+from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
 from pipeline.target import target_hash
 from storage.errors import first_line
 from storage.format import shard_name
@@ -53,6 +53,7 @@ MAX_SHARD_ATTEMPTS = 3  # a shard whose worker died this many times stops the bu
 ACTOR_NAMESPACE = "alrira-cache"  # every build's actors are named in it, after their --out
 RESOURCE_WAIT_S = 300.0  # how long a build waits for CPUs/GPUs held by others before it gives up
 ACTOR_EXIT_WAIT_S = 60.0  # how long to wait for killed actors to be gone
+BATCH_REPORT_S = 0.5  # how often the driver takes the workers' batch reports while shards run
 
 
 @ray.remote
@@ -61,21 +62,47 @@ class CacheWorker:
 
     `driver_target_hash`: the target as the driver hashed it. A node whose --target path is
     missing or holds other files builds nothing; its first shard fails with that one line (not as
-    a worker death, which would be retried)."""
+    a worker death, which would be retried). `board`: the build's BatchBoard, told of each batch
+    that reaches the shard's writer."""
 
-    def __init__(self, config: CacheBuildConfig, driver_target_hash: str):
+    def __init__(self, config: CacheBuildConfig, driver_target_hash: str, board=None):
         self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=this_node())
         self.builder = None if self.problem else ShardBuilder(config)
+        self.board = board
 
-    def build(self, spec: ShardSpec) -> tuple[ShardRecord, str]:
-        """The shard's record and the node that wrote it (this_node)."""
+    def build(self, spec: ShardSpec) -> tuple[ShardRecord, str, BuildTimes]:
+        """The shard's record, the node that wrote it (this_node) and the builder's times."""
         if self.problem:
             raise ValueError(self.problem)
-        record = self.builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner)
-        return record, this_node()
+
+        def on_batch(sequences: int, tokens: int) -> None:
+            if self.board is not None:
+                self.board.report.remote(spec.index, sequences, tokens)  # not awaited: metadata only
+
+        record = self.builder.build(
+            shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner, on_batch=on_batch
+        )
+        return record, this_node(), self.builder.times
 
     def pid(self) -> int:
         return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class BatchBoard:
+    """Where a build's workers report each batch that reached a shard's writer (shard index,
+    sequences, tokens): the driver takes the reports to move its bar between shards. Needs no
+    CPU, so it is placed even when the pool holds every core."""
+
+    def __init__(self):
+        self.reports: list[tuple[int, int, int]] = []
+
+    def report(self, shard_index: int, sequences: int, tokens: int) -> None:
+        self.reports.append((shard_index, sequences, tokens))
+
+    def take(self) -> list[tuple[int, int, int]]:
+        reports, self.reports = self.reports, []
+        return reports
 
 
 def target_problem(target: str, *, driver_target_hash: str, node: str) -> str | None:
@@ -226,10 +253,11 @@ def _wait_for_resources(compute, num_workers: int, *, log, timeout: float = RESO
 def run_shards_on_ray(
     config: CacheBuildConfig, pending: list[ShardSpec], publish, *, placements: list | None = None,
     progress: bool = True, log=print,
-) -> None:  # fmt: skip
+) -> BuildTimes:  # fmt: skip
     """Keep every actor busy with one shard; publish each finished shard in the manifest at once and
-    log which node wrote it. `placements`: one scheduling strategy per actor (plan_pool; default
-    --workers actors, SPREAD)."""
+    log which node wrote it; the bar moves as the workers report batches. `placements`: one
+    scheduling strategy per actor (plan_pool; default --workers actors, SPREAD). Returns the
+    workers' times."""
     compute = config.compute
     if not ray.is_initialized():
         ray.init(address=compute.ray_address, logging_level="WARNING", include_dashboard=False)
@@ -238,19 +266,19 @@ def run_shards_on_ray(
     prefix, driver_target_hash = _actor_prefix(config.out), target_hash(config.target)
     options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
 
+    board = BatchBoard.options(namespace=ACTOR_NAMESPACE).remote()
+
     def new_worker(worker_index: int):
         # A replacement keeps its slot's placement: the same node under --workers-per-node.
         actor = CacheWorker.options(name=prefix + uuid.uuid4().hex, scheduling_strategy=placements[worker_index], **options)
-        return actor.remote(config, driver_target_hash)
+        return actor.remote(config, driver_target_hash, board)
 
     workers = [new_worker(i) for i in range(len(placements))]
     queue = list(pending)
     attempts = {s.index: 0 for s in pending}
     running = {}  # future -> (worker index, spec)
-    bar = tqdm(
-        total=sum(s.stop - s.start for s in pending), unit="seq", desc="cache build", disable=not progress, dynamic_ncols=True
-    )
-    tokens, shards_by_node, released = 0, collections.Counter(), []
+    bar = BuildProgress(pending, enabled=progress)
+    shards_by_node, released = collections.Counter(), []
 
     def submit(worker_index: int):
         spec = queue.pop(0)
@@ -267,10 +295,15 @@ def run_shards_on_ray(
         for i in range(len(workers)):
             submit(i)
         while running:
-            [future], _ = ray.wait(list(running), num_returns=1)
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=BATCH_REPORT_S)
+            for report in ray.get(board.take.remote()):
+                bar.batch(*report)
+            if not ready:
+                continue
+            [future] = ready
             worker_index, spec = running.pop(future)
             try:
-                record, node = ray.get(future)
+                record, node, times = ray.get(future)
             except CacheOwnershipLost:
                 # Ray re-raises the actor's error with its traceback; one line is what the user needs.
                 raise CacheOwnershipLost(
@@ -280,6 +313,7 @@ def run_shards_on_ray(
                 # The worker died (OOM, preemption, kill): nothing of its shard was published.
                 if attempts[spec.index] >= MAX_SHARD_ATTEMPTS:
                     raise RuntimeError(f"{shard_name(spec.index, config.storage.storage_format)}: worker died {MAX_SHARD_ATTEMPTS} times")
+                bar.shard_lost(spec.index)
                 workers[worker_index] = new_worker(worker_index)
                 queue.insert(0, spec)
                 submit(worker_index)
@@ -288,12 +322,10 @@ def run_shards_on_ray(
                 raise _plain_error(error) from None
             record = dataclasses.replace(record, node=node)
             publish(spec, record)
-            tokens += record.tokens
             shards_by_node[node] += 1
             with tqdm.external_write_mode():  # the line above the bar, not through it
                 log(shard_line(record, node=node))
-            bar.update(record.sequences)
-            bar.set_postfix(tokens=tokens, shards=f"{len(pending) - len(queue) - len(running)}/{len(pending)}")
+            bar.shard_published(record, times)
             if queue:
                 submit(worker_index)
             else:
@@ -301,7 +333,9 @@ def run_shards_on_ray(
     finally:
         bar.close()
         _kill_and_wait([*released, *(w for w in workers if w is not None)])
+        ray.kill(board)  # holds no resources: nothing to wait for
     log("shards by node: " + ", ".join(f"{node} {count}" for node, count in sorted(shards_by_node.items())))
+    return bar.times
 
 
 def shard_line(record: ShardRecord, *, node: str) -> str:
