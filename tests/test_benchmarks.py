@@ -109,6 +109,11 @@ def test_real_shapes_loader_reads_what_each_method_needs(tmp_path):
     assert reads["alr_ira"]["parents_per_seq"] > 0
     assert reads["alr_ira"]["read_mb_per_seq"] > reads["alr"]["read_mb_per_seq"]
     assert results["drafter_step"]["step_s"] > 0 and [s["shard_size"] for s in results["stage1"]] == [1, 3]
+    writer = results["writer"]  # (e): each format with 1 and 2 threads, the same bytes
+    assert [(w["format"], w["threads"]) for w in writer] == [("zarr", 1), ("zarr", 2), ("wds", 1), ("wds", 2)]
+    assert writer[0]["checksum"] == writer[1]["checksum"] != writer[2]["checksum"] == writer[3]["checksum"]
+    assert all(w["seconds"] > 0 and w["feature_mb"] > 0 for w in writer)
+    assert 1 <= results["chunk_reads"]["ratio"] < float("inf")  # (f)
 
 
 def test_object_store_reads_every_record_from_the_store_as_from_disk():
