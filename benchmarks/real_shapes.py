@@ -444,12 +444,14 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
     }
 
 
-def bench_writer(work: Path, shapes: Shapes, *, num_records: int) -> list[dict]:
+def bench_writer(work: Path, shapes: Shapes, *, num_records: int, fresh: bool) -> list[dict]:
+    """(e) per format and thread count; `fresh`: each in a fresh process (else in this one, where
+    Zarr's pool keeps its first size: a smoke run's shortcut)."""
     rows = []
     for storage_format in ("zarr", "wds"):
         for threads in (1, 2):
-            out = work / f"writer-{storage_format}-{threads}"
-            rows.append(in_fresh_process(writer_child, asdict(shapes), storage_format, threads, num_records, str(out)))
+            args = (asdict(shapes), storage_format, threads, num_records, str(work / f"writer-{storage_format}-{threads}"))
+            rows.append(in_fresh_process(writer_child, *args) if fresh else writer_child(*args))
     return rows
 
 
@@ -457,7 +459,7 @@ def print_writer(rows: list[dict], shapes: Shapes) -> None:
     one = {r["format"]: r for r in rows if r["threads"] == 1}
     print_table(
         f"(e) ShardWriter at F={shapes.feature_dim}, T~{sum(shapes.seq_len) // 2}, A={shapes.num_anchors}, "
-        f"K={shapes.num_slots}, bf16 (append + publish, fresh process each)",
+        f"K={shapes.num_slots}, bf16 (append + publish; a fresh process each, but with --quick)",
         ["format", "threads", "seq/s", "feature MB/s", "speedup", "publish s", "CPU s/seq",
          f"cores/GPU for {GPU_SEQ_PER_S} seq/s", "checksum"],
         [[r["format"], r["threads"], f"{r['sequences'] / r['seconds']:.2f}", f"{r['feature_mb'] / r['seconds']:.0f}",
@@ -483,7 +485,7 @@ def bench_chunk_reads(work: Path, shapes: Shapes, *, quick: bool) -> dict:
     print_table(
         f"(f) one alr epoch, {num} sequences, T in [{small.seq_len[0]}, {small.seq_len[1]}), F={small.feature_dim}, "
         f"A={small.num_anchors}, K={small.num_slots}, top-k {small.top_k}",
-        ["method", "MB read / epoch", "alr arrays on disk MB", "ratio", "non-rollout-feature arrays on disk MB"],
+        ["objective", "MB read / epoch", "alr arrays on disk MB", "ratio", "non-rollout-feature arrays on disk MB"],
         [["alr", f"{row['read_mb_per_seq'] * num:.2f}", f"{row['min_mb_per_seq'] * num:.2f}", f"{row['ratio']:.2f}x",
           f"{row['non_rollout_feature_mb_per_seq'] * num:.2f}"]],
     )  # fmt: skip
@@ -503,7 +505,7 @@ def main() -> None:
     began, load_before = time.perf_counter(), os.getloadavg()[0]
     torch.set_num_threads(1)  # (a), (b): the loader of one DataLoader worker
 
-    writer = bench_writer(work, shapes, num_records=WRITER_RECORDS["quick" if args.quick else "full"])
+    writer = bench_writer(work, shapes, num_records=WRITER_RECORDS["quick" if args.quick else "full"], fresh=not args.quick)
     print_writer(writer, shapes)
     chunk_reads = bench_chunk_reads(work, shapes, quick=args.quick)
     print(f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
