@@ -444,6 +444,25 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
     }
 
 
+def blosc_control(shapes: Shapes, *, num_records: int) -> list[dict]:
+    """(e)'s control: the records' feature bits through bare Blosc (the writer's codec, 256 KiB
+    pieces as its chunks) on 1 and 2 threads, in this process: how much a second thread can give
+    on this machine right now, whatever the writer does."""
+    from numcodecs import Blosc
+
+    codec = Blosc(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE, typesize=2)
+    rng = np.random.default_rng(0)
+    bits = [synthetic_record(rng, shapes, source_row=i)["features"] for i in range(num_records)]
+    pieces = [piece for b in bits for piece in np.array_split(b.reshape(-1), max(1, b.nbytes // (256 << 10)))]
+    rows = []
+    for threads in (1, 2):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+            start = time.perf_counter()
+            list(pool.map(codec.encode, pieces))
+            rows.append({"threads": threads, "mb_per_s": sum(b.nbytes for b in bits) / 1e6 / (time.perf_counter() - start)})
+    return rows
+
+
 def bench_writer(work: Path, shapes: Shapes, *, num_records: int, fresh: bool) -> list[dict]:
     """(e) per format and thread count; `fresh`: each in a fresh process (else in this one, where
     Zarr's pool keeps its first size: a smoke run's shortcut)."""
@@ -455,7 +474,7 @@ def bench_writer(work: Path, shapes: Shapes, *, num_records: int, fresh: bool) -
     return rows
 
 
-def print_writer(rows: list[dict], shapes: Shapes) -> None:
+def print_writer(rows: list[dict], shapes: Shapes) -> list[dict]:
     one = {r["format"]: r for r in rows if r["threads"] == 1}
     print_table(
         f"(e) ShardWriter at F={shapes.feature_dim}, T~{sum(shapes.seq_len) // 2}, A={shapes.num_anchors}, "
@@ -466,10 +485,14 @@ def print_writer(rows: list[dict], shapes: Shapes) -> None:
           f"{one[r['format']]['seconds'] / r['seconds']:.2f}x", f"{r['publish_s']:.2f}", f"{r['cpu_s'] / r['sequences']:.2f}",
           f"{GPU_SEQ_PER_S * r['cpu_s'] / r['sequences']:.1f}", r["checksum"][7:19]] for r in rows],
     )  # fmt: skip
+    control = blosc_control(shapes, num_records=2)
+    print(f"control, bare Blosc on the features of 2 records: {control[0]['mb_per_s']:.0f} MB/s on 1 thread, "
+          f"{control[1]['mb_per_s']:.0f} on 2 ({control[1]['mb_per_s'] / control[0]['mb_per_s']:.2f}x)")  # fmt: skip
     for storage_format in one:
         same = {r["checksum"] for r in rows if r["format"] == storage_format}
         if len(same) != 1:
             raise SystemExit(f"error: {storage_format} shards differ between thread counts: {same}")
+    return control
 
 
 def bench_chunk_reads(work: Path, shapes: Shapes, *, quick: bool) -> dict:
@@ -506,11 +529,12 @@ def main() -> None:
     torch.set_num_threads(1)  # (a), (b): the loader of one DataLoader worker
 
     writer = bench_writer(work, shapes, num_records=WRITER_RECORDS["quick" if args.quick else "full"], fresh=not args.quick)
-    print_writer(writer, shapes)
+    control = print_writer(writer, shapes)
     chunk_reads = bench_chunk_reads(work, shapes, quick=args.quick)
     print(f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
     if args.writer_only:
-        results = {"writer": writer, "chunk_reads": chunk_reads, "load_average": [load_before, os.getloadavg()[0]]}
+        results = {"writer": writer, "blosc_control": control, "chunk_reads": chunk_reads,
+                   "load_average": [load_before, os.getloadavg()[0]]}  # fmt: skip
         (work / "results.json").write_text(json.dumps(results, indent=1))
         return
 
@@ -585,7 +609,7 @@ def main() -> None:
         )  # fmt: skip
 
     results = {"shapes": asdict(shapes), "reads": reads, "projection": projection, "drafter_step": step, "stage1": stage1,
-               "writer": writer, "chunk_reads": chunk_reads,
+               "writer": writer, "blosc_control": control, "chunk_reads": chunk_reads,
                "load_average": [load_before, os.getloadavg()[0]], "wall_s": time.perf_counter() - began}  # fmt: skip
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\nwall {results['wall_s']:.0f} s; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; {work / 'results.json'}")
