@@ -352,7 +352,7 @@ class ShardWriter:
 
     `append` validates a record and hands its rows to the shard under `shards/.tmp-<name>-<uuid>`;
     a Zarr array keeps at most one Zarr shard file of rows (~16 MiB) buffered, a tar gets the
-    sample at once, so memory does not grow with the shard's size. `publish` checks that exactly
+    sample once its members are encoded, so memory does not grow with the shard's size. `publish` checks that exactly
     `size` arrived, fsyncs and renames to `shards/<name>`; `abort` (or leaving a `with` block by
     an exception) removes the temp entry. With `owner` (claim_cache's id) the shard is refused,
     when the writer opens and again just before the rename, once another build has claimed the
