@@ -25,6 +25,7 @@ Either way a shard holds exactly the arrays of its cache's contents (storage.for
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import json
 import math
@@ -294,25 +295,34 @@ def set_codec_threads(num_threads: int) -> None:
 
 class BackgroundWrites:
     """Pieces of a shard (a Zarr shard file's rows, a tar member) encoded and written on
-    `num_threads` threads, at most 2 x `num_threads` in flight: a submit beyond that waits for the
-    oldest, so memory stays bounded while the caller prepares the next record. The first error of
-    a piece is raised by the submit or `wait` that collects it."""
+    `num_threads` threads, at most 2 x `num_threads` unfinished: a submit beyond that waits until
+    one finishes (any one: waiting for the oldest left a thread idle behind a large member while
+    small ones were done), so memory stays bounded while the caller prepares the next record. The
+    first error of a piece is raised by the submit or `wait` that collects it."""
 
     def __init__(self, num_threads: int):
         self.num_threads = num_threads
         self.pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="shard-encode")
-        self.in_flight: collections.deque[Future] = collections.deque()
+        self.in_flight: set[Future] = set()
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        self._collect()
         while len(self.in_flight) >= 2 * self.num_threads:
-            self.in_flight.popleft().result()
+            concurrent.futures.wait(self.in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            self._collect()
         future = self.pool.submit(fn, *args, **kwargs)
-        self.in_flight.append(future)
+        self.in_flight.add(future)
         return future
 
+    def _collect(self) -> None:
+        done = {future for future in self.in_flight if future.done()}
+        self.in_flight -= done
+        for future in done:
+            future.result()
+
     def wait(self) -> None:
-        while self.in_flight:
-            self.in_flight.popleft().result()
+        concurrent.futures.wait(self.in_flight)
+        self._collect()
 
     def close(self) -> None:
         """Wait for the pieces already running (their errors are the caller's to have seen) and
