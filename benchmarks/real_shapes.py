@@ -14,9 +14,15 @@ A = 128 anchors, K = 15, top-k 8; random bf16 features) through storage's Zarr w
     H 2560, 32 x 128 heads, 8 kv heads, I 9728, frozen fp32 embed/lm_head [151936, 2560]) in a
     fresh process: wall time and peak RSS;
 (d) a stage-1 worker's peak RSS at two shard sizes (the driver with shards built in this process,
-    a random Qwen3 of hidden 512 with 5 taps), a fresh process per size.
+    a random Qwen3 of hidden 512 with 5 taps), a fresh process per size;
+(e) stage 1's writer (storage.shards.ShardWriter: Blosc zstd + shuffle, CRC, the shard checksum)
+    on real-shape records with 1 and 2 threads, a fresh process each: sequences/s, MB/s of feature
+    bits, the shard checksums (equal: bytes do not depend on the threads), and the cores per GPU
+    that keep 15 sequences/s per GPU;
+(f) bytes one alr epoch reads from a 48-sequence cache with F = 512 (hidden 512, one tap) against
+    the on-disk bytes of what alr needs: the small per-token arrays' chunking.
 
-    .venv/bin/python benchmarks/real_shapes.py [--quick] [--out DIR] [--threads 2]
+    .venv/bin/python benchmarks/real_shapes.py [--quick] [--out DIR] [--threads 2] [--writer-only]
 
 Page cache warm: rchar counts the bytes read() returned, cached or not, which is what a loader
 decompresses from.
@@ -32,6 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import statistics
@@ -505,6 +512,117 @@ def bench_stage1(work: Path, shapes: Shapes, *, threads: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# (e) stage 1's writer at real shapes, (f) bytes an alr epoch reads at small shapes
+
+GPU_SEQ_PER_S = 15  # what one GPU computes at Qwen3-4B shapes (docs/benchmarks.md, "Real shapes" (e))
+WRITER_RECORDS = {"full": 6, "quick": 4}
+CHUNK_READS = {
+    "full": dict(num_sequences=48, seq_len=(150, 400), hidden_size=512, num_taps=1, num_anchors=32),
+    "quick": dict(num_sequences=12, seq_len=(40, 90), hidden_size=32, num_taps=1, num_anchors=8),
+}
+
+
+def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_records: int, out: str) -> dict:
+    """(e) in a fresh process (Zarr's pool is sized once per process): synthesize the records,
+    then time appending them to a ShardWriter on `threads` threads and publishing the shard."""
+    from storage.shards import ShardSize, ShardWriter, set_codec_threads
+
+    set_codec_threads(threads)
+    torch.set_num_threads(1)
+    shapes = Shapes(**{k: tuple(v) if isinstance(v, list) else v for k, v in shapes_dict.items()})
+    rng = np.random.default_rng(0)
+    records = [synthetic_record(rng, shapes, source_row=i) for i in range(num_records)]
+    cpu_start, start = time.process_time(), time.perf_counter()
+    with ShardWriter(
+        out, shard_index=0, size=ShardSize.of_records(records), storage_format=storage_format, feature_codec="bf16",
+        num_threads=threads,
+    ) as writer:  # fmt: skip
+        for record in records:
+            writer.append(record)
+        appended = time.perf_counter()
+        shard = writer.publish()
+    seconds = time.perf_counter() - start
+    return {
+        "format": storage_format,
+        "threads": threads,
+        "sequences": num_records,
+        "seconds": seconds,
+        "publish_s": time.perf_counter() - appended,
+        "cpu_s": time.process_time() - cpu_start,
+        "feature_mb": sum(r["features"].nbytes + r["rollout_features"].nbytes for r in records) / 1e6,
+        "checksum": shard.checksum,
+    }
+
+
+def blosc_control(shapes: Shapes, *, num_records: int) -> list[dict]:
+    """(e)'s control: the records' feature bits through bare Blosc (the writer's codec, 256 KiB
+    pieces as its chunks) on 1 and 2 threads, in this process: how much a second thread can give
+    on this machine right now, whatever the writer does."""
+    from numcodecs import Blosc
+
+    codec = Blosc(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE, typesize=2)
+    rng = np.random.default_rng(0)
+    bits = [synthetic_record(rng, shapes, source_row=i)["features"] for i in range(num_records)]
+    pieces = [piece for b in bits for piece in np.array_split(b.reshape(-1), max(1, b.nbytes // (256 << 10)))]
+    rows = []
+    for threads in (1, 2):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+            start = time.perf_counter()
+            list(pool.map(codec.encode, pieces))
+            rows.append({"threads": threads, "mb_per_s": sum(b.nbytes for b in bits) / 1e6 / (time.perf_counter() - start)})
+    return rows
+
+
+def bench_writer(work: Path, shapes: Shapes, *, num_records: int, fresh: bool) -> list[dict]:
+    """(e) per format and thread count; `fresh`: each in a fresh process (else in this one, where
+    Zarr's pool keeps its first size: a smoke run's shortcut)."""
+    rows = []
+    for storage_format in ("zarr", "wds"):
+        for threads in (1, 2):
+            args = (asdict(shapes), storage_format, threads, num_records, str(work / f"writer-{storage_format}-{threads}"))
+            rows.append(in_fresh_process(writer_child, *args) if fresh else writer_child(*args))
+    return rows
+
+
+def print_writer(rows: list[dict], shapes: Shapes) -> list[dict]:
+    one = {r["format"]: r for r in rows if r["threads"] == 1}
+    print_table(
+        f"(e) ShardWriter at F={shapes.feature_dim}, T~{sum(shapes.seq_len) // 2}, A={shapes.num_anchors}, "
+        f"K={shapes.num_slots}, bf16 (append + publish; a fresh process each, but with --quick)",
+        ["format", "threads", "seq/s", "feature MB/s", "speedup", "publish s", "CPU s/seq",
+         f"cores/GPU for {GPU_SEQ_PER_S} seq/s", "checksum"],
+        [[r["format"], r["threads"], f"{r['sequences'] / r['seconds']:.2f}", f"{r['feature_mb'] / r['seconds']:.0f}",
+          f"{one[r['format']]['seconds'] / r['seconds']:.2f}x", f"{r['publish_s']:.2f}", f"{r['cpu_s'] / r['sequences']:.2f}",
+          f"{GPU_SEQ_PER_S * r['cpu_s'] / r['sequences']:.1f}", r["checksum"][7:19]] for r in rows],
+    )  # fmt: skip
+    control = blosc_control(shapes, num_records=2)
+    print(f"control, bare Blosc on the features of 2 records: {control[0]['mb_per_s']:.0f} MB/s on 1 thread, "
+          f"{control[1]['mb_per_s']:.0f} on 2 ({control[1]['mb_per_s'] / control[0]['mb_per_s']:.2f}x)")  # fmt: skip
+    for storage_format in one:
+        same = {r["checksum"] for r in rows if r["format"] == storage_format}
+        if len(same) != 1:
+            raise SystemExit(f"error: {storage_format} shards differ between thread counts: {same}")
+    return control
+
+
+def bench_chunk_reads(work: Path, shapes: Shapes, *, quick: bool) -> dict:
+    """(f) one alr epoch over a small cache: rchar of every CacheTrainDataset[(0, i)] against the
+    on-disk bytes of alr's arrays (measure_reads)."""
+    small = dataclasses.replace(shapes, **CHUNK_READS["quick" if quick else "full"])
+    cache = write_cache(work / "chunk-reads", small, seed=1)
+    reader = open_cache(cache)
+    reader.read(0, arrays=set())
+    row = measure_reads(reader, cache, label="alr", method="alr", anchors_per_step=None)
+    reader.close()
+    num = small.num_sequences
+    print_table(
+        f"(f) one alr epoch, {num} sequences, T in [{small.seq_len[0]}, {small.seq_len[1]}), F={small.feature_dim}, "
+        f"A={small.num_anchors}, K={small.num_slots}, top-k {small.top_k}",
+        ["objective", "MB read / epoch", "alr arrays on disk MB", "ratio", "non-rollout-feature arrays on disk MB"],
+        [["alr", f"{row['read_mb_per_seq'] * num:.2f}", f"{row['min_mb_per_seq'] * num:.2f}", f"{row['ratio']:.2f}x",
+          f"{row['non_rollout_feature_mb_per_seq'] * num:.2f}"]],
+    )  # fmt: skip
+    return row
 
 
 def main() -> None:
@@ -513,11 +631,22 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="empty work directory (default: a new temp dir)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the drafter step and the stage-1 worker")
     parser.add_argument("--skip-stage1", action="store_true", help="leave out (d)")
+    parser.add_argument("--writer-only", action="store_true", help="run (e) and (f) only")
     args = parser.parse_args()
     shapes = QUICK if args.quick else FULL
     work = empty_workdir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="alrira-real-shapes-"))
     began, load_before = time.perf_counter(), os.getloadavg()[0]
     torch.set_num_threads(1)  # (a), (b): the loader of one DataLoader worker
+
+    writer = bench_writer(work, shapes, num_records=WRITER_RECORDS["quick" if args.quick else "full"], fresh=not args.quick)
+    control = print_writer(writer, shapes)
+    chunk_reads = bench_chunk_reads(work, shapes, quick=args.quick)
+    print(f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+    if args.writer_only:
+        results = {"writer": writer, "blosc_control": control, "chunk_reads": chunk_reads,
+                   "load_average": [load_before, os.getloadavg()[0]]}  # fmt: skip
+        (work / "results.json").write_text(json.dumps(results, indent=1))
+        return
 
     start = time.perf_counter()
     cache = write_cache(work / "cache", shapes)
@@ -591,6 +720,7 @@ def main() -> None:
         )  # fmt: skip
 
     results = {"shapes": asdict(shapes), "reads": reads, "projection": projection, "loader_floor": floors, "drafter_step": step, "stage1": stage1,
+               "writer": writer, "blosc_control": control, "chunk_reads": chunk_reads,
                "load_average": [load_before, os.getloadavg()[0]], "wall_s": time.perf_counter() - began}  # fmt: skip
     (work / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\nwall {results['wall_s']:.0f} s; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; {work / 'results.json'}")

@@ -41,8 +41,8 @@ from tqdm.auto import tqdm
 
 from pipeline.cache_build import driver
 from pipeline.cache_build.config import CacheBuildConfig
-from pipeline.cache_build.driver import ShardSpec
-from pipeline.cache_build.shard_builder import ShardBuilder
+from pipeline.cache_build.driver import BuildProgress, ShardSpec
+from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
 from pipeline.target import target_hash
 from ray_jobs.pool import kill_and_wait, run_pool
 from storage.errors import first_line
@@ -58,6 +58,7 @@ RESOURCE_WAIT_S = 300.0  # how long a build waits for CPUs/GPUs held by others b
 RAY_CONNECT_TIMEOUT_ENV = "ALRIRA_RAY_CONNECT_TIMEOUT_S"
 DEFAULT_RAY_CONNECT_TIMEOUT_S = 30.0
 COPY_CLEANUP_WAIT_S = 10.0  # how long the end of a build waits for its workers to remove their copies
+BATCH_REPORT_S = 0.5  # how often the driver takes the workers' batch reports while shards run
 
 
 @ray.remote
@@ -66,9 +67,10 @@ class CacheWorker:
 
     `driver_target_hash`: the target as the driver hashed it. A node whose --target path is
     missing or holds other files builds nothing; its first shard fails with that one line (not as
-    a worker death, which would be retried)."""
+    a worker death, which would be retried). `board`: the build's BatchBoard, told of each batch
+    that reaches the shard's writer."""
 
-    def __init__(self, config: CacheBuildConfig, driver_target_hash: str):
+    def __init__(self, config: CacheBuildConfig, driver_target_hash: str, board=None):
         node = this_node()
         self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=node)
         self.builder = None
@@ -77,13 +79,21 @@ class CacheWorker:
                 self.builder = ShardBuilder(config)
             except (OSError, ValueError) as error:  # e.g. a node without the store's credentials
                 self.problem = worker_problem(config, error, node=node)
+        self.board = board
 
-    def build(self, spec: ShardSpec) -> tuple[ShardRecord, str]:
-        """The shard's record and the node that wrote it (this_node)."""
+    def build(self, spec: ShardSpec) -> tuple[ShardRecord, str, BuildTimes]:
+        """The shard's record, the node that wrote it (this_node) and the builder's times."""
         if self.problem:
             raise ValueError(self.problem)
-        record = self.builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner)
-        return record, this_node()
+
+        def on_batch(sequences: int, tokens: int) -> None:
+            if self.board is not None:
+                self.board.report.remote(spec.index, sequences, tokens)  # not awaited: metadata only
+
+        record = self.builder.build(
+            shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner, on_batch=on_batch
+        )
+        return record, this_node(), self.builder.times
 
     def pid(self) -> int:
         return os.getpid()
@@ -100,6 +110,23 @@ def worker_problem(config: CacheBuildConfig, error: Exception, *, node: str) -> 
     if isinstance(error, OSError) and any(is_url(where) for where in (config.out, config.corpus)):
         line += "; every node needs the store's credentials and endpoint in its environment (AWS_ACCESS_KEY_ID, ...)"
     return line
+
+
+@ray.remote(num_cpus=0)
+class BatchBoard:
+    """Where a build's workers report each batch that reached a shard's writer (shard index,
+    sequences, tokens): the driver takes the reports to move its bar between shards. Needs no
+    CPU, so it is placed even when the pool holds every core."""
+
+    def __init__(self):
+        self.reports: list[tuple[int, int, int]] = []
+
+    def report(self, shard_index: int, sequences: int, tokens: int) -> None:
+        self.reports.append((shard_index, sequences, tokens))
+
+    def take(self) -> list[tuple[int, int, int]]:
+        reports, self.reports = self.reports, []
+        return reports
 
 
 def target_problem(target: str, *, driver_target_hash: str, node: str) -> str | None:
@@ -291,41 +318,47 @@ def actor_factory(actor_class, *, out, compute, placements: list, args: tuple):
 def run_shards_on_ray(
     config: CacheBuildConfig, pending: list[ShardSpec], publish, *, placements: list | None = None,
     progress: bool = True, log=print,
-) -> None:  # fmt: skip
+) -> BuildTimes:  # fmt: skip
     """Keep every actor busy with one shard; publish each finished shard in the manifest at once and
-    log which node wrote it. `placements`: one scheduling strategy per actor (plan_pool; default
-    --workers actors, SPREAD)."""
+    log which node wrote it; the bar moves as the workers report batches. `placements`: one
+    scheduling strategy per actor (plan_pool; default --workers actors, SPREAD). Returns the
+    workers' times."""
     compute = config.compute
     connect_ray(compute.ray_address)
     placements = (placements or plan_pool(compute, workers_per_node=None))[: len(pending)]
     _wait_for_resources(compute, len(placements), log=log)
-    new_worker = actor_factory(CacheWorker, out=config.out, compute=compute, placements=placements, args=(config, target_hash(config.target)))
-    bar = tqdm(
-        total=sum(s.stop - s.start for s in pending), unit="seq", desc="cache build", disable=not progress, dynamic_ncols=True
+    board = BatchBoard.options(namespace=ACTOR_NAMESPACE).remote()
+    new_worker = actor_factory(
+        CacheWorker, out=config.out, compute=compute, placements=placements, args=(config, target_hash(config.target), board)
     )
-    tokens, shards_by_node = 0, collections.Counter()
+    bar = BuildProgress(pending, enabled=progress)
+    shards_by_node = collections.Counter()
 
-    def on_result(spec: ShardSpec, result: tuple[ShardRecord, str], num_done: int) -> None:
-        nonlocal tokens
-        record, node = result
+    def on_result(spec: ShardSpec, result: tuple[ShardRecord, str, BuildTimes], num_done: int) -> None:
+        record, node, times = result
         record = dataclasses.replace(record, node=node)
         publish(spec, record)
-        tokens += record.tokens
         shards_by_node[node] += 1
         with tqdm.external_write_mode():  # the line above the bar, not through it
             log(shard_line(record, node=node))
-        bar.update(record.sequences)
-        bar.set_postfix(tokens=tokens, shards=f"{num_done}/{len(pending)}")
+        bar.shard_published(record, times)
+
+    def take_reports() -> None:
+        for report in ray.get(board.take.remote()):
+            bar.batch(*report)
 
     try:
         run_pool(
             pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.build.remote(spec),
             on_result=on_result, name_of=lambda spec: shard_name(spec.index, config.storage.storage_format),
             translate_error=functools.partial(_build_error, out=config.out), before_kill=_remove_workers_copies,
+            on_retry=lambda spec: bar.shard_lost(spec.index), on_wait=take_reports, wait_s=BATCH_REPORT_S,
         )  # fmt: skip
     finally:
         bar.close()
+        ray.kill(board)  # holds no resources: nothing to wait for
     log("shards by node: " + ", ".join(f"{node} {count}" for node, count in sorted(shards_by_node.items())))
+    return bar.times
 
 
 def shard_line(record: ShardRecord, *, node: str) -> str:

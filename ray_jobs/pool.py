@@ -34,14 +34,17 @@ def kill_and_wait(handles: list, *, timeout: float = ACTOR_EXIT_WAIT_S) -> None:
 def run_pool(
     pending: list, *, new_worker: Callable[[int], object], num_workers: int, call: Callable, on_result: Callable,
     name_of: Callable[[object], str], translate_error: Callable[[Exception], Exception],
-    before_kill: Callable[[list], None] | None = None,
+    before_kill: Callable[[list], None] | None = None, on_retry: Callable | None = None,
+    on_wait: Callable[[], None] | None = None, wait_s: float | None = None,
 ) -> None:  # fmt: skip
     """Work off `pending` (specs with an `index`) on `num_workers` actors from `new_worker(slot)`.
     `call(actor, spec)` starts a spec and returns its object ref; `on_result(spec, result,
     num_done)` runs as each finishes; an actor's own error leaves as `translate_error(error)`, a
     spec whose workers died MAX_ATTEMPTS times as a RuntimeError naming `name_of(spec)`.
     `before_kill(actors)` runs on live actors before they are killed (a kill runs no cleanup of
-    theirs: the build's workers remove their node-local store copies there)."""
+    theirs: the build's workers remove their node-local store copies there). `on_retry(spec)` runs
+    when a spec goes back to the queue after its actor died; `on_wait()` at least every `wait_s`
+    seconds while specs run (the build takes its workers' batch reports there)."""
     workers = [new_worker(slot) for slot in range(min(num_workers, len(pending)))]
     queue, attempts, running, released = list(pending), {spec.index: 0 for spec in pending}, {}, []
 
@@ -62,13 +65,20 @@ def run_pool(
         for slot in range(len(workers)):
             submit(slot)
         while running:
-            [future], _ = ray.wait(list(running), num_returns=1)
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=wait_s)
+            if on_wait is not None:
+                on_wait()
+            if not ready:
+                continue
+            [future] = ready
             slot, spec = running.pop(future)
             try:
                 result = ray.get(future)
             except ray.exceptions.RayActorError:
                 if attempts[spec.index] >= MAX_ATTEMPTS:
                     raise RuntimeError(f"{name_of(spec)}: worker died {MAX_ATTEMPTS} times") from None
+                if on_retry is not None:
+                    on_retry(spec)
                 workers[slot] = new_worker(slot)
                 queue.insert(0, spec)
                 submit(slot)

@@ -44,30 +44,39 @@ FP8_E4M3FN_TABLE.flags.writeable = False
 
 
 def encode_features(features: torch.Tensor, *, codec: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """Encode float features [..., F] into (bits [..., F], scales [...] or None).
+    """Encode float features [..., F] into (bits [..., F], scales [...] or None), refusing
+    non-finite values; on the host (see encode_features_tensor for the device).
 
     bf16: bits uint16 (the bfloat16 bit pattern), scales None.
     fp8:  bits uint8 (e4m3fn bit pattern of x / scale), scales float32 [...] (one per row).
     """
     _check_codec(codec)
+    x = features.detach().to("cpu")
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        raise ValueError("features contain NaN or infinite values; refusing to encode them into the cache")
+    bits, scales = encode_features_tensor(x, codec=codec)
+    return bits.numpy(), None if scales is None else scales.numpy()
+
+
+def encode_features_tensor(features: torch.Tensor, *, codec: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """encode_features where `features` lives (a GPU: no copy, no sync), without its finite check
+    (the caller checks a whole batch at once): (bits [..., F], scales [...] float32 or None), the
+    same bits on every device."""
+    _check_codec(codec)
     if features.ndim < 1:
         raise ValueError(f"features must have at least one axis [..., F], got shape {tuple(features.shape)}")
     if not features.is_floating_point():
         raise ValueError(f"features must be a floating point tensor, got {features.dtype}")
-    x = features.detach().to("cpu")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("features contain NaN or infinite values; refusing to encode them into the cache")
+    x = features.detach()
     if codec == "bf16":
-        bits = x.to(torch.bfloat16).contiguous().view(torch.uint16)
-        return bits.numpy(), None
+        return x.to(torch.bfloat16).contiguous().view(torch.uint16), None
 
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)  # [..., 1]
     scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
     # x / scale can round a hair past 448; clamp so the cast never leaves the finite range.
     scaled = (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    bits = scaled.to(torch.float8_e4m3fn).contiguous().view(torch.uint8)
-    return bits.numpy(), scale.squeeze(-1).numpy().astype(np.float32, copy=False)
+    return scaled.to(torch.float8_e4m3fn).contiguous().view(torch.uint8), scale.squeeze(-1)
 
 
 def decode_features(bits: np.ndarray, scales: np.ndarray | None, *, codec: str) -> np.ndarray:

