@@ -84,6 +84,35 @@ def regenerated_manifest(path: str | os.PathLike) -> dict | None:
     return data if isinstance(data, dict) and data.get("kind") == REGENERATED_KIND else None
 
 
+def regenerated_part_name(index: int) -> str:
+    return f"part-{index:05d}.jsonl"
+
+
+_PART_COUNTS = ("lines", "written", "turns", "turns_cut", "generated_tokens")
+
+
+def checked_regenerated_parts(manifest: dict, *, where: str) -> list[dict]:
+    """The part records of a regeneration manifest, sorted by index, after checking every field a
+    reader uses: a part's name must be the one its index gives (never a path from the file), so a
+    crafted or damaged manifest stops in one line naming `where` (docs/design.md, "Bad input")."""
+    num_parts, parts = manifest.get("num_parts"), manifest.get("parts")
+    if not isinstance(num_parts, int) or num_parts < 0 or not isinstance(parts, list):
+        raise ValueError(f"{where}: damaged manifest ('num_parts' or 'parts' missing or of the wrong type)")
+    seen = set()
+    for part in parts:
+        index = part.get("index") if isinstance(part, dict) else None
+        if not isinstance(index, int) or not 0 <= index < num_parts or index in seen:
+            raise ValueError(f"{where}: damaged manifest (a part with a missing, repeated or out-of-range index)")
+        seen.add(index)
+        if part.get("name") != regenerated_part_name(index):
+            raise ValueError(f"{where}: damaged manifest (part {index} is named {part.get('name')!r}, not {regenerated_part_name(index)!r})")
+        if not all(isinstance(part.get(key), int) and part[key] >= 0 for key in _PART_COUNTS) or not all(
+            isinstance(part.get(key), dict) for key in ("failed", "skipped")
+        ) or not isinstance(part.get("sha256"), str):  # fmt: skip
+            raise ValueError(f"{where}: damaged manifest (part {index} lacks its counts or checksum)")
+    return sorted(parts, key=lambda part: part["index"])
+
+
 def regenerated_parts(path: str | os.PathLike) -> list[tuple[int, Path]] | None:
     """(row index of its first line, file) of every part of a finished regenerated corpus, in
     order; None when `path` is not a regenerated corpus. An unfinished one is refused."""
@@ -91,7 +120,7 @@ def regenerated_parts(path: str | os.PathLike) -> list[tuple[int, Path]] | None:
     manifest = regenerated_manifest(path) if path.is_dir() else None
     if manifest is None:
         return None
-    parts = sorted(manifest["parts"], key=lambda part: part["index"])
+    parts = checked_regenerated_parts(manifest, where=str(path / REGENERATED_MANIFEST))
     if len(parts) != manifest["num_parts"]:
         raise ValueError(
             f"{path}: regeneration not finished ({len(parts)}/{manifest['num_parts']} parts); rerun alrira-cache regenerate"

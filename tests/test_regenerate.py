@@ -243,3 +243,20 @@ def test_a_vision_language_row_is_regenerated_with_its_image(vl_target, vl_corpu
     assert built.stats["images"] == 4 and len(built) == 6
     with pytest.raises(ValueError, match="vision-language target"):
         regenerate_corpus(RegenerateConfig.from_flags(target=str(vl_target), corpus=str(vl_corpus), out=str(tmp_path / "v"), backend="vllm"))
+
+
+def test_a_damaged_manifest_stops_in_one_line(toy_target, short_corpus, tmp_path):
+    """A part name from the manifest is never joined onto the folder: it must be its index's name."""
+    folder = tmp_path / "regen"
+    folder.mkdir()
+    (folder / "x.jsonl").write_text(short_corpus.read_text())
+    part = {"index": 0, "name": "../chat.jsonl", "lines": 5, "written": 5, "turns": 5, "turns_cut": 0,
+            "generated_tokens": 9, "failed": {}, "skipped": {}, "sha256": "sha256:0"}  # fmt: skip
+    manifest = {"kind": "alrira-regenerated-corpus", "num_parts": 1, "parts": [part], "provenance": {}}
+    for damage, message in [({}, "is named '../chat.jsonl'"), ({"parts": None}, "'parts' missing"),
+                            ({"parts": [{**part, "name": "part-00000.jsonl", "lines": "5"}]}, "lacks its counts")]:  # fmt: skip
+        (folder / "manifest.json").write_text(json.dumps({**manifest, **damage}))
+        with pytest.raises(ValueError, match=rf"^{folder / 'manifest.json'}: damaged manifest \(.*{message}"):
+            list(iter_corpus_rows(folder))
+        with pytest.raises(ValueError, match=rf"^{folder / 'manifest.json'}: damaged manifest"):
+            regenerate_corpus(config(toy_target, short_corpus, folder), log=lambda m: None)

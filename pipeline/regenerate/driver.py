@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from pipeline.cache_build.corpus import file_sha256
-from pipeline.chat import REGENERATED_KIND, REGENERATED_MANIFEST, iter_corpus_rows
+from pipeline.chat import REGENERATED_KIND, REGENERATED_MANIFEST, checked_regenerated_parts, iter_corpus_rows
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
@@ -73,8 +73,17 @@ def read_manifest(out) -> dict | None:
     location = resolve(out)
     if not location.is_file(REGENERATED_MANIFEST):
         return None
-    data = json.loads(location.read_bytes(REGENERATED_MANIFEST))
-    return data if isinstance(data, dict) and data.get("kind") == REGENERATED_KIND else None
+    where = location.join(REGENERATED_MANIFEST)
+    try:
+        data = json.loads(location.read_bytes(REGENERATED_MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{where}: unreadable manifest ({error}); move it or use another --out") from None
+    if not isinstance(data, dict) or data.get("kind") != REGENERATED_KIND:
+        return None
+    if not isinstance(data.get("provenance"), dict):
+        raise ValueError(f"{where}: damaged manifest ('provenance' missing or not an object); move it or use another --out")
+    data["parts"] = checked_regenerated_parts(data, where=str(where))
+    return data
 
 
 def write_manifest(out, manifest: dict) -> None:

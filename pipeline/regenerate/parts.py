@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs
 from pipeline.chat import CorpusError, iter_corpus_rows, row_locator
+from pipeline.chat import regenerated_part_name as part_name
 from pipeline.regenerate.backends import load_generator
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.rows import RowRegeneration, apply_turn, next_request, output_row, prepare_row
@@ -21,10 +22,6 @@ from pipeline.target import read_target_config
 from pipeline.vision import effective_system_prompt
 from storage.atomic import atomic_write_bytes
 from storage.location import resolve
-
-
-def part_name(index: int) -> str:
-    return f"part-{index:05d}.jsonl"
 
 
 @dataclass(kw_only=True, frozen=True)
