@@ -18,6 +18,7 @@ from pipeline.demo.toy import toy_chat_rows
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.driver import regenerate_corpus, summary_line
 from pipeline.target import load_tokenizer
+from pipeline.vision import VisionInputConfig
 from storage.location import resolve
 from tests.conftest import write_jsonl
 
@@ -234,13 +235,16 @@ def test_a_vision_language_row_is_regenerated_with_its_image(vl_target, vl_corpu
     )
     assert manifest["totals"]["written"] == 6
     rows = rows_of(out)
-    assert Path(rows[0]["image"]).is_absolute() and rows[0]["conversations"][1]["value"]
+    assert rows[0]["image"] == "images/a.png" and rows[0]["conversations"][1]["value"]
+    assert manifest["provenance"]["image_root"] == str(vl_corpus.parent.resolve())
     tokenizer = load_tokenizer(vl_target)
     from pipeline.cache_build.corpus import corpus_vision_inputs
 
     corpus = CorpusConfig(path=str(out), min_supervised_tokens=0)
     built = ingest_corpus(corpus, tokenizer, progress=False, vision=corpus_vision_inputs(vl_target, corpus))
     assert built.stats["images"] == 4 and len(built) == 6
+    explicit = CorpusConfig(path=str(out), vision_input=VisionInputConfig(image_root=str(tmp_path)))
+    assert corpus_vision_inputs(vl_target, explicit).image_root == tmp_path  # --image-root still wins
     with pytest.raises(ValueError, match="vision-language target"):
         regenerate_corpus(RegenerateConfig.from_flags(target=str(vl_target), corpus=str(vl_corpus), out=str(tmp_path / "v"), backend="vllm"))
 

@@ -16,8 +16,9 @@ import json
 import re
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
-from pipeline.cache_build.corpus import file_sha256
+from pipeline.cache_build.corpus import default_image_root, file_sha256
 from pipeline.chat import REGENERATED_KIND, REGENERATED_MANIFEST, checked_regenerated_parts, iter_corpus_rows
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
@@ -54,7 +55,16 @@ def provenance(config: RegenerateConfig, *, num_rows: int) -> dict:
         "backend": config.compute.backend,
         "versions": library_versions(config.compute.backend),
         "settings": config.content_settings(),
+        "image_root": image_root(config),
     }
+
+
+def image_root(config: RegenerateConfig) -> str | None:
+    """The folder the rows' relative image paths resolve against (vision-language targets): the
+    parts keep those paths, so the build reads this to find the images (default_image_root)."""
+    if not is_vision_target(config.target):
+        return None
+    return str(Path(config.vision_input.image_root or default_image_root(config.corpus)).resolve())
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
