@@ -27,6 +27,7 @@ from ray_jobs.build import (
     stop_earlier_workers,
     target_problem,
     this_node,
+    worker_problem,
 )
 from ray_jobs.pool import run_pool
 
@@ -34,11 +35,18 @@ from ray_jobs.pool import run_pool
 @ray.remote
 class RegenerateWorker:
     """A Ray actor around PartWriter. A node whose --target differs from the driver's writes
-    nothing: its first part fails with that one line (as in the build's CacheWorker)."""
+    nothing: its first part fails with that one line, as does one whose PartWriter cannot start
+    (as in the build's CacheWorker)."""
 
     def __init__(self, config: RegenerateConfig, driver_target_hash: str):
-        self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=this_node())
-        self.writer = None if self.problem else PartWriter(config)
+        node = this_node()
+        self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=node)
+        self.writer = None
+        if not self.problem:
+            try:  # a failing load is this node's one line, not a worker death retried MAX_ATTEMPTS times
+                self.writer = PartWriter(config)
+            except (OSError, ValueError) as error:
+                self.problem = worker_problem(config, error, node=node)
 
     def write(self, spec: PartSpec) -> tuple[dict, str]:
         if self.problem:

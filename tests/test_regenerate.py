@@ -264,3 +264,19 @@ def test_a_damaged_manifest_stops_in_one_line(toy_target, short_corpus, tmp_path
             list(iter_corpus_rows(folder))
         with pytest.raises(ValueError, match=rf"^{folder / 'manifest.json'}: damaged manifest"):
             regenerate_corpus(config(toy_target, short_corpus, folder), log=lambda m: None)
+
+
+def test_a_worker_that_cannot_load_the_target_stops_in_one_line(ray_address, toy_target, short_corpus, tmp_path):
+    """The weights missing on the nodes (the driver hashes the same files): the worker's own error
+    in one line, not three worker deaths and a traceback."""
+    import shutil
+
+    from ray_jobs.cli import cache_cli
+
+    target = shutil.copytree(toy_target, tmp_path / "target")
+    for weights in target.glob("*.safetensors"):
+        weights.unlink()
+    args = ["regenerate", "--target", str(target), "--corpus", str(short_corpus), "--out", str(tmp_path / "out"), "--no-progress"]
+    result = CliRunner().invoke(cache_cli, args)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.startswith("Error: node ") and "worker died" not in result.output
