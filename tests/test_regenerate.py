@@ -17,7 +17,8 @@ from pipeline.chat import iter_corpus_rows, normalize_row
 from pipeline.demo.toy import toy_chat_rows
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.driver import regenerate_corpus, summary_line
-from pipeline.target import load_tokenizer
+from pipeline.eval.evaluate import render_prompt
+from pipeline.target import load_target, load_tokenizer
 from pipeline.vision import VisionInputConfig
 from storage.location import resolve
 from tests.conftest import write_jsonl
@@ -280,3 +281,35 @@ def test_a_worker_that_cannot_load_the_target_stops_in_one_line(ray_address, toy
     result = CliRunner().invoke(cache_cli, args)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert result.output.startswith("Error: node ") and "worker died" not in result.output
+
+
+def test_the_targets_generation_config_does_not_change_the_tokens(toy_target, tmp_path):
+    """A banned first token, repetition penalty and minimum length in generation_config.json are
+    not ours: the output is plain greedy decoding."""
+    import shutil
+
+    import torch
+    from transformers import GenerationConfig
+
+    from pipeline.regenerate.backends import HfGenerator, TurnRequest
+
+    target = shutil.copytree(toy_target, tmp_path / "target")
+    sampling = RegenerateConfig.from_flags(target=str(target), corpus="c.jsonl", out="o", max_new_tokens=MAX_NEW).sampling
+    model = load_target(target, device="cpu", dtype=torch.float32)
+    prompt = render_prompt(load_tokenizer(target), [{"role": "user", "content": "the cat"}])
+    ids = list(prompt)
+    with torch.no_grad():  # plain greedy decoding, one forward per token
+        for _ in range(MAX_NEW):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    greedy = ids[len(prompt) :]
+    config_file = target / "generation_config.json"
+    settings = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    settings.update(suppress_tokens=[greedy[0]], repetition_penalty=100.0, min_new_tokens=MAX_NEW)
+    config_file.write_text(json.dumps(settings))
+    with torch.no_grad():  # what the target's settings would make of the same prompt
+        penalized = model.generate(torch.tensor([prompt]), generation_config=GenerationConfig.from_pretrained(target), max_new_tokens=MAX_NEW)
+    assert penalized[0, len(prompt)].item() != greedy[0]
+    generator = HfGenerator(str(target), sampling=sampling, device="cpu", dtype=torch.float32, batch_tokens=4096)
+    [output] = generator.generate([TurnRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, seed=0, image=None)])
+    stop = next((i for i, token in enumerate(greedy) if token in generator.stop_ids), len(greedy))
+    assert output.token_ids == greedy[:stop] and output.stopped == (stop < len(greedy))
