@@ -199,17 +199,18 @@ def plan_pool(compute, *, workers_per_node: int | None) -> list:
     return placements
 
 
-def _actor_prefix(out) -> str:
-    """Name prefix of the actors of every build on cache `out` (a path, or an object-store URL
-    taken as it is)."""
+def _actor_prefix(out, *, stage: str) -> str:
+    """Name prefix of the actors of every run of `stage` ("cache" builds, "regenerate") on `out` (a
+    path, or an object-store URL taken as it is): the stage is in it, so one stage given the
+    other's --out by mistake never stops the other's live actors."""
     key = str(out) if is_url(out) else str(Path(out).resolve())
-    return "cache-worker-" + hashlib.sha256(key.encode()).hexdigest()[:16] + "-"
+    return f"{stage}-worker-" + hashlib.sha256(key.encode()).hexdigest()[:16] + "-"
 
 
-def stop_earlier_workers(out, *, log=print) -> int:
-    """Kill the actors an earlier build on `out` still runs (a killed driver's orphans, which Ray
-    reaps only eventually) and wait until they are gone; returns how many there were."""
-    prefix = _actor_prefix(out)
+def stop_earlier_workers(out, *, stage: str = "cache", log=print) -> int:
+    """Kill the actors an earlier run of `stage` on `out` still runs (a killed driver's orphans,
+    which Ray reaps only eventually) and wait until they are gone; returns how many there were."""
+    prefix = _actor_prefix(out, stage=stage)
     handles = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] != ACTOR_NAMESPACE or not entry["name"].startswith(prefix):
@@ -219,7 +220,7 @@ def stop_earlier_workers(out, *, log=print) -> int:
         except ValueError:  # gone meanwhile
             continue
     if handles:
-        log(f"stopping {len(handles)} worker(s) of an earlier build on {out}")
+        log(f"stopping {len(handles)} worker(s) of an earlier {'build' if stage == 'cache' else stage} on {out}")
         kill_and_wait(handles)
     return len(handles)
 
@@ -275,11 +276,11 @@ def _wait_for_resources(compute, num_workers: int, *, log, timeout: float = RESO
         time.sleep(0.2)
 
 
-def actor_factory(actor_class, *, out, compute, placements: list, args: tuple):
+def actor_factory(actor_class, *, out, compute, placements: list, args: tuple, stage: str = "cache"):
     """new_worker(slot) -> a fresh `actor_class` actor (constructed with `args`) for pool slot
     `slot`, named after `out` so that stop_earlier_workers finds it; a replacement keeps its slot's
     placement (the same node under --workers-per-node)."""
-    prefix = _actor_prefix(out)
+    prefix = _actor_prefix(out, stage=stage)
     options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
 
     def new_worker(slot: int):

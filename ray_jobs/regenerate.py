@@ -31,6 +31,8 @@ from ray_jobs.build import (
 )
 from ray_jobs.pool import run_pool
 
+STAGE = "regenerate"  # its actors' name prefix (ray_jobs/build.py _actor_prefix): a build's never match
+
 
 @ray.remote
 class RegenerateWorker:
@@ -63,7 +65,8 @@ def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=pr
     connect_ray(compute.ray_address)
     placements = plan_pool(compute, workers_per_node=compute.workers_per_node)
     check_capacity(compute, len(placements))
-    stop_earlier_workers(config.out, log=log)  # a killed run's actors must not write while this one starts
+    driver.check_out_is_ours(config)  # a mistyped --out (a cache, a corpus) is refused before any actor is stopped
+    stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
     _wait_for_resources(compute, len(placements), log=log)
     run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
     return driver.regenerate_corpus(config, run_parts=run_parts, log=log)
@@ -75,7 +78,8 @@ def run_parts_on_ray(
     """Keep every actor busy with one part (ray_jobs/pool.py); publish each finished part at once."""
     placements = placements[: len(pending)]
     new_worker = actor_factory(
-        RegenerateWorker, out=config.out, compute=config.compute, placements=placements, args=(config, target_hash(config.target))
+        RegenerateWorker, out=config.out, compute=config.compute, placements=placements, args=(config, target_hash(config.target)),
+        stage=STAGE,
     )
     bar = tqdm(total=sum(s.stop - s.start for s in pending), unit="row", desc="regenerate", disable=not progress)
 

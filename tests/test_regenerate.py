@@ -313,3 +313,31 @@ def test_the_targets_generation_config_does_not_change_the_tokens(toy_target, tm
     [output] = generator.generate([TurnRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, seed=0, image=None)])
     stop = next((i for i, token in enumerate(greedy) if token in generator.stop_ids), len(greedy))
     assert output.token_ids == greedy[:stop] and output.stopped == (stop < len(greedy))
+
+
+def test_regenerate_on_a_builds_out_leaves_its_actors_alone(ray_address, toy_target, short_corpus, tmp_path):
+    """A mistyped `--out CACHE`: refused before anything is stopped, and a build's actor names are not
+    regeneration's anyway."""
+    import ray
+
+    from ray_jobs.build import ACTOR_NAMESPACE, _actor_prefix
+    from ray_jobs.cli import cache_cli
+
+    @ray.remote(num_cpus=0)
+    class Live:
+        def ping(self) -> int:
+            return 1
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text("{}")
+    name = _actor_prefix(cache, stage="cache") + "live"
+    assert not name.startswith(_actor_prefix(cache, stage="regenerate"))
+    live = Live.options(name=name, namespace=ACTOR_NAMESPACE).remote()
+    try:
+        args = ["regenerate", "--target", str(toy_target), "--corpus", str(short_corpus), "--out", str(cache), "--no-progress"]
+        result = CliRunner().invoke(cache_cli, args)
+        assert result.output.startswith(f"Error: {cache}: not empty and not a regeneration output"), result.output
+        assert ray.get(live.ping.remote(), timeout=30) == 1
+    finally:
+        ray.kill(live)

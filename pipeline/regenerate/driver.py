@@ -104,10 +104,10 @@ def write_manifest(out, manifest: dict) -> None:
 OWN_FILE = re.compile(r"^\.?(manifest\.json|part-\d{5}\.jsonl)(\..+\.tmp)?$")
 
 
-def check_out(config: RegenerateConfig, new: dict) -> dict | None:
-    """The earlier run's manifest to resume, or None to start afresh. Refuses a non-empty --out that
-    is not a regeneration output, and a rerun with other inputs or settings unless --overwrite (then
-    only this stage's own files are removed)."""
+def check_out_is_ours(config: RegenerateConfig) -> tuple[list[str], dict | None]:
+    """--out's names and its manifest (None when empty or new), touching nothing: refuses a
+    non-empty --out that is not a regeneration output or holds files it did not write. Runs before
+    any earlier run's actors on --out are stopped (ray_jobs/regenerate.py)."""
     location = resolve(config.out)
     names = location.names() if location.is_dir() else []
     previous = read_manifest(config.out)
@@ -117,6 +117,15 @@ def check_out(config: RegenerateConfig, new: dict) -> dict | None:
         raise ValueError(f"{config.out}: not empty and not a regeneration output (holds {shown}); use another --out")
     if foreign:
         raise ValueError(f"{config.out}: holds files regeneration did not write ({', '.join(foreign[:3])}); move them or use another --out")
+    return names, previous
+
+
+def check_out(config: RegenerateConfig, new: dict) -> dict | None:
+    """The earlier run's manifest to resume, or None to start afresh (check_out_is_ours first). A
+    rerun with other inputs or settings is refused unless --overwrite (then only this stage's own
+    files are removed)."""
+    location = resolve(config.out)
+    names, previous = check_out_is_ours(config)
     for name in names:  # temp files of a killed run's writes (its workers are stopped by now)
         if name.endswith(".tmp"):
             location.remove(name)
