@@ -341,3 +341,11 @@ def test_regenerate_on_a_builds_out_leaves_its_actors_alone(ray_address, toy_tar
         assert ray.get(live.ping.remote(), timeout=30) == 1
     finally:
         ray.kill(live)
+
+
+def test_out_may_not_be_the_corpus(greedy_run, toy_target, tmp_path):
+    out, _ = greedy_run
+    for corpus, target_out in [(out, out), (out, out / "again"), (out / "part-00000.jsonl", out)]:
+        with pytest.raises(ValueError, match=rf"^--out {target_out}: is, or lies inside or around, --corpus {corpus}"):
+            regenerate_corpus(config(toy_target, corpus, target_out, overwrite=True), log=lambda m: None)
+    assert (out / "part-00000.jsonl").is_file()

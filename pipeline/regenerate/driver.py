@@ -25,7 +25,7 @@ from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
 from pipeline.vision import is_vision_target
 from storage.atomic import atomic_write_bytes
-from storage.location import resolve
+from storage.location import is_url, resolve
 
 FORMAT_VERSION = 1
 RunParts = Callable[[RegenerateConfig, list[PartSpec], Callable[[dict], None]], None]
@@ -104,10 +104,23 @@ def write_manifest(out, manifest: dict) -> None:
 OWN_FILE = re.compile(r"^\.?(manifest\.json|part-\d{5}\.jsonl)(\..+\.tmp)?$")
 
 
+def refuse_out_over_corpus(config: RegenerateConfig) -> None:
+    """--out must not be the corpus, inside it, or hold it: a resume or --overwrite would replace
+    the input it is reading."""
+    if is_url(config.out) or is_url(config.corpus):
+        overlap = config.out.rstrip("/") == config.corpus.rstrip("/")
+    else:
+        out, corpus = Path(config.out).resolve(), Path(config.corpus).resolve()
+        overlap = out == corpus or corpus in out.parents or out in corpus.parents
+    if overlap:
+        raise ValueError(f"--out {config.out}: is, or lies inside or around, --corpus {config.corpus}; use another --out")
+
+
 def check_out_is_ours(config: RegenerateConfig) -> tuple[list[str], dict | None]:
     """--out's names and its manifest (None when empty or new), touching nothing: refuses a
     non-empty --out that is not a regeneration output or holds files it did not write. Runs before
     any earlier run's actors on --out are stopped (ray_jobs/regenerate.py)."""
+    refuse_out_over_corpus(config)
     location = resolve(config.out)
     names = location.names() if location.is_dir() else []
     previous = read_manifest(config.out)
