@@ -13,6 +13,7 @@ import os
 import ray
 from tqdm.auto import tqdm
 
+from pipeline.cache_build.corpus import file_sha256
 from pipeline.regenerate import driver
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
@@ -36,13 +37,14 @@ STAGE = "regenerate"  # its actors' name prefix (ray_jobs/build.py _actor_prefix
 
 @ray.remote
 class RegenerateWorker:
-    """A Ray actor around PartWriter. A node whose --target differs from the driver's writes
+    """A Ray actor around PartWriter. A node whose --target or --corpus differs from the driver's writes
     nothing: its first part fails with that one line, as does one whose PartWriter cannot start
     (as in the build's CacheWorker)."""
 
-    def __init__(self, config: RegenerateConfig, driver_target_hash: str):
+    def __init__(self, config: RegenerateConfig, driver_target_hash: str, driver_corpus_hash: str):
         node = this_node()
         self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=node)
+        self.problem = self.problem or corpus_problem(config.corpus, driver_corpus_hash=driver_corpus_hash, node=node)
         self.writer = None
         if not self.problem:
             try:  # a failing load is this node's one line, not a worker death retried MAX_ATTEMPTS times
@@ -57,6 +59,21 @@ class RegenerateWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def corpus_problem(corpus: str, *, driver_corpus_hash: str, node: str) -> str | None:
+    """Why `node` cannot read the driver's rows from its copy of `corpus`, or None: every node reads
+    the corpus itself, at the same path (docs/cluster.md, "The target on every node")."""
+    try:
+        found = file_sha256(corpus)
+    except (OSError, ValueError):
+        return f"node {node}: --corpus {corpus}: not found there; every node needs the corpus at the same path"
+    if found != driver_corpus_hash:
+        return (
+            f"node {node}: --corpus {corpus} holds other rows than the driver's (corpus hash "
+            f"{found.removeprefix('sha256:')[:12]}, driver {driver_corpus_hash.removeprefix('sha256:')[:12]})"
+        )
+    return None
 
 
 def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=print) -> dict:
@@ -78,7 +95,7 @@ def run_parts_on_ray(
     """Keep every actor busy with one part (ray_jobs/pool.py); publish each finished part at once."""
     placements = placements[: len(pending)]
     new_worker = actor_factory(
-        RegenerateWorker, out=config.out, compute=config.compute, placements=placements, args=(config, target_hash(config.target)),
+        RegenerateWorker, out=config.out, compute=config.compute, placements=placements, args=(config, target_hash(config.target), driver.read_manifest(config.out)["provenance"]["corpus_hash"]),
         stage=STAGE,
     )
     bar = tqdm(total=sum(s.stop - s.start for s in pending), unit="row", desc="regenerate", disable=not progress)

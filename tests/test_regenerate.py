@@ -349,3 +349,20 @@ def test_out_may_not_be_the_corpus(greedy_run, toy_target, tmp_path):
         with pytest.raises(ValueError, match=rf"^--out {target_out}: is, or lies inside or around, --corpus {corpus}"):
             regenerate_corpus(config(toy_target, corpus, target_out, overwrite=True), log=lambda m: None)
     assert (out / "part-00000.jsonl").is_file()
+
+
+def test_a_node_whose_corpus_differs_writes_nothing(ray_address, toy_target, short_corpus, tmp_path):
+    """The driver hashed other rows than this node reads (a stale copy at the same path)."""
+    from pipeline.regenerate.driver import write_manifest
+    from pipeline.regenerate.parts import PartSpec
+    from ray_jobs.build import plan_pool
+    from ray_jobs.regenerate import run_parts_on_ray
+
+    out = tmp_path / "out"
+    out.mkdir()
+    write_manifest(out, {"kind": "alrira-regenerated-corpus", "num_parts": 1, "parts": [], "provenance": {"corpus_hash": "sha256:" + "0" * 64}})
+    regen = config(toy_target, short_corpus, out)
+    published = []
+    with pytest.raises(ValueError, match=rf"^node \S+: --corpus {short_corpus} holds other rows than the driver's \(corpus hash \w+, driver 000000000000\)"):
+        run_parts_on_ray(regen, [PartSpec(index=0, start=0, stop=2)], published.append, placements=plan_pool(regen.compute, workers_per_node=None), progress=False)
+    assert published == [] and not (out / "part-00000.jsonl").exists()
