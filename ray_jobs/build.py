@@ -76,7 +76,7 @@ class CacheWorker:
             try:
                 self.builder = ShardBuilder(config)
             except (OSError, ValueError) as error:  # e.g. a node without the store's credentials
-                self.problem = worker_problem(config, error, node=node)
+                self.problem = worker_problem(error, node=node, paths=(config.out, config.corpus.path))
 
     def build(self, spec: ShardSpec) -> tuple[ShardRecord, str]:
         """The shard's record and the node that wrote it (this_node)."""
@@ -93,11 +93,12 @@ class CacheWorker:
         return len(remove_local_copies())
 
 
-def worker_problem(config: CacheBuildConfig, error: Exception, *, node: str) -> str:
-    """The one line of a worker that could not start: the node and the real cause first, and for a
-    store the usual reason (docs/cluster.md: every node needs the store's AWS_* environment)."""
+def worker_problem(error: Exception, *, node: str, paths: tuple[str, ...]) -> str:
+    """The one line of a worker that could not start: the node and the real cause first, and when
+    one of its `paths` (--out, --corpus) is on a store the usual reason (docs/cluster.md: every
+    node needs the store's AWS_* environment)."""
     line = f"node {node}: {first_line(error)}"
-    if isinstance(error, OSError) and any(is_url(where) for where in (config.out, config.corpus)):
+    if isinstance(error, OSError) and any(is_url(where) for where in paths):
         line += "; every node needs the store's credentials and endpoint in its environment (AWS_ACCESS_KEY_ID, ...)"
     return line
 

@@ -50,7 +50,7 @@ class RegenerateWorker:
             try:  # a failing load is this node's one line, not a worker death retried MAX_ATTEMPTS times
                 self.writer = PartWriter(config)
             except (OSError, ValueError) as error:
-                self.problem = worker_problem(config, error, node=node)
+                self.problem = worker_problem(error, node=node, paths=(config.out, config.corpus))
 
     def write(self, spec: PartSpec) -> tuple[dict, str]:
         if self.problem:
