@@ -366,3 +366,23 @@ def test_a_node_whose_corpus_differs_writes_nothing(ray_address, toy_target, sho
     with pytest.raises(ValueError, match=rf"^node \S+: --corpus {short_corpus} holds other rows than the driver's \(corpus hash \w+, driver 000000000000\)"):
         run_parts_on_ray(regen, [PartSpec(index=0, start=0, stop=2)], published.append, placements=plan_pool(regen.compute, workers_per_node=None), progress=False)
     assert published == [] and not (out / "part-00000.jsonl").exists()
+
+
+def test_a_part_reads_the_corpus_from_its_own_first_row(short_corpus, tmp_path):
+    """jsonl_row_seeks finds each part's first row once; a part then starts there (blank lines,
+    a BOM and bad lines counted as the full read counts them), never re-reading the rows before it."""
+    from pipeline.chat import jsonl_row_seeks
+    from pipeline.regenerate.parts import corpus_rows
+
+    lines = short_corpus.read_text().splitlines()
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(("\ufeff" + "\n\n".join([lines[0], "{bad", *lines[1:], "", lines[2]]) + "\n").encode())
+    seeks = jsonl_row_seeks(path, every=2)
+    num_rows = sum(1 for _ in iter_corpus_rows(path))
+    assert num_rows == 7 and len(seeks) == 4
+    whole = [repr(row) for row in corpus_rows(str(path), start=0, stop=num_rows)]
+    seeked = [repr(row) for i, seek in enumerate(seeks) for row in corpus_rows(str(path), start=2 * i, stop=2 * i + 2, seek=seek)]
+    assert seeked == whole
+    head = path.read_bytes()[: seeks[2][0]]
+    path.write_bytes(b"\n" * len(head) + path.read_bytes()[len(head) :])  # rows 0-3 blanked: only a seek still finds rows 4-5
+    assert [repr(row) for row in corpus_rows(str(path), start=4, stop=6, seek=seeks[2])] == whole[4:6]

@@ -19,7 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.cache_build.corpus import default_image_root, file_sha256
-from pipeline.chat import REGENERATED_KIND, REGENERATED_MANIFEST, checked_regenerated_parts, iter_corpus_rows
+from pipeline.chat import (
+    REGENERATED_KIND,
+    REGENERATED_MANIFEST,
+    checked_regenerated_parts,
+    is_jsonl_file,
+    iter_corpus_rows,
+    jsonl_row_seeks,
+)
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
@@ -214,9 +221,12 @@ def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_par
     num_rows = sum(1 for _ in iter_corpus_rows(config.corpus))  # a missing corpus stops here, before --out
     new = provenance(config, num_rows=num_rows)
     previous = check_out(config, new)
+    starts = range(0, num_rows, config.rows_per_part)
+    # A JSONL corpus: each part's first row's byte offset, found in one pass, so no part re-reads the rows before it.
+    seeks = jsonl_row_seeks(config.corpus, every=config.rows_per_part) if is_jsonl_file(config.corpus) else [None] * len(starts)
     specs = [
-        PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows))
-        for i, start in enumerate(range(0, num_rows, config.rows_per_part))
+        PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows), seek=seek)
+        for i, (start, seek) in enumerate(zip(starts, seeks, strict=True))
     ]
     kept = [r for r in (previous or {}).get("parts", []) if r["index"] < len(specs) and part_is_intact(config.out, r)]
     if previous is not None:

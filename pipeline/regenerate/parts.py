@@ -31,11 +31,15 @@ class PartSpec:
     index: int
     start: int
     stop: int
+    seek: tuple[int, int] | None = None  # JSONL: (byte offset, line index) of row `start` (jsonl_row_seeks)
 
 
-def corpus_rows(path: str, *, start: int, stop: int):
-    """(row index in the file, row or CorpusError) of the corpus's rows start .. stop - 1."""
-    for ordinal, (row_index, row) in enumerate(iter_corpus_rows(path)):
+def corpus_rows(path: str, *, start: int, stop: int, seek: tuple[int, int] | None = None):
+    """(row index in the file, row or CorpusError) of the corpus's rows start .. stop - 1. With
+    `seek` (row `start`'s place in a JSONL file) the file is read from there, not from row 0, so
+    writing every part reads the corpus once, not once per part up to it."""
+    rows = iter_corpus_rows(path) if seek is None else iter_corpus_rows(path, seek=seek)
+    for ordinal, (row_index, row) in enumerate(rows, start=0 if seek is None else start):
         if ordinal >= stop:
             return
         if ordinal >= start:
@@ -94,7 +98,7 @@ class PartWriter:
         --skip-bad-rows; else the first one stops the run with its one-line error)."""
         locate = row_locator(self.config.corpus)
         rows, skipped, failed, failed_rows = [], Counter(), Counter(), []
-        for row_index, raw in corpus_rows(self.config.corpus, start=spec.start, stop=spec.stop):
+        for row_index, raw in corpus_rows(self.config.corpus, start=spec.start, stop=spec.stop, seek=spec.seek):
             try:
                 if isinstance(raw, CorpusError):
                     raise raw
