@@ -106,7 +106,8 @@ def checked_regenerated_parts(manifest: dict, *, where: str) -> list[dict]:
             raise ValueError(f"{where}: damaged manifest (a part with a missing, repeated or out-of-range index)")
         seen.add(index)
         if part.get("name") != regenerated_part_name(index):
-            raise ValueError(f"{where}: damaged manifest (part {index} is named {part.get('name')!r}, not {regenerated_part_name(index)!r})")
+            name, expected = part.get("name"), regenerated_part_name(index)
+            raise ValueError(f"{where}: damaged manifest (part {index} is named {name!r}, not {expected!r})")
         if not all(isinstance(part.get(key), int) and part[key] >= 0 for key in _PART_COUNTS) or not all(
             isinstance(part.get(key), dict) for key in ("failed", "skipped")
         ) or not isinstance(part.get("sha256"), str):  # fmt: skip

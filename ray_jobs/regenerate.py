@@ -94,10 +94,11 @@ def run_parts_on_ray(
 ) -> None:
     """Keep every actor busy with one part (ray_jobs/pool.py); publish each finished part at once."""
     placements = placements[: len(pending)]
+    corpus_hash = driver.read_manifest(config.out)["provenance"]["corpus_hash"]  # the driver's, written before any part
     new_worker = actor_factory(
-        RegenerateWorker, out=config.out, compute=config.compute, placements=placements, args=(config, target_hash(config.target), driver.read_manifest(config.out)["provenance"]["corpus_hash"]),
-        stage=STAGE,
-    )
+        RegenerateWorker, out=config.out, compute=config.compute, placements=placements,
+        args=(config, target_hash(config.target), corpus_hash), stage=STAGE,
+    )  # fmt: skip
     bar = tqdm(total=sum(s.stop - s.start for s in pending), unit="row", desc="regenerate", disable=not progress)
 
     def on_result(spec: PartSpec, result: tuple[dict, str], num_done: int) -> None:

@@ -307,7 +307,8 @@ def test_the_targets_generation_config_does_not_change_the_tokens(toy_target, tm
     settings.update(suppress_tokens=[greedy[0]], repetition_penalty=100.0, min_new_tokens=MAX_NEW)
     config_file.write_text(json.dumps(settings))
     with torch.no_grad():  # what the target's settings would make of the same prompt
-        penalized = model.generate(torch.tensor([prompt]), generation_config=GenerationConfig.from_pretrained(target), max_new_tokens=MAX_NEW)
+        target_settings = GenerationConfig.from_pretrained(target)
+        penalized = model.generate(torch.tensor([prompt]), generation_config=target_settings, max_new_tokens=MAX_NEW)
     assert penalized[0, len(prompt)].item() != greedy[0]
     generator = HfGenerator(str(target), sampling=sampling, device="cpu", dtype=torch.float32, batch_tokens=4096)
     [output] = generator.generate([TurnRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, seed=0, image=None)])
@@ -360,11 +361,13 @@ def test_a_node_whose_corpus_differs_writes_nothing(ray_address, toy_target, sho
 
     out = tmp_path / "out"
     out.mkdir()
-    write_manifest(out, {"kind": "alrira-regenerated-corpus", "num_parts": 1, "parts": [], "provenance": {"corpus_hash": "sha256:" + "0" * 64}})
+    other_rows = {"corpus_hash": "sha256:" + "0" * 64}
+    write_manifest(out, {"kind": "alrira-regenerated-corpus", "num_parts": 1, "parts": [], "provenance": other_rows})
     regen = config(toy_target, short_corpus, out)
-    published = []
-    with pytest.raises(ValueError, match=rf"^node \S+: --corpus {short_corpus} holds other rows than the driver's \(corpus hash \w+, driver 000000000000\)"):
-        run_parts_on_ray(regen, [PartSpec(index=0, start=0, stop=2)], published.append, placements=plan_pool(regen.compute, workers_per_node=None), progress=False)
+    placements, published = plan_pool(regen.compute, workers_per_node=None), []
+    refused = rf"^node \S+: --corpus {short_corpus} holds other rows than the driver's \(corpus hash \w+, driver 000000000000\)"
+    with pytest.raises(ValueError, match=refused):
+        run_parts_on_ray(regen, [PartSpec(index=0, start=0, stop=2)], published.append, placements=placements, progress=False)
     assert published == [] and not (out / "part-00000.jsonl").exists()
 
 
