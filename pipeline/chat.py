@@ -49,7 +49,8 @@ class CorpusError(ValueError):
 # Reading rows
 
 
-def _is_jsonl(path: Path) -> bool:
+def is_jsonl_file(path: str | os.PathLike) -> bool:
+    path = Path(path)
     return path.is_file() and path.suffix.lower() in JSONL_SUFFIXES
 
 
@@ -58,7 +59,7 @@ def row_locator(path: str | os.PathLike) -> Callable[[int], str]:
     "path:row N" (0-based) for parquet/arrow, "folder/part-00002.jsonl:line" for a regenerated
     corpus (whose row index counts the lines of its parts in order)."""
     path = Path(path)
-    if _is_jsonl(path):
+    if is_jsonl_file(path):
         return lambda row_index: f"{path}:{row_index + 1}"
     parts = regenerated_parts(path)
     if parts is not None:
@@ -84,6 +85,36 @@ def regenerated_manifest(path: str | os.PathLike) -> dict | None:
     return data if isinstance(data, dict) and data.get("kind") == REGENERATED_KIND else None
 
 
+def regenerated_part_name(index: int) -> str:
+    return f"part-{index:05d}.jsonl"
+
+
+_PART_COUNTS = ("lines", "written", "turns", "turns_cut", "generated_tokens")
+
+
+def checked_regenerated_parts(manifest: dict, *, where: str) -> list[dict]:
+    """The part records of a regeneration manifest, sorted by index, after checking every field a
+    reader uses: a part's name must be the one its index gives (never a path from the file), so a
+    crafted or damaged manifest stops in one line naming `where` (docs/design.md, "Bad input")."""
+    num_parts, parts = manifest.get("num_parts"), manifest.get("parts")
+    if not isinstance(num_parts, int) or num_parts < 0 or not isinstance(parts, list):
+        raise ValueError(f"{where}: damaged manifest ('num_parts' or 'parts' missing or of the wrong type)")
+    seen = set()
+    for part in parts:
+        index = part.get("index") if isinstance(part, dict) else None
+        if not isinstance(index, int) or not 0 <= index < num_parts or index in seen:
+            raise ValueError(f"{where}: damaged manifest (a part with a missing, repeated or out-of-range index)")
+        seen.add(index)
+        if part.get("name") != regenerated_part_name(index):
+            name, expected = part.get("name"), regenerated_part_name(index)
+            raise ValueError(f"{where}: damaged manifest (part {index} is named {name!r}, not {expected!r})")
+        if not all(isinstance(part.get(key), int) and part[key] >= 0 for key in _PART_COUNTS) or not all(
+            isinstance(part.get(key), dict) for key in ("failed", "skipped")
+        ) or not isinstance(part.get("sha256"), str):  # fmt: skip
+            raise ValueError(f"{where}: damaged manifest (part {index} lacks its counts or checksum)")
+    return sorted(parts, key=lambda part: part["index"])
+
+
 def regenerated_parts(path: str | os.PathLike) -> list[tuple[int, Path]] | None:
     """(row index of its first line, file) of every part of a finished regenerated corpus, in
     order; None when `path` is not a regenerated corpus. An unfinished one is refused."""
@@ -91,7 +122,7 @@ def regenerated_parts(path: str | os.PathLike) -> list[tuple[int, Path]] | None:
     manifest = regenerated_manifest(path) if path.is_dir() else None
     if manifest is None:
         return None
-    parts = sorted(manifest["parts"], key=lambda part: part["index"])
+    parts = checked_regenerated_parts(manifest, where=str(path / REGENERATED_MANIFEST))
     if len(parts) != manifest["num_parts"]:
         raise ValueError(
             f"{path}: regeneration not finished ({len(parts)}/{manifest['num_parts']} parts); rerun alrira-cache regenerate"
@@ -106,10 +137,11 @@ def _iter_regenerated(parts: list[tuple[int, Path]]) -> Iterator[tuple[int, obje
             yield first + line_index, row
 
 
-def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
+def iter_corpus_rows(path: str | os.PathLike, *, seek: tuple[int, int] | None = None) -> Iterator[tuple[int, object]]:
     """Yield (row_index, row) for every row of the corpus, row_index 0-based in the file (for JSONL
     the line index; blank lines are skipped but counted). A row that cannot be parsed is yielded as
-    a CorpusError instead of a row, so the caller decides whether to stop or skip."""
+    a CorpusError instead of a row, so the caller decides whether to stop or skip. `seek` (JSONL
+    only, from jsonl_row_seeks) starts at that row instead of row 0."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: corpus not found")
@@ -133,7 +165,9 @@ def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
     if suffix == ".json" and _is_json_array(path):
         return _iter_json_array(path)
     if suffix in JSONL_SUFFIXES:
-        return _iter_jsonl(path)
+        return _iter_jsonl(path, seek or (0, 0))
+    if seek is not None:
+        raise ValueError(f"{path}: seek is for JSONL corpora only")
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -148,24 +182,42 @@ def iter_corpus_rows(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
     )
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
+def _jsonl_lines(path: Path, seek: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, int, str | UnicodeDecodeError]]:
+    """(line index, byte offset, text or its decoding error) of every row line of a JSONL file
+    (blank lines skipped), from `seek` = (byte offset, line index) of a line start on."""
+    offset, first_line = seek
     with open(path, "rb") as f:
-        for line_index, raw in enumerate(f):
-            where = f"{path}:{line_index + 1}"
+        f.seek(offset)
+        for line_index, raw in enumerate(f, start=first_line):
+            start, offset = offset, offset + len(raw)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                yield line_index, CorpusError(f"{where}: bad JSON: not UTF-8 at byte {error.start}", "bad_json")
+                yield line_index, start, error
                 continue
             if line_index == 0:
                 text = text.lstrip("\ufeff")
-            if not text.strip():
-                continue
-            try:
-                # Without its line break, so an error's column is on this line, not "line 2 column 1".
-                yield line_index, json.loads(text.rstrip("\r\n"))
-            except json.JSONDecodeError as error:
-                yield line_index, CorpusError(f"{where}: bad JSON: {_json_error(error)}", "bad_json")
+            if text.strip():
+                yield line_index, start, text
+
+
+def jsonl_row_seeks(path: str | os.PathLike, *, every: int) -> list[tuple[int, int]]:
+    """(byte offset, line index) of rows 0, every, 2 * every, ... of a JSONL corpus, read once without
+    parsing: iter_corpus_rows(path, seek=...) starts there instead of at row 0."""
+    return [(start, line_index) for row, (line_index, start, _) in enumerate(_jsonl_lines(Path(path))) if row % every == 0]
+
+
+def _iter_jsonl(path: Path, seek: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, object]]:
+    for line_index, _, text in _jsonl_lines(path, seek):
+        where = f"{path}:{line_index + 1}"
+        if isinstance(text, UnicodeDecodeError):
+            yield line_index, CorpusError(f"{where}: bad JSON: not UTF-8 at byte {text.start}", "bad_json")
+            continue
+        try:
+            # Without its line break, so an error's column is on this line, not "line 2 column 1".
+            yield line_index, json.loads(text.rstrip("\r\n"))
+        except json.JSONDecodeError as error:
+            yield line_index, CorpusError(f"{where}: bad JSON: {_json_error(error)}", "bad_json")
 
 
 def _is_json_array(path: Path) -> bool:

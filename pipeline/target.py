@@ -66,7 +66,8 @@ def _weight_digests(target_dir: Path, weights: list[Path]) -> list[str]:
     known = {}
     for place in reversed(places):  # the one beside the target wins
         with contextlib.suppress(OSError, ValueError):
-            known.update(json.loads(place.read_text()))
+            recorded = json.loads(place.read_text())
+            known.update(recorded if isinstance(recorded, dict) else {})  # valid JSON of another shape: as absent
     digests, changed = [], False
     for path in weights:
         stat = path.stat()

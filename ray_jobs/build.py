@@ -78,7 +78,7 @@ class CacheWorker:
             try:
                 self.builder = ShardBuilder(config)
             except (OSError, ValueError) as error:  # e.g. a node without the store's credentials
-                self.problem = worker_problem(config, error, node=node)
+                self.problem = worker_problem(error, node=node, paths=(config.out, config.corpus.path))
         self.board = board
 
     def build(self, spec: ShardSpec) -> tuple[ShardRecord, str, BuildTimes]:
@@ -103,11 +103,12 @@ class CacheWorker:
         return len(remove_local_copies())
 
 
-def worker_problem(config: CacheBuildConfig, error: Exception, *, node: str) -> str:
-    """The one line of a worker that could not start: the node and the real cause first, and for a
-    store the usual reason (docs/cluster.md: every node needs the store's AWS_* environment)."""
+def worker_problem(error: Exception, *, node: str, paths: tuple[str, ...]) -> str:
+    """The one line of a worker that could not start: the node and the real cause first, and when
+    one of its `paths` (--out, --corpus) is on a store the usual reason (docs/cluster.md: every
+    node needs the store's AWS_* environment)."""
     line = f"node {node}: {first_line(error)}"
-    if isinstance(error, OSError) and any(is_url(where) for where in (config.out, config.corpus)):
+    if isinstance(error, OSError) and any(is_url(where) for where in paths):
         line += "; every node needs the store's credentials and endpoint in its environment (AWS_ACCESS_KEY_ID, ...)"
     return line
 
@@ -226,17 +227,18 @@ def plan_pool(compute, *, workers_per_node: int | None) -> list:
     return placements
 
 
-def _actor_prefix(out) -> str:
-    """Name prefix of the actors of every build on cache `out` (a path, or an object-store URL
-    taken as it is)."""
+def _actor_prefix(out, *, stage: str) -> str:
+    """Name prefix of the actors of every run of `stage` ("cache" builds, "regenerate") on `out` (a
+    path, or an object-store URL taken as it is): the stage is in it, so one stage given the
+    other's --out by mistake never stops the other's live actors."""
     key = str(out) if is_url(out) else str(Path(out).resolve())
-    return "cache-worker-" + hashlib.sha256(key.encode()).hexdigest()[:16] + "-"
+    return f"{stage}-worker-" + hashlib.sha256(key.encode()).hexdigest()[:16] + "-"
 
 
-def stop_earlier_workers(out, *, log=print) -> int:
-    """Kill the actors an earlier build on `out` still runs (a killed driver's orphans, which Ray
-    reaps only eventually) and wait until they are gone; returns how many there were."""
-    prefix = _actor_prefix(out)
+def stop_earlier_workers(out, *, stage: str = "cache", log=print) -> int:
+    """Kill the actors an earlier run of `stage` on `out` still runs (a killed driver's orphans,
+    which Ray reaps only eventually) and wait until they are gone; returns how many there were."""
+    prefix = _actor_prefix(out, stage=stage)
     handles = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] != ACTOR_NAMESPACE or not entry["name"].startswith(prefix):
@@ -246,7 +248,7 @@ def stop_earlier_workers(out, *, log=print) -> int:
         except ValueError:  # gone meanwhile
             continue
     if handles:
-        log(f"stopping {len(handles)} worker(s) of an earlier build on {out}")
+        log(f"stopping {len(handles)} worker(s) of an earlier {'build' if stage == 'cache' else stage} on {out}")
         kill_and_wait(handles)
     return len(handles)
 
@@ -302,11 +304,11 @@ def _wait_for_resources(compute, num_workers: int, *, log, timeout: float = RESO
         time.sleep(0.2)
 
 
-def actor_factory(actor_class, *, out, compute, placements: list, args: tuple):
+def actor_factory(actor_class, *, out, compute, placements: list, args: tuple, stage: str = "cache"):
     """new_worker(slot) -> a fresh `actor_class` actor (constructed with `args`) for pool slot
     `slot`, named after `out` so that stop_earlier_workers finds it; a replacement keeps its slot's
     placement (the same node under --workers-per-node)."""
-    prefix = _actor_prefix(out)
+    prefix = _actor_prefix(out, stage=stage)
     options = dict(num_cpus=compute.cpus_per_worker, num_gpus=compute.gpus_per_worker, namespace=ACTOR_NAMESPACE)
 
     def new_worker(slot: int):

@@ -12,6 +12,10 @@ from collections.abc import Callable
 
 import ray
 
+class WorkerDiedError(ValueError):
+    """A spec whose workers died MAX_ATTEMPTS times: a ValueError, so the CLIs print its one line."""
+
+
 MAX_ATTEMPTS = 3  # a spec whose worker died this many times stops the run
 ACTOR_EXIT_WAIT_S = 60.0  # how long to wait for killed actors to be gone
 
@@ -40,7 +44,7 @@ def run_pool(
     """Work off `pending` (specs with an `index`) on `num_workers` actors from `new_worker(slot)`.
     `call(actor, spec)` starts a spec and returns its object ref; `on_result(spec, result,
     num_done)` runs as each finishes; an actor's own error leaves as `translate_error(error)`, a
-    spec whose workers died MAX_ATTEMPTS times as a RuntimeError naming `name_of(spec)`.
+    spec whose workers died MAX_ATTEMPTS times as a WorkerDiedError naming `name_of(spec)`.
     `before_kill(actors)` runs on live actors before they are killed (a kill runs no cleanup of
     theirs: the build's workers remove their node-local store copies there). `on_retry(spec)` runs
     when a spec goes back to the queue after its actor died; `on_wait()` at least every `wait_s`
@@ -76,7 +80,7 @@ def run_pool(
                 result = ray.get(future)
             except ray.exceptions.RayActorError:
                 if attempts[spec.index] >= MAX_ATTEMPTS:
-                    raise RuntimeError(f"{name_of(spec)}: worker died {MAX_ATTEMPTS} times") from None
+                    raise WorkerDiedError(f"{name_of(spec)}: worker died {MAX_ATTEMPTS} times (killed, or out of memory)") from None
                 if on_retry is not None:
                     on_retry(spec)
                 workers[slot] = new_worker(slot)

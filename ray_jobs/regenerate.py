@@ -13,6 +13,7 @@ import os
 import ray
 from tqdm.auto import tqdm
 
+from pipeline.cache_build.corpus import file_sha256
 from pipeline.regenerate import driver
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
@@ -27,18 +28,29 @@ from ray_jobs.build import (
     stop_earlier_workers,
     target_problem,
     this_node,
+    worker_problem,
 )
 from ray_jobs.pool import run_pool
+
+STAGE = "regenerate"  # its actors' name prefix (ray_jobs/build.py _actor_prefix): a build's never match
 
 
 @ray.remote
 class RegenerateWorker:
-    """A Ray actor around PartWriter. A node whose --target differs from the driver's writes
-    nothing: its first part fails with that one line (as in the build's CacheWorker)."""
+    """A Ray actor around PartWriter. A node whose --target or --corpus differs from the driver's writes
+    nothing: its first part fails with that one line, as does one whose PartWriter cannot start
+    (as in the build's CacheWorker)."""
 
-    def __init__(self, config: RegenerateConfig, driver_target_hash: str):
-        self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=this_node())
-        self.writer = None if self.problem else PartWriter(config)
+    def __init__(self, config: RegenerateConfig, driver_target_hash: str, driver_corpus_hash: str):
+        node = this_node()
+        self.problem = target_problem(config.target, driver_target_hash=driver_target_hash, node=node)
+        self.problem = self.problem or corpus_problem(config.corpus, driver_corpus_hash=driver_corpus_hash, node=node)
+        self.writer = None
+        if not self.problem:
+            try:  # a failing load is this node's one line, not a worker death retried MAX_ATTEMPTS times
+                self.writer = PartWriter(config)
+            except (OSError, ValueError) as error:
+                self.problem = worker_problem(error, node=node, paths=(config.out, config.corpus))
 
     def write(self, spec: PartSpec) -> tuple[dict, str]:
         if self.problem:
@@ -49,13 +61,29 @@ class RegenerateWorker:
         return os.getpid()
 
 
+def corpus_problem(corpus: str, *, driver_corpus_hash: str, node: str) -> str | None:
+    """Why `node` cannot read the driver's rows from its copy of `corpus`, or None: every node reads
+    the corpus itself, at the same path (docs/cluster.md, "The target on every node")."""
+    try:
+        found = file_sha256(corpus)
+    except (OSError, ValueError):
+        return f"node {node}: --corpus {corpus}: not found there; every node needs the corpus at the same path"
+    if found != driver_corpus_hash:
+        return (
+            f"node {node}: --corpus {corpus} holds other rows than the driver's (corpus hash "
+            f"{found.removeprefix('sha256:')[:12]}, driver {driver_corpus_hash.removeprefix('sha256:')[:12]})"
+        )
+    return None
+
+
 def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=print) -> dict:
     """Regenerate or resume `config.corpus` into `config.out` on a Ray cluster; the final manifest."""
     compute = config.compute
     connect_ray(compute.ray_address)
     placements = plan_pool(compute, workers_per_node=compute.workers_per_node)
     check_capacity(compute, len(placements))
-    stop_earlier_workers(config.out, log=log)  # a killed run's actors must not write while this one starts
+    driver.check_out_is_ours(config)  # a mistyped --out (a cache, a corpus) is refused before any actor is stopped
+    stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
     _wait_for_resources(compute, len(placements), log=log)
     run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
     return driver.regenerate_corpus(config, run_parts=run_parts, log=log)
@@ -66,9 +94,11 @@ def run_parts_on_ray(
 ) -> None:
     """Keep every actor busy with one part (ray_jobs/pool.py); publish each finished part at once."""
     placements = placements[: len(pending)]
+    corpus_hash = driver.read_manifest(config.out)["provenance"]["corpus_hash"]  # the driver's, written before any part
     new_worker = actor_factory(
-        RegenerateWorker, out=config.out, compute=config.compute, placements=placements, args=(config, target_hash(config.target))
-    )
+        RegenerateWorker, out=config.out, compute=config.compute, placements=placements,
+        args=(config, target_hash(config.target), corpus_hash), stage=STAGE,
+    )  # fmt: skip
     bar = tqdm(total=sum(s.stop - s.start for s in pending), unit="row", desc="regenerate", disable=not progress)
 
     def on_result(spec: PartSpec, result: tuple[dict, str], num_done: int) -> None:

@@ -17,7 +17,9 @@ from pipeline.chat import iter_corpus_rows, normalize_row
 from pipeline.demo.toy import toy_chat_rows
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.driver import regenerate_corpus, summary_line
-from pipeline.target import load_tokenizer
+from pipeline.eval.evaluate import render_prompt
+from pipeline.target import load_target, load_tokenizer
+from pipeline.vision import VisionInputConfig
 from storage.location import resolve
 from tests.conftest import write_jsonl
 
@@ -234,12 +236,156 @@ def test_a_vision_language_row_is_regenerated_with_its_image(vl_target, vl_corpu
     )
     assert manifest["totals"]["written"] == 6
     rows = rows_of(out)
-    assert Path(rows[0]["image"]).is_absolute() and rows[0]["conversations"][1]["value"]
+    assert rows[0]["image"] == "images/a.png" and rows[0]["conversations"][1]["value"]
+    assert manifest["provenance"]["image_root"] == str(vl_corpus.parent.resolve())
     tokenizer = load_tokenizer(vl_target)
     from pipeline.cache_build.corpus import corpus_vision_inputs
 
     corpus = CorpusConfig(path=str(out), min_supervised_tokens=0)
     built = ingest_corpus(corpus, tokenizer, progress=False, vision=corpus_vision_inputs(vl_target, corpus))
     assert built.stats["images"] == 4 and len(built) == 6
+    explicit = CorpusConfig(path=str(out), vision_input=VisionInputConfig(image_root=str(tmp_path)))
+    assert corpus_vision_inputs(vl_target, explicit).image_root == tmp_path  # --image-root still wins
     with pytest.raises(ValueError, match="vision-language target"):
         regenerate_corpus(RegenerateConfig.from_flags(target=str(vl_target), corpus=str(vl_corpus), out=str(tmp_path / "v"), backend="vllm"))
+
+
+def test_a_damaged_manifest_stops_in_one_line(toy_target, short_corpus, tmp_path):
+    """A part name from the manifest is never joined onto the folder: it must be its index's name."""
+    folder = tmp_path / "regen"
+    folder.mkdir()
+    (folder / "x.jsonl").write_text(short_corpus.read_text())
+    part = {"index": 0, "name": "../chat.jsonl", "lines": 5, "written": 5, "turns": 5, "turns_cut": 0,
+            "generated_tokens": 9, "failed": {}, "skipped": {}, "sha256": "sha256:0"}  # fmt: skip
+    manifest = {"kind": "alrira-regenerated-corpus", "num_parts": 1, "parts": [part], "provenance": {}}
+    for damage, message in [({}, "is named '../chat.jsonl'"), ({"parts": None}, "'parts' missing"),
+                            ({"parts": [{**part, "name": "part-00000.jsonl", "lines": "5"}]}, "lacks its counts")]:  # fmt: skip
+        (folder / "manifest.json").write_text(json.dumps({**manifest, **damage}))
+        with pytest.raises(ValueError, match=rf"^{folder / 'manifest.json'}: damaged manifest \(.*{message}"):
+            list(iter_corpus_rows(folder))
+        with pytest.raises(ValueError, match=rf"^{folder / 'manifest.json'}: damaged manifest"):
+            regenerate_corpus(config(toy_target, short_corpus, folder), log=lambda m: None)
+
+
+def test_a_worker_that_cannot_load_the_target_stops_in_one_line(ray_address, toy_target, short_corpus, tmp_path):
+    """The weights missing on the nodes (the driver hashes the same files): the worker's own error
+    in one line, not three worker deaths and a traceback."""
+    import shutil
+
+    from ray_jobs.cli import cache_cli
+
+    target = shutil.copytree(toy_target, tmp_path / "target")
+    for weights in target.glob("*.safetensors"):
+        weights.unlink()
+    args = ["regenerate", "--target", str(target), "--corpus", str(short_corpus), "--out", str(tmp_path / "out"), "--no-progress"]
+    result = CliRunner().invoke(cache_cli, args)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.startswith("Error: node ") and "worker died" not in result.output
+
+
+def test_the_targets_generation_config_does_not_change_the_tokens(toy_target, tmp_path):
+    """A banned first token, repetition penalty and minimum length in generation_config.json are
+    not ours: the output is plain greedy decoding."""
+    import shutil
+
+    import torch
+    from transformers import GenerationConfig
+
+    from pipeline.regenerate.backends import HfGenerator, TurnRequest
+
+    target = shutil.copytree(toy_target, tmp_path / "target")
+    sampling = RegenerateConfig.from_flags(target=str(target), corpus="c.jsonl", out="o", max_new_tokens=MAX_NEW).sampling
+    model = load_target(target, device="cpu", dtype=torch.float32)
+    prompt = render_prompt(load_tokenizer(target), [{"role": "user", "content": "the cat"}])
+    ids = list(prompt)
+    with torch.no_grad():  # plain greedy decoding, one forward per token
+        for _ in range(MAX_NEW):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    greedy = ids[len(prompt) :]
+    config_file = target / "generation_config.json"
+    settings = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    settings.update(suppress_tokens=[greedy[0]], repetition_penalty=100.0, min_new_tokens=MAX_NEW)
+    config_file.write_text(json.dumps(settings))
+    with torch.no_grad():  # what the target's settings would make of the same prompt
+        target_settings = GenerationConfig.from_pretrained(target)
+        penalized = model.generate(torch.tensor([prompt]), generation_config=target_settings, max_new_tokens=MAX_NEW)
+    assert penalized[0, len(prompt)].item() != greedy[0]
+    generator = HfGenerator(str(target), sampling=sampling, device="cpu", dtype=torch.float32, batch_tokens=4096)
+    [output] = generator.generate([TurnRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, seed=0, image=None)])
+    stop = next((i for i, token in enumerate(greedy) if token in generator.stop_ids), len(greedy))
+    assert output.token_ids == greedy[:stop] and output.stopped == (stop < len(greedy))
+
+
+def test_regenerate_on_a_builds_out_leaves_its_actors_alone(ray_address, toy_target, short_corpus, tmp_path):
+    """A mistyped `--out CACHE`: refused before anything is stopped, and a build's actor names are not
+    regeneration's anyway."""
+    import ray
+
+    from ray_jobs.build import ACTOR_NAMESPACE, _actor_prefix
+    from ray_jobs.cli import cache_cli
+
+    @ray.remote(num_cpus=0)
+    class Live:
+        def ping(self) -> int:
+            return 1
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text("{}")
+    name = _actor_prefix(cache, stage="cache") + "live"
+    assert not name.startswith(_actor_prefix(cache, stage="regenerate"))
+    live = Live.options(name=name, namespace=ACTOR_NAMESPACE).remote()
+    try:
+        args = ["regenerate", "--target", str(toy_target), "--corpus", str(short_corpus), "--out", str(cache), "--no-progress"]
+        result = CliRunner().invoke(cache_cli, args)
+        assert result.output.startswith(f"Error: {cache}: not empty and not a regeneration output"), result.output
+        assert ray.get(live.ping.remote(), timeout=30) == 1
+    finally:
+        ray.kill(live)
+
+
+def test_out_may_not_be_the_corpus(greedy_run, toy_target, tmp_path):
+    out, _ = greedy_run
+    for corpus, target_out in [(out, out), (out, out / "again"), (out / "part-00000.jsonl", out)]:
+        with pytest.raises(ValueError, match=rf"^--out {target_out}: is, or lies inside or around, --corpus {corpus}"):
+            regenerate_corpus(config(toy_target, corpus, target_out, overwrite=True), log=lambda m: None)
+    assert (out / "part-00000.jsonl").is_file()
+
+
+def test_a_node_whose_corpus_differs_writes_nothing(ray_address, toy_target, short_corpus, tmp_path):
+    """The driver hashed other rows than this node reads (a stale copy at the same path)."""
+    from pipeline.regenerate.driver import write_manifest
+    from pipeline.regenerate.parts import PartSpec
+    from ray_jobs.build import plan_pool
+    from ray_jobs.regenerate import run_parts_on_ray
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other_rows = {"corpus_hash": "sha256:" + "0" * 64}
+    write_manifest(out, {"kind": "alrira-regenerated-corpus", "num_parts": 1, "parts": [], "provenance": other_rows})
+    regen = config(toy_target, short_corpus, out)
+    placements, published = plan_pool(regen.compute, workers_per_node=None), []
+    refused = rf"^node \S+: --corpus {short_corpus} holds other rows than the driver's \(corpus hash \w+, driver 000000000000\)"
+    with pytest.raises(ValueError, match=refused):
+        run_parts_on_ray(regen, [PartSpec(index=0, start=0, stop=2)], published.append, placements=placements, progress=False)
+    assert published == [] and not (out / "part-00000.jsonl").exists()
+
+
+def test_a_part_reads_the_corpus_from_its_own_first_row(short_corpus, tmp_path):
+    """jsonl_row_seeks finds each part's first row once; a part then starts there (blank lines,
+    a BOM and bad lines counted as the full read counts them), never re-reading the rows before it."""
+    from pipeline.chat import jsonl_row_seeks
+    from pipeline.regenerate.parts import corpus_rows
+
+    lines = short_corpus.read_text().splitlines()
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(("\ufeff" + "\n\n".join([lines[0], "{bad", *lines[1:], "", lines[2]]) + "\n").encode())
+    seeks = jsonl_row_seeks(path, every=2)
+    num_rows = sum(1 for _ in iter_corpus_rows(path))
+    assert num_rows == 7 and len(seeks) == 4
+    whole = [repr(row) for row in corpus_rows(str(path), start=0, stop=num_rows)]
+    seeked = [repr(row) for i, seek in enumerate(seeks) for row in corpus_rows(str(path), start=2 * i, stop=2 * i + 2, seek=seek)]
+    assert seeked == whole
+    head = path.read_bytes()[: seeks[2][0]]
+    path.write_bytes(b"\n" * len(head) + path.read_bytes()[len(head) :])  # rows 0-3 blanked: only a seek still finds rows 4-5
+    assert [repr(row) for row in corpus_rows(str(path), start=4, stop=6, seek=seeks[2])] == whole[4:6]

@@ -206,6 +206,13 @@ def test_the_target_hash_sees_one_changed_weight_in_the_middle(toy_target, tmp_p
     (other / DIGESTS_FILE).unlink()
     (other / DIGESTS_FILE).mkdir()
     assert target_hash(other) == changed and list((tmp_path / "user-cache" / "alrira" / "target-digests").glob("*.json"))
+    # Digests files that are valid JSON but not an object count as absent: the weights are hashed again.
+    (other / DIGESTS_FILE).rmdir()
+    for not_an_object in ("[1, 2]", "3", '[["model.safetensors", {}]]'):
+        (other / DIGESTS_FILE).write_text(not_an_object)
+        for user_file in (tmp_path / "user-cache" / "alrira" / "target-digests").glob("*.json"):
+            user_file.write_text(not_an_object)
+        assert target_hash(other) == changed
 
 
 # ------------------------------------------------------------------------------------------------

@@ -405,6 +405,16 @@ def test_a_node_without_the_store_credentials_says_so_first(ray_address, toy_tar
     assert "every node needs the store's credentials and endpoint in its environment" in line
 
 
+def test_the_credentials_hint_also_follows_a_store_corpus():
+    from pipeline.cache_build.config import CacheBuildConfig
+    from ray_jobs.build import worker_problem
+
+    config = CacheBuildConfig.from_flags(target="t", corpus="s3://bucket/chat.jsonl", out="local-cache", layers=[0, 2], anchors=6, top_k=4)
+    hint = "every node needs the store's credentials"
+    assert hint in worker_problem(OSError("denied"), node="n", paths=(config.out, config.corpus.path))
+    assert hint not in worker_problem(OSError("denied"), node="n", paths=(config.out, "chat.jsonl"))
+
+
 # ---------------------------------------------------------------------------------------------
 # 14. Node-local copies of a store prefix: checked when reused, removed by whoever made them
 

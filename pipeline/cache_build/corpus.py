@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.cache_build.rollouts import TargetSequence
-from pipeline.chat import LOSS_TOKENS_KEY, CorpusError, iter_corpus_rows, normalize_row, row_locator
+from pipeline.chat import LOSS_TOKENS_KEY, CorpusError, iter_corpus_rows, normalize_row, regenerated_manifest, row_locator
 from pipeline.config import group, opt
 from pipeline.vision import (
     SequenceImage,
@@ -259,9 +259,20 @@ def render_sequence(
 
 def corpus_vision_inputs(target_dir: str | os.PathLike, config: CorpusConfig) -> VisionInputs | None:
     """The VisionInputs the corpus of `config` is tokenized and computed with; None for a text target.
-    Relative image paths resolve against --image-root, else the corpus file's folder."""
-    corpus = Path(config.path)
-    return config.vision_input.load(target_dir, default_image_root=corpus if corpus.is_dir() else corpus.parent)
+    Relative image paths resolve against --image-root, else default_image_root."""
+    return config.vision_input.load(target_dir, default_image_root=default_image_root(config.path))
+
+
+def default_image_root(corpus: str | os.PathLike) -> Path:
+    """What relative image paths resolve against without --image-root: the corpus file's folder, a
+    dataset's folder, or for a regenerated corpus the image root its regeneration used, recorded in
+    its manifest (its rows keep their input's relative paths; docs/design.md, "Regeneration")."""
+    corpus = Path(corpus)
+    if not corpus.is_dir():
+        return corpus.parent
+    provenance = (regenerated_manifest(corpus) or {}).get("provenance")
+    recorded = provenance.get("image_root") if isinstance(provenance, dict) else None
+    return Path(recorded) if isinstance(recorded, str) else corpus
 
 
 def check_image_fits(input_ids: np.ndarray, *, image: dict | None, vision: VisionInputs, max_length: int, where: str) -> None:

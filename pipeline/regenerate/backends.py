@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from pipeline.regenerate.config import SamplingConfig
 from pipeline.target import load_target, load_tokenizer, read_generation_config, stop_token_ids
@@ -60,6 +61,10 @@ class HfGenerator:
         self.sampling, self.batch_tokens = sampling, batch_tokens
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
+        # generate() fills every setting it is not given from model.generation_config: a fresh one,
+        # so the target's generation_config.json (repetition_penalty, no_repeat_ngram_size,
+        # min_new_tokens, ...) changes nothing and only our settings decide the tokens.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
 
     def generate(self, requests: list[TurnRequest]) -> list[TurnOutput]:
         outputs: list[TurnOutput | None] = [None] * len(requests)

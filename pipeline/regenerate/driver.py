@@ -16,15 +16,23 @@ import json
 import re
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
-from pipeline.cache_build.corpus import file_sha256
-from pipeline.chat import REGENERATED_KIND, REGENERATED_MANIFEST, iter_corpus_rows
+from pipeline.cache_build.corpus import default_image_root, file_sha256
+from pipeline.chat import (
+    REGENERATED_KIND,
+    REGENERATED_MANIFEST,
+    checked_regenerated_parts,
+    is_jsonl_file,
+    iter_corpus_rows,
+    jsonl_row_seeks,
+)
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
 from pipeline.vision import is_vision_target
 from storage.atomic import atomic_write_bytes
-from storage.location import resolve
+from storage.location import is_url, resolve
 
 FORMAT_VERSION = 1
 RunParts = Callable[[RegenerateConfig, list[PartSpec], Callable[[dict], None]], None]
@@ -54,7 +62,16 @@ def provenance(config: RegenerateConfig, *, num_rows: int) -> dict:
         "backend": config.compute.backend,
         "versions": library_versions(config.compute.backend),
         "settings": config.content_settings(),
+        "image_root": image_root(config),
     }
+
+
+def image_root(config: RegenerateConfig) -> str | None:
+    """The folder the rows' relative image paths resolve against (vision-language targets): the
+    parts keep those paths, so the build reads this to find the images (default_image_root)."""
+    if not is_vision_target(config.target):
+        return None
+    return str(Path(config.vision_input.image_root or default_image_root(config.corpus)).resolve())
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -73,8 +90,17 @@ def read_manifest(out) -> dict | None:
     location = resolve(out)
     if not location.is_file(REGENERATED_MANIFEST):
         return None
-    data = json.loads(location.read_bytes(REGENERATED_MANIFEST))
-    return data if isinstance(data, dict) and data.get("kind") == REGENERATED_KIND else None
+    where = location.join(REGENERATED_MANIFEST)
+    try:
+        data = json.loads(location.read_bytes(REGENERATED_MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{where}: unreadable manifest ({error}); move it or use another --out") from None
+    if not isinstance(data, dict) or data.get("kind") != REGENERATED_KIND:
+        return None
+    if not isinstance(data.get("provenance"), dict):
+        raise ValueError(f"{where}: damaged manifest ('provenance' missing or not an object); move it or use another --out")
+    data["parts"] = checked_regenerated_parts(data, where=str(where))
+    return data
 
 
 def write_manifest(out, manifest: dict) -> None:
@@ -85,10 +111,23 @@ def write_manifest(out, manifest: dict) -> None:
 OWN_FILE = re.compile(r"^\.?(manifest\.json|part-\d{5}\.jsonl)(\..+\.tmp)?$")
 
 
-def check_out(config: RegenerateConfig, new: dict) -> dict | None:
-    """The earlier run's manifest to resume, or None to start afresh. Refuses a non-empty --out that
-    is not a regeneration output, and a rerun with other inputs or settings unless --overwrite (then
-    only this stage's own files are removed)."""
+def refuse_out_over_corpus(config: RegenerateConfig) -> None:
+    """--out must not be the corpus, inside it, or hold it: a resume or --overwrite would replace
+    the input it is reading."""
+    if is_url(config.out) or is_url(config.corpus):
+        overlap = config.out.rstrip("/") == config.corpus.rstrip("/")
+    else:
+        out, corpus = Path(config.out).resolve(), Path(config.corpus).resolve()
+        overlap = out == corpus or corpus in out.parents or out in corpus.parents
+    if overlap:
+        raise ValueError(f"--out {config.out}: is, or lies inside or around, --corpus {config.corpus}; use another --out")
+
+
+def check_out_is_ours(config: RegenerateConfig) -> tuple[list[str], dict | None]:
+    """--out's names and its manifest (None when empty or new), touching nothing: refuses a
+    non-empty --out that is not a regeneration output or holds files it did not write. Runs before
+    any earlier run's actors on --out are stopped (ray_jobs/regenerate.py)."""
+    refuse_out_over_corpus(config)
     location = resolve(config.out)
     names = location.names() if location.is_dir() else []
     previous = read_manifest(config.out)
@@ -98,6 +137,15 @@ def check_out(config: RegenerateConfig, new: dict) -> dict | None:
         raise ValueError(f"{config.out}: not empty and not a regeneration output (holds {shown}); use another --out")
     if foreign:
         raise ValueError(f"{config.out}: holds files regeneration did not write ({', '.join(foreign[:3])}); move them or use another --out")
+    return names, previous
+
+
+def check_out(config: RegenerateConfig, new: dict) -> dict | None:
+    """The earlier run's manifest to resume, or None to start afresh (check_out_is_ours first). A
+    rerun with other inputs or settings is refused unless --overwrite (then only this stage's own
+    files are removed)."""
+    location = resolve(config.out)
+    names, previous = check_out_is_ours(config)
     for name in names:  # temp files of a killed run's writes (its workers are stopped by now)
         if name.endswith(".tmp"):
             location.remove(name)
@@ -173,9 +221,12 @@ def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_par
     num_rows = sum(1 for _ in iter_corpus_rows(config.corpus))  # a missing corpus stops here, before --out
     new = provenance(config, num_rows=num_rows)
     previous = check_out(config, new)
+    starts = range(0, num_rows, config.rows_per_part)
+    # A JSONL corpus: each part's first row's byte offset, found in one pass, so no part re-reads the rows before it.
+    seeks = jsonl_row_seeks(config.corpus, every=config.rows_per_part) if is_jsonl_file(config.corpus) else [None] * len(starts)
     specs = [
-        PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows))
-        for i, start in enumerate(range(0, num_rows, config.rows_per_part))
+        PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows), seek=seek)
+        for i, (start, seek) in enumerate(zip(starts, seeks, strict=True))
     ]
     kept = [r for r in (previous or {}).get("parts", []) if r["index"] < len(specs) and part_is_intact(config.out, r)]
     if previous is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs
 from pipeline.chat import CorpusError, iter_corpus_rows, row_locator
+from pipeline.chat import regenerated_part_name as part_name
 from pipeline.regenerate.backends import load_generator
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.rows import RowRegeneration, apply_turn, next_request, output_row, prepare_row
@@ -23,10 +24,6 @@ from storage.atomic import atomic_write_bytes
 from storage.location import resolve
 
 
-def part_name(index: int) -> str:
-    return f"part-{index:05d}.jsonl"
-
-
 @dataclass(kw_only=True, frozen=True)
 class PartSpec:
     """Input rows [start, stop) (0-based, counting the corpus's rows in order) -> part `index`."""
@@ -34,11 +31,15 @@ class PartSpec:
     index: int
     start: int
     stop: int
+    seek: tuple[int, int] | None = None  # JSONL: (byte offset, line index) of row `start` (jsonl_row_seeks)
 
 
-def corpus_rows(path: str, *, start: int, stop: int):
-    """(row index in the file, row or CorpusError) of the corpus's rows start .. stop - 1."""
-    for ordinal, (row_index, row) in enumerate(iter_corpus_rows(path)):
+def corpus_rows(path: str, *, start: int, stop: int, seek: tuple[int, int] | None = None):
+    """(row index in the file, row or CorpusError) of the corpus's rows start .. stop - 1. With
+    `seek` (row `start`'s place in a JSONL file) the file is read from there, not from row 0, so
+    writing every part reads the corpus once, not once per part up to it."""
+    rows = iter_corpus_rows(path) if seek is None else iter_corpus_rows(path, seek=seek)
+    for ordinal, (row_index, row) in enumerate(rows, start=0 if seek is None else start):
         if ordinal >= stop:
             return
         if ordinal >= start:
@@ -97,7 +98,7 @@ class PartWriter:
         --skip-bad-rows; else the first one stops the run with its one-line error)."""
         locate = row_locator(self.config.corpus)
         rows, skipped, failed, failed_rows = [], Counter(), Counter(), []
-        for row_index, raw in corpus_rows(self.config.corpus, start=spec.start, stop=spec.stop):
+        for row_index, raw in corpus_rows(self.config.corpus, start=spec.start, stop=spec.stop, seek=spec.seek):
             try:
                 if isinstance(raw, CorpusError):
                     raise raw

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -132,8 +131,8 @@ def cut_text(tokenizer, text: str, *, num_tokens: int) -> str:
 
 def output_row(row: RowRegeneration, *, vision: VisionInputs | None) -> dict:
     """The input row in its own format (ShareGPT or OpenAI) with every assistant turn rewritten, the
-    window on windowed turns, `source_row`, and (vision-language targets) absolute image paths so
-    the build finds the images from the output folder."""
+    window on windowed turns, and `source_row`. Image paths stay as the row gave them: the manifest
+    records the image root they resolve against, which the build uses for the output folder."""
     raw = copy.deepcopy(row.raw)
     list_key, content_key = ("conversations", "value") if raw.get("conversations") is not None else ("messages", "content")
     turns = raw[list_key]
@@ -144,21 +143,5 @@ def output_row(row: RowRegeneration, *, vision: VisionInputs | None) -> dict:
         turn.pop(LOSS_TOKENS_KEY, None)
         if LOSS_TOKENS_KEY in message:
             turn[LOSS_TOKENS_KEY] = message[LOSS_TOKENS_KEY]
-    if vision is not None and row.chat.image is not None:
-        _absolute_image(raw, list_key=list_key, root=vision.image_root)
     raw["source_row"] = row.source_row
     return raw
-
-
-def _absolute_image(raw: dict, *, list_key: str, root: Path) -> None:
-    def absolute(path: str) -> str:
-        return str(resolve_image_path(path, image_root=root.resolve()))
-
-    if isinstance(raw.get("image"), str):
-        raw["image"] = absolute(raw["image"])
-    if isinstance(raw.get("images"), list):
-        raw["images"] = [absolute(p) if isinstance(p, str) else p for p in raw["images"]]
-    for turn in raw[list_key]:
-        for part in turn.get("content") if isinstance(turn.get("content"), list) else ():
-            if isinstance(part, dict) and part.get("type") == "image" and isinstance(part.get("image"), str):
-                part["image"] = absolute(part["image"])
