@@ -27,25 +27,15 @@ import importlib.util
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pipeline.demo.toy import ToyShape
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
 
 from _common import make_bench_target, print_table, write_toy_corpus
-
-
-@dataclass(kw_only=True)
-class BenchSizes:
-    hidden_size: int = 256
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 512
 
 
 def time_arm(writer: PartWriter, spec: PartSpec, *, repeats: int) -> tuple[float, dict]:
@@ -80,7 +70,7 @@ def main() -> None:
 
 
 def run_arms(args, work: Path, *, with_vllm: bool) -> None:
-    target = make_bench_target(work / "target", BenchSizes())
+    target = make_bench_target(work / "target", ToyShape(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512))
     corpus = write_toy_corpus(work / "chat.jsonl", num_rows=args.rows, response_words=(40, 90), max_turns=2)
     spec = PartSpec(index=0, start=0, stop=args.rows)
     results, texts = [], {}
