@@ -302,9 +302,12 @@ def test_a_cache_built_on_the_store_equals_one_built_on_disk(local_cache, store_
     header_end = 8 + int.from_bytes(local_head[:8], "little")
     assert read_safetensors_header(store, "target_head.safetensors") == json.loads(local_head[8:header_end])
     assert stored_head[header_end:] == local_head[header_end:]
-    # The same manifest, but for the store's object tags (what a resume on the store checks).
+    # The same manifest, but for the store's object tags (what a resume on the store checks) and
+    # the target's seconds per part (timings, docs/design.md "A cache build").
     stored_manifest, local_manifest_json = json.loads(store.read_bytes("manifest.json")), json.loads((local / "manifest.json").read_text())
     assert all(shard.pop("object_tags").startswith("sha256:") for shard in stored_manifest["shards"])
+    for shard in (*stored_manifest["shards"], *local_manifest_json["shards"]):
+        assert set(shard.pop("build_seconds")) == {"corpus", "rollouts"}
     assert stored_manifest == local_manifest_json
     assert [rel for rel, _ in store.files("corpus")] == sorted(p.name for p in (local / "corpus").iterdir())
     assert verify_cache(url) == []
