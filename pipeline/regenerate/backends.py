@@ -2,8 +2,10 @@
 
 - hf: transformers `generate()`. Greedy text requests run in batches (left padding, one token
   budget per batch); a sampled request (T > 0) runs alone after seeding torch with its own seed, so
-  its text depends on its row and --seed only, not on which rows shared its batch; a request with an
-  image (vision-language targets) runs alone with its pixels (docs/vision.md).
+  its text depends on its row and --seed only, not on which rows shared its batch; with
+  --batched-sampling sampled text requests run in batches too, each row drawing its tokens from its
+  own generator seeded with its seed (`RowSampler`); a request with an image (vision-language
+  targets) runs alone with its pixels (docs/vision.md).
 - vllm: one `vllm.LLM` engine per worker, every request of a round submitted at once, each with
   its seed (docs/vllm.md: in-process engine core, a bounded CPU KV cache, eager mode on CPU).
 
@@ -19,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor
 
 from pipeline.regenerate.config import SamplingConfig
 from pipeline.target import load_target, load_tokenizer, read_generation_config, stop_token_ids
@@ -68,7 +70,8 @@ class HfGenerator:
 
     def generate(self, requests: list[TurnRequest]) -> list[TurnOutput]:
         outputs: list[TurnOutput | None] = [None] * len(requests)
-        batched = [i for i, r in enumerate(requests) if r.image is None and self.sampling.temperature == 0]
+        in_batches = self.sampling.temperature == 0 or self.sampling.batched_sampling
+        batched = [i for i, r in enumerate(requests) if r.image is None and in_batches]
         for i in sorted(set(range(len(requests))) - set(batched)):
             outputs[i] = self.generate_one(requests[i])
         for batch in self._batches(batched, requests):
@@ -107,8 +110,13 @@ class HfGenerator:
             input_ids[b, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
             attention_mask[b, width - len(request.prompt_ids) :] = 1
         max_new_tokens = max(r.max_new_tokens for r in requests)
+        decode, extra = self._decode_kwargs(max_new_tokens), {}
+        if self.sampling.temperature > 0:  # --batched-sampling: each row samples from its own generator
+            decode = dict(decode, do_sample=False, temperature=None, top_p=None, top_k=None)
+            sampler = RowSampler([r.seed for r in requests], temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+            extra = {"logits_processor": [sampler]}
         out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **self._decode_kwargs(max_new_tokens)
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **decode, **extra
         )  # [B, W + new]
         stop_ids = set(self.stop_ids)
         return [
@@ -140,6 +148,29 @@ class HfGenerator:
 
     def close(self) -> None:
         self.model = None
+
+
+class RowSampler(LogitsProcessor):
+    """Batched sampling with one generator per row: samples each row's next token (temperature, then
+    top-p) from the row's own generator, seeded with its request's seed, and leaves that token the
+    only finite score, so greedy decoding picks it. A row's draws do not depend on its batch-mates;
+    only the float rounding of batched logits can."""
+
+    def __init__(self, seeds: list[int], *, temperature: float, top_p: float):
+        self.seeds, self.temperature, self.top_p = seeds, temperature, top_p
+        self.generators: list[torch.Generator] | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.generators is None:
+            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)  # [B, V]
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= self.top_p  # the mass before it already reaches top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        picks = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])  # [B]
+        only = torch.full_like(scores, float("-inf"))
+        return only.scatter_(-1, picks[:, None], 0.0)
 
 
 class VllmGenerator:

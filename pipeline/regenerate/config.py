@@ -23,6 +23,12 @@ class SamplingConfig:
     top_p: float = opt("Nucleus sampling mass (with --temperature > 0).", default=1.0)
     seed: int = opt("Seed of the per-row sampling seeds (each row's is derived from it and the row).", default=0)
     max_new_tokens: int = opt("Most tokens generated for one assistant turn.", default=512)
+    batched_sampling: bool = opt(
+        "--backend hf with --temperature > 0: decode sampled rows in batches, each row drawing from its own seeded "
+        "generator (many times faster on CPU; a row's text may then also depend, through the float rounding of "
+        "batched logits, on which rows shared its batch). Default: one row at a time.",
+        default=False,
+    )
     length_control: str = opt(
         "none: keep each regenerated turn; truncate: cut it to the token count of the corpus turn it replaces; "
         "window: keep it whole but give loss to that many leading tokens only (the message's 'loss_tokens').",
