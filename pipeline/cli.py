@@ -240,3 +240,33 @@ def eval_hard(**kwargs):
         click.echo(format_rows(run_hard_offsets(**kwargs)))
     except ValueError as error:
         raise click.ClickException(str(error)) from None
+
+
+@eval_cli.command("replay")
+@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Local HF directory of the target model.")
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="Prompts (JSONL, as for `run`).")
+@click.option("--drafter", "drafters", required=True, multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="A drafter to score (repeat the flag): its results go to OUT/<its run's name>.")  # fmt: skip
+@click.option("--out", required=True, help="Output directory: one run-format folder (summary.json, rounds.csv) per drafter.")
+@click.option("--max-new-tokens", default=128, show_default=True, help="Length of each greedy response.")
+@click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts.")
+def eval_replay(target: str, prompts: str, drafters: tuple[str, ...], out: str, max_new_tokens: int, max_prompts: int | None):
+    """Greedy (T = 0) MAT of many drafters at one target decode per prompt: the exact rounds of greedy speculative decoding, replayed."""
+    from pathlib import Path
+
+    from pipeline.eval.replay import run_replay
+
+    names = {}
+    for path in drafters:
+        run = Path(path).resolve()
+        name = run.parent.name if run.name == "drafter" else run.name
+        if name in names:
+            raise click.ClickException(f"--drafter {path}: another drafter is also named {name!r} (its folder or run)")
+        names[name] = path
+    try:
+        summaries = run_replay(target=target, drafters=names, prompts=prompts, out=out, max_new_tokens=max_new_tokens,
+                               max_prompts=max_prompts)  # fmt: skip
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    for name, summary in summaries.items():
+        click.echo(f"{name}: MAT {summary['tau_geomean']:.3f} over {summary['num_prompts']} prompts ({Path(out) / name})")

@@ -247,7 +247,8 @@ def summarize(rows: list[dict], *, group: str = "benchmark") -> dict:
         members = [r for r in rows if str(r[group]) == name]
         rounds = sum(int(r["rounds"]) for r in members)
         accepted = sum(int(r["accepted_tokens"]) for r in members)
-        timed = [r for r in members if int(r["ar_tokens"]) > 1 and int(r["committed"]) > 1]
+        # Replayed rows (pipeline/eval/replay.py) carry no speculative time: no speed figure.
+        timed = [r for r in members if int(r["ar_tokens"]) > 1 and int(r["committed"]) > 1 and r["draft_ms"] not in (None, "")]
         ar_ms, ar_tokens, spec_ms, spec_tokens = _decode_totals(timed)
         ar_per_token = ar_ms / ar_tokens if ar_tokens else None
         spec_per_token = spec_ms / spec_tokens if spec_tokens else None

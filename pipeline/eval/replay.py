@@ -1,0 +1,161 @@
+"""Greedy replay: the exact rounds of greedy (T = 0) chain speculative decoding for many drafters at
+the price of one target decode per prompt (docs/design.md, "Evaluation").
+
+At T = 0 every committed token is the target's greedy token, so what a round accepts depends only
+on the greedy response and the drafter: the round anchored at response token j drafts from the
+target's features of the positions before it and accepts the leading drafts equal to the next
+greedy tokens. Replay decodes each prompt once with the target (`autoregressive_decode`, the
+baseline of `alrira-eval run`), runs one forward over prompt + response for the tapped hidden
+states, drafts every anchor of the response in batched drafter forwards
+(`analysis.block_drafts`), and walks the rounds as `speculative_decode` commits them: a round cut
+by a stop token or max_new_tokens counts only what it committed.
+
+Outputs per drafter, in `run_eval`'s format so `compare`, `offsets` and `cost` read them as they
+are: results.csv (draft_ms empty: nothing speculative was timed), rounds.csv, summary.json (speedup
+null, `"mode": "greedy_replay"`). What can differ from real decoding is float rounding: the
+features come from one forward over the whole sequence instead of the verification forwards, and
+the drafts from batched blocks instead of the cached draft step, so a near-tie argmax can flip.
+benchmarks/paper.py runs both on the same prompts and reports how far they agree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline.eval.analysis import block_drafts
+from pipeline.eval.evaluate import (
+    RESULT_COLUMNS,
+    ROUND_COLUMNS,
+    EvalPrompt,
+    _write_rows_and_histogram,
+    load_prompts,
+    load_target_and_stops,
+    round_start_offsets,
+    summarize,
+    write_csv_rows,
+)
+from pipeline.eval.speculative import DecodeResult, autoregressive_decode
+
+
+def match_lengths(drafts: torch.Tensor, *, response: list[int]) -> list[int]:
+    """Leading drafts equal to the greedy response, per anchor: drafts [N, K] for the anchors at
+    response tokens 0..N-1; the truth after anchor j is response[j+1 : j+1+K], shorter near the end."""
+    num_anchors, num_draft = drafts.shape
+    truth = torch.full((num_anchors, num_draft), -1, dtype=torch.long)
+    for j in range(num_anchors):
+        tail = response[j + 1 : j + 1 + num_draft]
+        truth[j, : len(tail)] = torch.as_tensor(tail, dtype=torch.long)
+    return torch.cumprod((drafts.cpu() == truth).long(), dim=1).sum(dim=1).tolist()
+
+
+def replay_rounds(matches: list[int], *, num_tokens: int) -> list[int]:
+    """Accepted drafts per round of greedy decoding of a `num_tokens` response: the prefill commits
+    token 0; the round anchored at token j commits its matching drafts and one target token, cut at
+    the response's end (speculative_decode's `min(num_accepted, len(new) - 1)`)."""
+    accepted, j = [], 0
+    while j < num_tokens - 1:
+        remaining = num_tokens - 1 - j  # tokens after the anchor still to commit
+        count = min(matches[j], remaining - 1)
+        accepted.append(count)
+        j += count + 1
+    return accepted
+
+
+@torch.inference_mode()
+def greedy_response(target, prompt: EvalPrompt, *, max_new_tokens: int, stops: list[int]) -> tuple[DecodeResult, tuple]:
+    """The target's greedy decode of `prompt` (timed, as the AR baseline) and the hidden states of
+    one forward over prompt + response."""
+    ar = autoregressive_decode(
+        target, prompt.input_ids, max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops, generator=None
+    )
+    device = next(target.parameters()).device
+    sequence = torch.as_tensor([list(prompt.input_ids) + ar.tokens], device=device)
+    return ar, target(input_ids=sequence, output_hidden_states=True, logits_to_keep=1).hidden_states
+
+
+def replay_prompt(drafter, *, embed_tokens, lm_head, prompt: EvalPrompt, ar: DecodeResult, hidden_states) -> list[int]:
+    """Accepted drafts per round of `drafter` on one prompt's greedy response."""
+    from pipeline.target import tapped_features
+
+    response = ar.tokens
+    if len(response) < 2:
+        return []
+    start = len(prompt.input_ids)
+    features = tapped_features(hidden_states, list(drafter.config.target_layer_ids))[0]  # [S, F]
+    anchors = list(range(start, start + len(response) - 1))  # the anchor of a round is a committed response token
+    drafts = block_drafts(
+        drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=drafter.config.mask_token_id,
+        features=features, sequence=list(prompt.input_ids) + response, anchors=anchors, chunk=32,
+    )  # fmt: skip
+    return replay_rounds(match_lengths(drafts, response=response), num_tokens=len(response))
+
+
+def replay_result_row(prompt: EvalPrompt, *, ar: DecodeResult, accepted: list[int]) -> dict:
+    rounds, total = len(accepted), sum(accepted)
+    return {
+        "prompt_id": prompt.prompt_id, "benchmark": prompt.benchmark, "prompt_tokens": len(prompt.input_ids),
+        "committed": len(ar.tokens), "ar_tokens": len(ar.tokens), "rounds": rounds, "accepted_tokens": total,
+        "tau": (total + rounds) / rounds if rounds else None, "ar_ms": 1000.0 * ar.decode_s, "draft_ms": None,
+        "ar_ms_per_token": 1000.0 * ar.decode_s / (len(ar.tokens) - 1) if len(ar.tokens) > 1 else None,
+        "spec_ms_per_token": None,
+    }  # fmt: skip
+
+
+def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str, max_new_tokens: int,
+               max_prompts: int | None = None, log=None) -> dict[str, dict]:  # fmt: skip
+    """Greedy replay of every drafter on every prompt; OUT/<name>/{results.csv, rounds.csv,
+    summary.json, accept_hist.*} per drafter. A drafter whose summary.json exists is kept (resume).
+    Returns each drafter's summary."""
+    from drafter.checkpoint import load_drafter
+    from pipeline.eval.evaluate import check_drafter_fits
+
+    device = torch.device("cpu")
+    out_root = Path(out)
+    todo = {name: path for name, path in drafters.items() if not (out_root / name / "summary.json").is_file()}
+    models = {}
+    if todo:
+        target_model, tokenizer, stops = load_target_and_stops(target, device=device, dtype=torch.float32)
+        for name, path in todo.items():
+            models[name] = load_drafter(path, dtype=torch.float32, device=device).eval()
+            try:
+                check_drafter_fits(target_model, models[name])
+            except ValueError as error:
+                raise ValueError(f"--drafter {path}: {error}") from None
+        embed_tokens, lm_head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
+        rows = {name: [] for name in todo}
+        rounds = {name: [] for name in todo}
+        accepted_by_group = {name: {} for name in todo}
+        for prompt in load_prompts(prompts, tokenizer, max_prompts=max_prompts):
+            ar, hidden_states = greedy_response(target_model, prompt, max_new_tokens=max_new_tokens, stops=stops)
+            for name, model in models.items():
+                accepted = replay_prompt(model, embed_tokens=embed_tokens, lm_head=lm_head, prompt=prompt, ar=ar,
+                                         hidden_states=hidden_states)  # fmt: skip
+                rows[name].append(replay_result_row(prompt, ar=ar, accepted=accepted))
+                rounds[name].extend(
+                    {"prompt_id": prompt.prompt_id, "benchmark": prompt.benchmark, "round": i, "start_offset": s, "accepted": a}
+                    for i, (s, a) in enumerate(zip(round_start_offsets(accepted), accepted, strict=True))
+                )  # fmt: skip
+                accepted_by_group[name].setdefault(prompt.benchmark, []).extend(accepted)
+            if log:
+                log(f"replay: prompt {prompt.prompt_id} ({prompt.benchmark}), {len(ar.tokens)} tokens, {len(models)} drafters")
+        for name, model in models.items():
+            folder = out_root / name
+            plotted = _write_rows_and_histogram(folder, rows[name], accepted_by_group[name], num_draft=model.config.block_size - 1)
+            write_csv_rows(folder / "rounds.csv", rounds[name], columns=ROUND_COLUMNS)
+            summary = {
+                "mode": "greedy_replay", "target": str(Path(target).resolve()), "drafter": str(Path(todo[name]).resolve()),
+                "prompts": str(prompts), "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
+                "device": "cpu", "block_size": model.config.block_size, "verify": "chain", "num_prompts": len(rows[name]),
+                "num_groups": len(accepted_by_group[name]), "committed_tokens": sum(r["committed"] for r in rows[name]),
+                "rounds": sum(r["rounds"] for r in rows[name]), **summarize(rows[name]), "lossless_mismatches": None,
+                "lossless_exact": None, "lossless_note": "greedy replay: the committed tokens are the target's greedy tokens",
+                "accept_hist_png": plotted,
+            }  # fmt: skip
+            (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return {name: json.loads((out_root / name / "summary.json").read_text()) for name in drafters}
+
+
+__all__ = ["RESULT_COLUMNS", "match_lengths", "replay_rounds", "run_replay"]
