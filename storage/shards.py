@@ -66,6 +66,7 @@ from storage.location import Location, StorePrefix, remove_path, remove_path_tol
 from storage.manifest import ShardRecord
 from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
 from storage.wds import WdsShard, WdsShardWriter, encode_member
+from storage.zarr_rows import ChunkFileEncoder
 
 # Record arrays by the axis they are concatenated along in a Zarr shard (fp8 scales included).
 TOKEN_INDEXED_ARRAYS = TOKEN_ARRAYS + ("feature_scales",)
@@ -568,11 +569,14 @@ def _chunk_layout(
 class _ZarrColumn:
     """One Zarr array filled front to back: rows are buffered until a whole Zarr shard file's worth
     is there, so every write covers whole files (no read-modify-write) and the buffer stays under
-    one file (~ZARR_SHARD_BYTES) plus the last record."""
+    one file (~ZARR_SHARD_BYTES) plus the last record. In a local directory (`local_dir`, the
+    shard's) a file's bytes are made on the writer thread that writes it
+    (storage.zarr_rows.ChunkFileEncoder: zarr would make them on its one event-loop thread); on a
+    store, and for a layout the encoder does not know, zarr writes them (the same bytes)."""
 
     def __init__(
         self, group, name: str, *, row_shape: tuple, dtype: np.dtype, num_rows: int, compressors: list,
-        writes: BackgroundWrites, rows_per_sequence: int | None = None, before_write=None,
+        writes: BackgroundWrites, rows_per_sequence: int | None = None, before_write=None, local_dir: Path | None = None,
     ):  # fmt: skip
         self.chunk_rows, self.shard_rows = _chunk_layout(
             name, row_shape, dtype.itemsize, num_rows, rows_per_sequence=rows_per_sequence
@@ -591,6 +595,11 @@ class _ZarrColumn:
             config={"write_empty_chunks": True},
         )
         self.num_rows, self.written = num_rows, 0
+        self.dir = self.encoder = None
+        if local_dir is not None:
+            self.dir = local_dir / name
+            meta = json.loads((self.dir / "zarr.json").read_text())
+            self.encoder = ChunkFileEncoder.encoder_of(meta, num_rows=num_rows)
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
 
@@ -609,12 +618,26 @@ class _ZarrColumn:
     def _flush(self, num_rows: int) -> None:
         if self.before_write is not None:
             self.before_write()
-        data = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        # The flush point lies in the last piece: before it, fewer than a file's rows were pending.
+        last, rest_rows = self.pending[-1], self.pending_rows - num_rows
+        pieces = [*self.pending[:-1], last[: len(last) - rest_rows]]
         # Whole Zarr shard files, so writes in flight together never touch the same file.
-        self.writes.submit(self.array.__setitem__, slice(self.written, self.written + num_rows), data[:num_rows])
+        self.writes.submit(self._write, self.written, pieces)
         self.written += num_rows
-        rest = data[num_rows:]
-        self.pending, self.pending_rows = ([rest] if len(rest) else []), len(rest)
+        self.pending = [last[len(last) - rest_rows :]] if rest_rows else []
+        self.pending_rows = rest_rows
+
+    def _write(self, first_row: int, pieces: list[np.ndarray]) -> None:
+        """On a writer thread: rows [first_row, ...) of `pieces`, whole files."""
+        data = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        if self.encoder is None:
+            self.array[first_row : first_row + len(data)] = data
+            return
+        for rel, parts in self.encoder.files(first_row, data):
+            path = self.dir / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "xb") as f:
+                f.writelines(parts)
 
 
 class _ZarrBody:
@@ -627,6 +650,7 @@ class _ZarrBody:
         writes: BackgroundWrites, before_write=None,
     ):  # fmt: skip
         self.size, self.feature_codec, self.before_write, self.writes = size, feature_codec, before_write, writes
+        self.local_dir = None if isinstance(target, StorePrefix) else Path(target)
         self.group = zarr.open_group(store=_zarr_store(target, read_only=False), mode="w-", zarr_format=3)
         # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
         # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
@@ -644,6 +668,7 @@ class _ZarrBody:
             self.columns[name] = _ZarrColumn(
                 self.group, name, row_shape=row_shape, dtype=dtype, num_rows=num_rows, compressors=self.compressors,
                 writes=self.writes, rows_per_sequence=rows_per_sequence, before_write=self.before_write,
+                local_dir=self.local_dir,
             )  # fmt: skip
         return self.columns[name]
 
