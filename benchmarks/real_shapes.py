@@ -17,8 +17,9 @@ A = 128 anchors, K = 15, top-k 8; random bf16 features) through storage's Zarr w
     a random Qwen3 of hidden 512 with 5 taps), a fresh process per size;
 (e) stage 1's writer (storage.shards.ShardWriter: Blosc zstd + shuffle, CRC, the shard checksum)
     on real-shape records with 1 and 2 threads, a fresh process each: sequences/s, MB/s of feature
-    bits, the shard checksums (equal: bytes do not depend on the threads), and the cores per GPU
-    that keep 15 sequences/s per GPU;
+    bits, the shard checksums (equal: bytes do not depend on the threads), the cores per GPU
+    that keep 15 sequences/s per GPU, and where the time goes (CPU by thread, the wall with no
+    writer thread busy, fsync, checksum: the serial share and its Amdahl bound for 2 threads);
 (f) bytes one alr epoch reads from a 48-sequence cache with F = 512 (hidden 512, one tap) against
     the on-disk bytes of what alr needs: the small per-token arrays' chunking.
 

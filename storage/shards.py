@@ -400,8 +400,11 @@ class ShardWriter:
     writes release the GIL): `append` hands a Zarr shard file's rows or a tar sample's members to
     them and returns, keeping at most 2 x `num_threads` such pieces in flight, so the caller
     prepares the next record meanwhile; the arrays of an appended record must not change until
-    `publish`. The bytes do not depend on `num_threads`. Zarr compresses a file's chunks on its
-    own process-wide pool, sized by `set_codec_threads`.
+    `publish`. The bytes do not depend on `num_threads`. A local Zarr shard file is encoded on the
+    writer thread itself (storage.zarr_rows.ChunkFileEncoder); on a store zarr compresses a file's
+    chunks on its own process-wide pool, sized by `set_codec_threads`. Written files are fsynced
+    by a sync thread as they come (BackgroundWrites.sync_soon) and a local tar is hashed as it is
+    written, so `publish` waits for little more than the last pieces.
 
     On a store (`cache_dir` a URL) the shard is written in place under `shards/<name>`, after the
     objects an interrupted write left there are removed; the owner is checked also before each
