@@ -17,8 +17,9 @@ A = 128 anchors, K = 15, top-k 8; random bf16 features) through storage's Zarr w
     a random Qwen3 of hidden 512 with 5 taps), a fresh process per size;
 (e) stage 1's writer (storage.shards.ShardWriter: Blosc zstd + shuffle, CRC, the shard checksum)
     on real-shape records with 1 and 2 threads, a fresh process each: sequences/s, MB/s of feature
-    bits, the shard checksums (equal: bytes do not depend on the threads), and the cores per GPU
-    that keep 15 sequences/s per GPU;
+    bits, the shard checksums (equal: bytes do not depend on the threads), the cores per GPU
+    that keep 15 sequences/s per GPU, and where the time goes (CPU by thread, the wall with no
+    writer thread busy, fsync, checksum: the serial share and its Amdahl bound for 2 threads);
 (f) bytes one alr epoch reads from a 48-sequence cache with F = 512 (hidden 512, one tap) against
     the on-disk bytes of what alr needs: the small per-token arrays' chunking.
 
@@ -44,6 +45,7 @@ import multiprocessing
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -522,9 +524,31 @@ CHUNK_READS = {
 }
 
 
+def _thread_cpu_s(native_id: int) -> float:
+    """CPU seconds (user + system) of a live thread of this process, from /proc."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of `intervals`."""
+    covered, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            covered += hi - max(lo, end)
+            end = hi
+    return covered
+
+
 def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_records: int, out: str) -> dict:
     """(e) in a fresh process (Zarr's pool is sized once per process): synthesize the records,
-    then time appending them to a ShardWriter on `threads` threads and publishing the shard."""
+    then time appending them to a ShardWriter on `threads` threads and publishing the shard.
+
+    Where the time goes: each piece the writer hands its threads is timed (wall interval, thread
+    CPU); "main only" is the wall during which no piece runs (the main thread's appends, publish's
+    fsync and checksum), i.e. the part no writer thread can take; zarr's threads' CPU is read from
+    /proc (its event-loop thread is one thread whatever `threads` is)."""
+    import storage.shards
     from storage.shards import ShardSize, ShardWriter, set_codec_threads
 
     set_codec_threads(threads)
@@ -532,23 +556,63 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
     shapes = Shapes(**{k: tuple(v) if isinstance(v, list) else v for k, v in shapes_dict.items()})
     rng = np.random.default_rng(0)
     records = [synthetic_record(rng, shapes, source_row=i) for i in range(num_records)]
-    cpu_start, start = time.process_time(), time.perf_counter()
+    pieces: list[tuple[float, float, float]] = []  # (start, end, thread CPU s) of each piece
+    phases = {"sync_s": 0.0, "checksum_s": 0.0}
+
+    def timed(fn):
+        def piece(*args, **kwargs):
+            cpu, begin = time.thread_time(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                pieces.append((begin, time.perf_counter(), time.thread_time() - cpu))
+        return piece
+
+    def phase(name, fn):
+        def run(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[name] += time.perf_counter() - begin
+        return run
+
+    patched = {"fsync_tree": "sync_s", "shard_checksum": "checksum_s"}
+    originals = {name: getattr(storage.shards, name) for name in patched}
+    for name, key in patched.items():  # (restored below: --quick runs in this process)
+        setattr(storage.shards, name, phase(key, originals[name]))
+    zarr_cpu_before = {t.name: _thread_cpu_s(t.native_id) for t in threading.enumerate() if t.name.startswith("zarr")}
+    cpu_start, main_start, start = time.process_time(), time.thread_time(), time.perf_counter()
     with ShardWriter(
         out, shard_index=0, size=ShardSize.of_records(records), storage_format=storage_format, feature_codec="bf16",
         num_threads=threads,
     ) as writer:  # fmt: skip
+        submit = writer.writes.submit
+        writer.writes.submit = lambda fn, *args, **kwargs: submit(timed(fn), *args, **kwargs)
         for record in records:
             writer.append(record)
         appended = time.perf_counter()
         shard = writer.publish()
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    for name, fn in originals.items():
+        setattr(storage.shards, name, fn)
+    zarr_cpu = {
+        t.name: _thread_cpu_s(t.native_id) - zarr_cpu_before.get(t.name, 0.0)
+        for t in threading.enumerate() if t.name.startswith("zarr")
+    }  # fmt: skip
     return {
         "format": storage_format,
         "threads": threads,
         "sequences": num_records,
-        "seconds": seconds,
-        "publish_s": time.perf_counter() - appended,
+        "seconds": end - start,
+        "publish_s": end - appended,
         "cpu_s": time.process_time() - cpu_start,
+        "main_cpu_s": time.thread_time() - main_start,
+        "writer_cpu_s": sum(cpu for _, _, cpu in pieces),
+        "zarr_loop_cpu_s": sum(v for k, v in zarr_cpu.items() if k == "zarr_io"),
+        "zarr_pool_cpu_s": sum(v for k, v in zarr_cpu.items() if k != "zarr_io"),
+        "main_only_s": (end - start) - _union_s([(lo, hi) for lo, hi, _ in pieces]),
+        **phases,
         "feature_mb": sum(r["features"].nbytes + r["rollout_features"].nbytes for r in records) / 1e6,
         "checksum": shard.checksum,
     }
@@ -584,6 +648,13 @@ def bench_writer(work: Path, shapes: Shapes, *, num_records: int, fresh: bool) -
     return rows
 
 
+def serial_share(row: dict) -> float:
+    """The part of a writer run no second thread can shorten: the wall during which no piece ran
+    (main-thread work, publish's fsync and checksum) and the CPU of zarr's one event-loop thread,
+    over the run's wall; measured at 1 thread, it gives the Amdahl bound 1 / (s + (1 - s) / n)."""
+    return min(1.0, (row["main_only_s"] + row["zarr_loop_cpu_s"]) / row["seconds"])
+
+
 def print_writer(rows: list[dict], shapes: Shapes) -> list[dict]:
     one = {r["format"]: r for r in rows if r["threads"] == 1}
     print_table(
@@ -594,6 +665,16 @@ def print_writer(rows: list[dict], shapes: Shapes) -> list[dict]:
         [[r["format"], r["threads"], f"{r['sequences'] / r['seconds']:.2f}", f"{r['feature_mb'] / r['seconds']:.0f}",
           f"{one[r['format']]['seconds'] / r['seconds']:.2f}x", f"{r['publish_s']:.2f}", f"{r['cpu_s'] / r['sequences']:.2f}",
           f"{GPU_SEQ_PER_S * r['cpu_s'] / r['sequences']:.1f}", r["checksum"][7:19]] for r in rows],
+    )  # fmt: skip
+    print_table(
+        "(e) where the writer's time goes: CPU s by thread; main only = wall with no piece on a writer thread; "
+        "serial share = (main only + zarr loop CPU) / wall; Amdahl 2 threads = 1 / (s + (1 - s) / 2) of the 1-thread run",
+        ["format", "threads", "wall s", "main CPU", "writer threads CPU", "zarr loop CPU", "zarr pool CPU",
+         "main only s", "fsync s", "checksum s", "serial share", "Amdahl 2 threads"],
+        [[r["format"], r["threads"], f"{r['seconds']:.2f}", f"{r['main_cpu_s']:.2f}", f"{r['writer_cpu_s']:.2f}",
+          f"{r['zarr_loop_cpu_s']:.2f}", f"{r['zarr_pool_cpu_s']:.2f}", f"{r['main_only_s']:.2f}", f"{r['sync_s']:.2f}",
+          f"{r['checksum_s']:.2f}", f"{serial_share(r):.0%}",
+          f"{1 / (serial_share(r) + (1 - serial_share(r)) / 2):.2f}x" if r["threads"] == 1 else ""] for r in rows],
     )  # fmt: skip
     control = blosc_control(shapes, num_records=2)
     print(f"control, bare Blosc on the features of 2 records: {control[0]['mb_per_s']:.0f} MB/s on 1 thread, "

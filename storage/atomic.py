@@ -12,6 +12,7 @@ store its files are atomic one by one, not together (docs/design.md, "Caches on 
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import tempfile
 import uuid
@@ -43,16 +44,21 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+# fsyncs in flight together: the filesystem's journal commits them together instead of one
+# commit each (a Zarr shard is ~100 files and directories; docs/benchmarks.md, "Real shapes" (e)).
+FSYNC_THREADS = 8
+
+
 def fsync_tree(path: str | os.PathLike) -> None:
-    """fsync every file and directory under `path` (or `path` itself if it is a file)."""
+    """fsync every file and directory under `path` (or `path` itself if it is a file), several at
+    a time; all are done when it returns (nothing is published before, so their order is free)."""
     path = Path(path)
     if path.is_file():
         fsync_path(path)
         return
-    for root, _dirs, names in os.walk(path, topdown=False):
-        for name in names:
-            fsync_path(Path(root) / name)
-        fsync_path(root)
+    paths = [Path(root) / name for root, _dirs, names in os.walk(path) for name in [*names, ""]]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=FSYNC_THREADS, thread_name_prefix="fsync") as pool:
+        list(pool.map(fsync_path, paths))  # (an error of one raises here)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:

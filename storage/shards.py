@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +67,7 @@ from storage.location import Location, StorePrefix, remove_path, remove_path_tol
 from storage.manifest import ShardRecord
 from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
 from storage.wds import WdsShard, WdsShardWriter, encode_member
+from storage.zarr_rows import ChunkFileEncoder
 
 # Record arrays by the axis they are concatenated along in a Zarr shard (fp8 scales included).
 TOKEN_INDEXED_ARRAYS = TOKEN_ARRAYS + ("feature_scales",)
@@ -92,6 +94,8 @@ ZARR_SHARD_BYTES = 16 << 20  # ~16 MiB uncompressed per file
 ANCHOR_ROW_CHUNK_ARRAYS = ("rollout_features", "rollout_feature_scales")
 ZARR_MIN_CHUNK_BYTES = 64 << 10
 ZARR_CLEVEL = 3
+# A tar being written is handed to BackgroundWrites.sync_soon every this many bytes.
+SYNC_EVERY_BYTES = 64 << 20
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -298,12 +302,19 @@ class BackgroundWrites:
     `num_threads` threads, at most 2 x `num_threads` unfinished: a submit beyond that waits until
     one finishes (any one: waiting for the oldest left a thread idle behind a large member while
     small ones were done), so memory stays bounded while the caller prepares the next record. The
-    first error of a piece is raised by the submit or `wait` that collects it."""
+    first error of a piece is raised by the submit or `wait` that collects it.
+
+    `sync_soon` hands a written file to one more thread that fsyncs it: the disk takes a shard's
+    bytes while the next pieces compress, instead of all at once in `publish`'s fsync (which still
+    follows, and then finds those files clean). That thread waits on the disk, not the CPU."""
 
     def __init__(self, num_threads: int):
         self.num_threads = num_threads
         self.pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="shard-encode")
+        self.syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-sync")
         self.in_flight: set[Future] = set()
+        self.syncing: list[Future] = []
+        self.sync_lock = threading.Lock()  # writer threads hand files over too
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         self._collect()
@@ -313,6 +324,11 @@ class BackgroundWrites:
         future = self.pool.submit(fn, *args, **kwargs)
         self.in_flight.add(future)
         return future
+
+    def sync_soon(self, path: Path) -> None:
+        """Start putting the written file `path` on disk (fsync) on the sync thread; any thread."""
+        with self.sync_lock:
+            self.syncing.append(self.syncer.submit(fsync_path, path))
 
     def _collect(self) -> None:
         done = {future for future in self.in_flight if future.done()}
@@ -324,13 +340,25 @@ class BackgroundWrites:
         concurrent.futures.wait(self.in_flight)
         self._collect()
 
+    def wait_synced(self) -> None:
+        """After `wait`: every file handed to `sync_soon` is on disk (its error raised here)."""
+        with self.sync_lock:
+            syncing, self.syncing = self.syncing, []
+        for future in syncing:
+            future.result()
+
     def close(self) -> None:
         """Wait for the pieces already running (their errors are the caller's to have seen) and
         stop the threads; a second call does nothing."""
-        for future in self.in_flight:
+        with self.sync_lock:
+            syncing, self.syncing = self.syncing, []
+        for future in [*self.in_flight, *syncing]:
             future.cancel()
         self.in_flight.clear()
         self.pool.shutdown(wait=True)
+        self.syncer.shutdown(wait=True)
+
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,8 +400,11 @@ class ShardWriter:
     writes release the GIL): `append` hands a Zarr shard file's rows or a tar sample's members to
     them and returns, keeping at most 2 x `num_threads` such pieces in flight, so the caller
     prepares the next record meanwhile; the arrays of an appended record must not change until
-    `publish`. The bytes do not depend on `num_threads`. Zarr compresses a file's chunks on its
-    own process-wide pool, sized by `set_codec_threads`.
+    `publish`. The bytes do not depend on `num_threads`. A local Zarr shard file is encoded on the
+    writer thread itself (storage.zarr_rows.ChunkFileEncoder); on a store zarr compresses a file's
+    chunks on its own process-wide pool, sized by `set_codec_threads`. Written files are fsynced
+    by a sync thread as they come (BackgroundWrites.sync_soon) and a local tar is hashed as it is
+    written, so `publish` waits for little more than the last pieces.
 
     On a store (`cache_dir` a URL) the shard is written in place under `shards/<name>`, after the
     objects an interrupted write left there are removed; the owner is checked also before each
@@ -466,6 +497,7 @@ class ShardWriter:
         if got != self.size:
             raise ValueError(f"shard {self.name}: records hold {got}, planned {self.size}")
         self.body.finish(np.array(self.source_rows, dtype=np.int64), self.dims)
+        self.writes.wait_synced()  # what the sync thread took is on disk (an error of one raises here)
         self.writes.close()  # every piece is written (an error of one was raised by finish)
         if self.location.is_local:
             fsync_tree(self.tmp)
@@ -479,7 +511,7 @@ class ShardWriter:
             self.body.commit()
             final = self.target
         tags = shard_object_tags(final)
-        checksum = shard_checksum(final)
+        checksum = self.body.checksum(final) or shard_checksum(final)
         if shard_object_tags(final) != tags:  # rewritten while it was read back: not ours to publish
             raise ValueError(f"{final}: its objects changed while their checksum was computed")
         return ShardRecord(
@@ -568,11 +600,14 @@ def _chunk_layout(
 class _ZarrColumn:
     """One Zarr array filled front to back: rows are buffered until a whole Zarr shard file's worth
     is there, so every write covers whole files (no read-modify-write) and the buffer stays under
-    one file (~ZARR_SHARD_BYTES) plus the last record."""
+    one file (~ZARR_SHARD_BYTES) plus the last record. In a local directory (`local_dir`, the
+    shard's) a file's bytes are made on the writer thread that writes it
+    (storage.zarr_rows.ChunkFileEncoder: zarr would make them on its one event-loop thread); on a
+    store, and for a layout the encoder does not know, zarr writes them (the same bytes)."""
 
     def __init__(
         self, group, name: str, *, row_shape: tuple, dtype: np.dtype, num_rows: int, compressors: list,
-        writes: BackgroundWrites, rows_per_sequence: int | None = None, before_write=None,
+        writes: BackgroundWrites, rows_per_sequence: int | None = None, before_write=None, local_dir: Path | None = None,
     ):  # fmt: skip
         self.chunk_rows, self.shard_rows = _chunk_layout(
             name, row_shape, dtype.itemsize, num_rows, rows_per_sequence=rows_per_sequence
@@ -591,6 +626,11 @@ class _ZarrColumn:
             config={"write_empty_chunks": True},
         )
         self.num_rows, self.written = num_rows, 0
+        self.dir = self.encoder = None
+        if local_dir is not None:
+            self.dir = local_dir / name
+            meta = json.loads((self.dir / "zarr.json").read_text())
+            self.encoder = ChunkFileEncoder.encoder_of(meta, num_rows=num_rows)
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
 
@@ -609,12 +649,27 @@ class _ZarrColumn:
     def _flush(self, num_rows: int) -> None:
         if self.before_write is not None:
             self.before_write()
-        data = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        # The flush point lies in the last piece: before it, fewer than a file's rows were pending.
+        last, rest_rows = self.pending[-1], self.pending_rows - num_rows
+        pieces = [*self.pending[:-1], last[: len(last) - rest_rows]]
         # Whole Zarr shard files, so writes in flight together never touch the same file.
-        self.writes.submit(self.array.__setitem__, slice(self.written, self.written + num_rows), data[:num_rows])
+        self.writes.submit(self._write, self.written, pieces)
         self.written += num_rows
-        rest = data[num_rows:]
-        self.pending, self.pending_rows = ([rest] if len(rest) else []), len(rest)
+        self.pending = [last[len(last) - rest_rows :]] if rest_rows else []
+        self.pending_rows = rest_rows
+
+    def _write(self, first_row: int, pieces: list[np.ndarray]) -> None:
+        """On a writer thread: rows [first_row, ...) of `pieces`, whole files."""
+        data = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        if self.encoder is None:
+            self.array[first_row : first_row + len(data)] = data
+            return
+        for rel, parts in self.encoder.files(first_row, data):
+            path = self.dir / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "xb") as f:
+                f.writelines(parts)
+            self.writes.sync_soon(path)
 
 
 class _ZarrBody:
@@ -627,6 +682,7 @@ class _ZarrBody:
         writes: BackgroundWrites, before_write=None,
     ):  # fmt: skip
         self.size, self.feature_codec, self.before_write, self.writes = size, feature_codec, before_write, writes
+        self.local_dir = None if isinstance(target, StorePrefix) else Path(target)
         self.group = zarr.open_group(store=_zarr_store(target, read_only=False), mode="w-", zarr_format=3)
         # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
         # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
@@ -644,6 +700,7 @@ class _ZarrBody:
             self.columns[name] = _ZarrColumn(
                 self.group, name, row_shape=row_shape, dtype=dtype, num_rows=num_rows, compressors=self.compressors,
                 writes=self.writes, rows_per_sequence=rows_per_sequence, before_write=self.before_write,
+                local_dir=self.local_dir,
             )  # fmt: skip
         return self.columns[name]
 
@@ -683,11 +740,29 @@ class _ZarrBody:
             }
         )
 
+    def checksum(self, final: Path | StorePrefix) -> None:
+        return None  # shard_checksum reads the files back: it hashes them in path order, not written order
+
     def commit(self) -> None:
         pass  # every object is written already
 
     def close(self) -> None:
         pass
+
+
+class _HashingWriter:
+    """A binary file for writing that feeds every byte written through it to a sha256."""
+
+    def __init__(self, file):
+        self.file, self.digest, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def _zarr_store(target: str | os.PathLike | StorePrefix, *, read_only: bool):
@@ -711,8 +786,13 @@ class _WdsBody:
     ):  # fmt: skip
         self.on_store = isinstance(target, StorePrefix)
         self.file = target.open("", "wb") if self.on_store else open(target, "xb")
-        self.writer = WdsShardWriter(self.file, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums)
-        self.writes, self.chunk_checksums = writes, chunk_checksums
+        # A local tar is hashed as it is written (`checksum`): publish need not read it back.
+        self.hashed = None if self.on_store else _HashingWriter(self.file)
+        self.writer = WdsShardWriter(
+            self.hashed or self.file, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums
+        )  # fmt: skip
+        self.writes, self.chunk_checksums, self.target = writes, chunk_checksums, target
+        self.unsynced = 0  # bytes written since the last sync_soon
         self.encoding: collections.deque[tuple[int, list[Future]]] = collections.deque()  # in append order
 
     def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
@@ -725,7 +805,23 @@ class _WdsBody:
 
     def _write_oldest(self) -> None:
         source_row, members = self.encoding.popleft()
-        self.writer.append_encoded(source_row, [member.result() for member in members])
+        encoded = [member.result() for member in members]
+        self.writer.append_encoded(source_row, encoded)
+        self.unsynced += sum(len(data) for _, data in encoded)
+        if self.hashed is not None and self.unsynced >= SYNC_EVERY_BYTES:
+            self.file.flush()
+            self.writes.sync_soon(self.target)
+            self.unsynced = 0
+
+    def checksum(self, final: Path | StorePrefix) -> str | None:
+        """shard_checksum of the published tar, from the bytes as they were written (None on a
+        store: there it is read back). The tar was created here (exclusive open), written only
+        through `hashed`, closed and renamed, so those bytes are the file's; its size is checked."""
+        if self.hashed is None:
+            return None
+        if os.path.getsize(final) != self.hashed.size:
+            raise ValueError(f"{final}: {os.path.getsize(final)} bytes on disk, {self.hashed.size} written")
+        return f"sha256:{self.hashed.digest.hexdigest()}"
 
     def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
         while self.encoding:

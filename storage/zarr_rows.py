@@ -7,6 +7,12 @@ cache writer produces (chunked along the first axis only; codecs bytes, blosc, c
 inside a `sharding_indexed` file with its index at the end, bytes + crc32c) with one read and one
 Blosc call per chunk, checking every crc32c as zarr does. An array laid out any other way returns
 None from `ZarrRows.layout` and is read through zarr.
+
+`ChunkFileEncoder` is the writing side of the same layout (storage.shards.ShardWriter): zarr-python
+writes a shard file through its one event-loop thread, which fills, copies, checksums and joins
+every chunk there, a quarter of the writer's CPU at real shapes and the same thread whatever the
+number of writer threads (docs/benchmarks.md, "Real shapes" (e)). The encoder makes a file's bytes
+on the calling thread, byte for byte what zarr writes (tests/test_writer_parallel.py).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 
 import google_crc32c
 import numpy as np
-from numcodecs import blosc
+from numcodecs import Blosc, blosc
 
 _MISSING = 2**64 - 1  # a shard index entry of a chunk never written (zarr's fill value applies)
 
@@ -184,3 +190,67 @@ class ZarrRows:
             index = np.frombuffer(_checked(data, path, self.root), dtype="<u8").reshape(num_chunks, 2)
             self._indexes[path] = index
         return index
+
+
+class ChunkFileEncoder:
+    """The bytes of an array's chunk files from its rows, as zarr-python writes them for the layout
+    `parse_layout` reads: each chunk (the last one padded with the fill value) through Blosc with
+    the array's settings and a trailing crc32c; a shard file is its chunks in order, then the index
+    (offset and length of each chunk, uint64 little-endian, MISSING for chunks past the array's end)
+    and its crc32c. `encoder_of` gives None for any other layout (zarr writes those)."""
+
+    def __init__(self, layout: ChunkLayout, codec: Blosc, *, num_rows: int):
+        self.layout, self.codec, self.num_rows = layout, codec, num_rows
+
+    @classmethod
+    def encoder_of(cls, meta: dict, *, num_rows: int) -> ChunkFileEncoder | None:
+        layout = parse_layout(meta)
+        if layout is None:
+            return None
+        codecs = meta["codecs"][0]["configuration"]["codecs"] if layout.sharded else meta["codecs"]
+        config = codecs[1].get("configuration", {})
+        shuffle = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
+        try:
+            codec = Blosc(
+                cname=config["cname"], clevel=config["clevel"], shuffle=shuffle[config["shuffle"]],
+                blocksize=config.get("blocksize", 0), typesize=config["typesize"],
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            return None
+        return cls(layout, codec, num_rows=num_rows)
+
+    def files(self, first_row: int, rows: np.ndarray) -> list[tuple[str, list[bytes]]]:
+        """(path under the array's directory, the file's bytes in parts) of the chunk files holding
+        rows [first_row, first_row + len(rows)): whole files, `first_row` on a file boundary and the
+        rows reaching a file's end or the array's."""
+        layout = self.layout
+        if first_row % layout.file_rows or (len(rows) % layout.file_rows and first_row + len(rows) != self.num_rows):
+            raise ValueError(f"rows [{first_row}, {first_row + len(rows)}) are not whole chunk files")
+        out = []
+        trailing = ["0"] * len(layout.row_shape)
+        for start in range(0, len(rows), layout.file_rows):
+            stop = min(start + layout.file_rows, len(rows))
+            chunks = [self._chunk(rows[c : min(c + layout.chunk_rows, stop)]) for c in range(start, stop, layout.chunk_rows)]
+            path = "/".join(["c", str((first_row + start) // layout.file_rows), *trailing])
+            if not layout.sharded:  # a file per chunk: file_rows == chunk_rows
+                out.append((path, chunks[0]))
+                continue
+            lengths = np.array([sum(len(part) for part in chunk) for chunk in chunks], dtype=np.uint64)
+            index = np.full((layout.file_rows // layout.chunk_rows, 2), _MISSING, dtype="<u8")  # [chunks, (offset, length)]
+            index[: len(chunks), 0] = np.cumsum(lengths) - lengths
+            index[: len(chunks), 1] = lengths
+            out.append((path, [part for chunk in chunks for part in chunk] + _with_crc32c(index.tobytes())))
+        return out
+
+    def _chunk(self, rows: np.ndarray) -> list[bytes]:
+        layout = self.layout
+        if len(rows) < layout.chunk_rows:
+            padded = np.full((layout.chunk_rows, *layout.row_shape), layout.fill_value, dtype=layout.dtype)
+            padded[: len(rows)] = rows
+            rows = padded
+        return _with_crc32c(self.codec.encode(np.ascontiguousarray(rows, dtype=layout.dtype)))
+
+
+def _with_crc32c(data: bytes) -> list[bytes]:
+    """`data` and its crc32c (little-endian), zarr's crc32c codec, as two parts of a file."""
+    return [data, google_crc32c.value(data).to_bytes(4, "little")]

@@ -20,8 +20,9 @@ from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.rollouts import TargetOutputs
 from pipeline.cache_build.shard_builder import outputs_to_record, outputs_to_records
 from storage.format import SHARD_DIR
-from storage.shards import BackgroundWrites, ShardSize, read_shard_records, write_shard
+from storage.shards import BackgroundWrites, ShardSize, read_shard_records, shard_checksum, write_shard
 from storage.wds import encode_member
+from storage.zarr_rows import ChunkFileEncoder
 from test_storage import make_record, make_shard_records
 
 # The tar of make_shard_records(7, first_row=0, num=6, codec=...) as the serial writer wrote it
@@ -48,23 +49,32 @@ def _files(shard: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("codec", ["bf16", "fp8"])
-def test_shard_bytes_do_not_depend_on_the_writer_threads(tmp_path, monkeypatch, codec):
+@pytest.mark.parametrize("layout", ["a chunk a file", "sharded"])
+def test_shard_bytes_do_not_depend_on_the_writer_threads(tmp_path, monkeypatch, codec, layout):
     records, _ = make_shard_records(7, first_row=0, num=6, codec=codec)
     # 2 KiB Zarr shard files: every array is several files, so several writes are in flight at once.
     monkeypatch.setattr(storage.shards, "ZARR_SHARD_BYTES", 2 << 10)
+    monkeypatch.setattr(storage.shards, "SYNC_EVERY_BYTES", 1)  # a tar is synced early after every sample
+    if layout == "sharded":  # 2-16 chunks a file, last files partial, chunks past the array's end missing
+        monkeypatch.setattr(storage.shards, "ZARR_SHARD_BYTES", 4 << 10)
+        monkeypatch.setattr(storage.shards, "ZARR_FLOOR_CHUNK_BYTES", 256)
     for storage_format in ("zarr", "wds"):
         written = {}
-        for threads in (1, 3, "inline"):
+        for threads in (1, 3, "inline", "zarr-encodes"):
             out = tmp_path / f"{storage_format}-{threads}"
             with monkeypatch.context() as patch:
                 if threads == "inline":
                     patch.setattr(BackgroundWrites, "submit", _inline_submit)
+                if threads == "zarr-encodes":  # zarr-python makes the chunk files, as before ChunkFileEncoder
+                    patch.setattr(ChunkFileEncoder, "encoder_of", classmethod(lambda cls, meta, num_rows: None))
                 shard = write_shard(
                     out, shard_index=0, records=records, storage_format=storage_format, feature_codec=codec,
-                    num_threads=1 if threads == "inline" else threads,
+                    num_threads=threads if isinstance(threads, int) else 1,
                 )  # fmt: skip
             written[threads] = (shard.checksum, _files(out / SHARD_DIR / shard.name))
-        assert written[1] == written[3] == written["inline"], storage_format
+        assert written[1] == written[3] == written["inline"] == written["zarr-encodes"], storage_format
+        # A tar's checksum is hashed as it is written: the same as reading the shard back.
+        assert written[1][0] == shard_checksum(out / SHARD_DIR / shard.name)
         if storage_format == "zarr":
             assert len(written[1][1]) > 40  # many files: the parallel writes really overlapped
         else:
