@@ -29,6 +29,7 @@ turns it into docs/results.md's real-model section.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -230,12 +231,26 @@ def arm_config(arm: Arm, *, paths: Paths, sizes: PaperSizes, seed: int, head: Pa
     )  # fmt: skip
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch on `count` threads inside the block: a phase that runs alone takes every lane's core."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def train_head(paths: Paths, sizes: PaperSizes, *, log) -> Path:
     """The initial head every arm starts from: dflash on greedy target answers to prompts disjoint
     from the corpus and the evaluation, as the paper's arms start from the released DFlash head."""
     head = Arm(name="head", method="dflash", cache="head", epochs=sizes.head_epochs)
     config = arm_config(head, paths=paths, sizes=sizes, seed=sizes.seed, head=None)
-    train_method(config, log=log)
+    with torch_threads(sizes.lanes):
+        train_method(config, log=log)
     return Path(config.out) / "drafter"
 
 
@@ -278,8 +293,9 @@ def replay_all(runs: list[tuple[Arm, int]], *, paths: Paths, sizes: PaperSizes, 
     rounds of each drafter at the price of one target decode per prompt. Summaries by run name."""
     drafters = {f"{arm.name}-s{seed}": str(drafter_of(paths, arm.name, seed)) for arm, seed in runs}
     drafters = {f"head-s{sizes.seed}": str(head)} | drafters
-    summaries = run_replay(target=str(paths.target), drafters=drafters, prompts=prompts, out=out, max_new_tokens=max_new_tokens,
-                           log=log)  # fmt: skip
+    with torch_threads(sizes.lanes):
+        summaries = run_replay(target=str(paths.target), drafters=drafters, prompts=prompts, out=out, max_new_tokens=max_new_tokens,
+                               log=log)  # fmt: skip
     for name, summary in summaries.items():
         log(f"replay {name}: MAT {summary['tau_geomean']:.3f}")
     return summaries
