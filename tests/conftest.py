@@ -86,6 +86,20 @@ def k7_cache(ray_address, toy_target, toy_corpus, tmp_path_factory) -> Path:
     return cache
 
 
+@pytest.fixture(scope="session")
+def shard1_reference(ray_address, toy_target, toy_corpus, tmp_path_factory) -> Path:
+    """A clean build of tests/test_cache_build.py's small settings at --shard-size 1 on two workers
+    (one shard per sequence), built once: the killed, interrupted and contested builds of
+    test_cache_build.py and test_faults.py must resume to its shards (names and checksums, which do
+    not depend on the number of workers)."""
+    from ray_jobs.build import build_cache
+    from tests.test_cache_build import _config
+
+    out = tmp_path_factory.mktemp("shard1") / "reference"
+    build_cache(_config(toy_target, toy_corpus, out, shard_size=1, workers=2), progress=False, log=lambda m: None)
+    return out
+
+
 def train_alr_drafter(cache: Path, run: Path, *, epochs: int, draft_layers: int | None = None) -> Path:
     """Train an alr drafter on `cache` (fp32 export); its checkpoint directory."""
     from pipeline.train import TrainConfig, train

@@ -73,10 +73,17 @@ def test_train_step_measures_every_row(tmp_path):
 
 
 def test_methods_summarises_replicates(tmp_path):
+    """Two replicates on one world (--world-seed 0): the second drafter seed reuses the first's world
+    and cache (the resume path), so the world and its Ray cache build are paid once."""
     out = tmp_path / "methods"
-    run_benchmark("methods.py", "--quick", "--seeds", "0,1", "--temperatures", "0", "--methods", "dflash,alr", "--out", str(out))
+    run_benchmark(
+        "methods.py", "--quick", "--seeds", "0,1", "--world-seed", "0", "--temperatures", "0", "--methods", "dflash,alr",
+        "--out", str(out),
+    )  # fmt: skip
     table = json.loads((out / "methods.json").read_text())
-    assert len(table["replicates"]) == 2
+    assert [(r["world_seed"], r["seed"]) for r in table["replicates"]] == [(0, 0), (0, 1)]
+    assert table["replicates"][0]["world"] == table["replicates"][1]["world"]
+    assert [p.name for p in out.iterdir() if p.name.startswith("world-")] == ["world-0"]
     for replicate in table["replicates"]:
         assert all(r["T0"]["lossless_mismatches"] == 0 for r in replicate["methods"].values())
     markdown = (out / "methods.md").read_text()

@@ -165,11 +165,9 @@ def test_bad_rows_error_names_file_and_line_or_are_skipped(ray_address, toy_targ
     assert manifest.corpus_stats["rows"] == len(rows) + 2
 
 
-def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_corpus, tmp_path):
+def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_corpus, shard1_reference, tmp_path):
     """Kill the whole build mid-way (driver and its worker actors), resume, compare to a clean run."""
-    reference = tmp_path / "reference"
-    _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1))
-
+    reference = shard1_reference
     out = tmp_path / "killed"
     args = _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -228,10 +226,9 @@ def _build_and_interrupt(config: CacheBuildConfig, interrupt) -> tuple[int | Non
     return interrupted_at, errors
 
 
-def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, toy_target, toy_corpus, tmp_path):
+def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, toy_target, toy_corpus, shard1_reference, tmp_path):
     """SIGKILL one target actor while it works: the driver starts a new one and redoes its shard."""
-    reference = tmp_path / "reference"
-    _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1, workers=2))
+    reference = shard1_reference
 
     def kill_a_worker() -> bool:
         pids = subprocess.run(["pgrep", "-f", "ray::CacheWorker"], capture_output=True, text=True).stdout.split()
@@ -248,15 +245,15 @@ def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, t
     assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]
 
 
-def test_a_build_that_loses_the_directory_stops_and_the_claimant_finishes(ray_address, toy_target, toy_corpus, tmp_path):
+def test_a_build_that_loses_the_directory_stops_and_the_claimant_finishes(
+    ray_address, toy_target, toy_corpus, shard1_reference, tmp_path
+):
     """Another build claiming the directory mid-way (a re-run started while Ray still reaps the
     actors of a killed driver, or a second build on the same --out) stops this one at its next
     shard with a one-line error naming the directory; the claimant's resume equals a clean build."""
     from storage.ownership import CacheOwnershipLost, claim_cache
 
-    reference = tmp_path / "reference"
-    _build(ray_address, _config(toy_target, toy_corpus, reference, shard_size=1))
-
+    reference = shard1_reference
     out = tmp_path / "contested"
     claimed_at, errors = _build_and_interrupt(
         _config(toy_target, toy_corpus, out, shard_size=1, workers=1), lambda: bool(claim_cache(out))

@@ -23,7 +23,7 @@ from ray_jobs.cli import cache_cli
 from storage.format import SHARD_DIR
 from storage.manifest import load_manifest
 from storage.verify import verify_cache
-from tests.test_cache_build import _build, _cli_args, _config
+from tests.test_cache_build import _cli_args
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +63,8 @@ def _kill_during_build(args: list[str], manifest_path, *, load: list, timeout: f
     return listed
 
 
-def test_kill_and_rerun_under_cpu_load_gives_identical_cache(ray_address, toy_target, toy_corpus, tmp_path):
-    reference = _build(ray_address, _config(toy_target, toy_corpus, tmp_path / "reference", shard_size=1, workers=2))
+def test_kill_and_rerun_under_cpu_load_gives_identical_cache(ray_address, toy_target, toy_corpus, shard1_reference, tmp_path):
+    reference = load_manifest(shard1_reference)
     expected = [(s.name, s.checksum) for s in reference.shards]
     for round_index in range(NUM_ROUNDS):
         out = tmp_path / f"killed-{round_index}"

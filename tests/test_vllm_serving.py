@@ -9,10 +9,12 @@ keys (the CPU `rms_norm` op reads only the first row of the stacked [L, head_dim
 exact comparison patches that one function with a per-layer loop and the unpatched run is only
 asserted to stay close.
 
-The engine runs in a subprocess (this file run as a script), so a vLLM crash cannot take pytest
-down and its process state (threads, RNG seeds, prometheus registry) does not leak; it serves the
-same prompts twice on one engine, patched and unpatched, with prefix caching off so the second pass
-recomputes every context key.
+vLLM runs in one subprocess (this file run as a script), so a vLLM crash cannot take pytest down
+and its process state (threads, RNG seeds, prometheus registry) does not leak into pytest. That
+subprocess imports vLLM once and starts one engine per (target, drafter) pair, one after another,
+each shut down before the next: the Qwen3 target with the 1-layer and then the 2-layer drafter, then
+the Llama 3 style target. The 2-layer engine serves the same prompts twice, patched and unpatched,
+with prefix caching off so the second pass recomputes every context key.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def _spec_counts(llm) -> dict:
 
 def serve(spec: dict) -> dict:
     """One engine: target + drafter (dflash); each pass in spec["passes"] ("patched"/"unpatched")
-    serves every prompt greedily; returns tokens and the spec-decode counter deltas per pass."""
+    serves every prompt greedily; returns tokens and the spec-decode counter deltas per pass. The
+    engine is shut down and the process's distributed state reset before it returns, so the next
+    engine in this process starts clean."""
     from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     llm = LLM(
         spec["target"],
@@ -101,20 +106,24 @@ def serve(spec: dict) -> dict:
             "per_pos": [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))],
             "seconds": time.perf_counter() - start,
         }
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    cleanup_dist_env_and_memory()
     return out
 
 
-def run_serve(spec: dict, workdir: Path) -> dict:
+def run_serve(specs: dict[str, dict], workdir: Path) -> dict[str, dict]:
+    """serve() on every spec, in order, in one subprocess; results by the specs' names."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / "serve_spec.json", workdir / "serve_out.json"
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps(specs))
     env = dict(
         os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )  # fmt: skip
     proc = subprocess.run(
         [sys.executable, __file__, str(spec_path), str(out_path)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1],
+        env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     assert proc.returncode == 0 and out_path.exists(), proc.stderr[-6000:]
     return json.loads(out_path.read_text())
@@ -166,11 +175,6 @@ def training_prompts(target: Path, corpus: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def prompts(toy_target, toy_corpus):
-    return training_prompts(toy_target, toy_corpus)
-
-
-@pytest.fixture(scope="module")
 def drafters(k7_cache, tmp_path_factory):
     """A 1-layer and a 2-layer (one per tap) drafter trained on the session's K = 7 cache."""
     from tests.conftest import train_alr_drafter
@@ -180,68 +184,94 @@ def drafters(k7_cache, tmp_path_factory):
     return {layers: train_alr_drafter(k7_cache, root / f"run{layers}", epochs=12, draft_layers=layers) for layers in (1, 2)}
 
 
-def alrira_eval(toy_target, drafter_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]], int]:
-    """HF greedy tokens and alrira-eval's accepted lengths (rounds cut as vLLM runs them)."""
+def alrira_eval(target_dir: Path, drafter_dirs: dict[str, Path], prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+    """HF greedy tokens (once per target) and, per drafter, alrira-eval's accepted lengths (rounds
+    cut as vLLM runs them) and K."""
     import torch
 
     from drafter.checkpoint import load_drafter
     from pipeline.eval.speculative import autoregressive_decode, speculative_decode
     from pipeline.target import load_target
 
-    target = load_target(toy_target, dtype=torch.float32)
-    drafter = load_drafter(drafter_dir, dtype=torch.float32).eval()
-    k = drafter.config.block_size - 1
-    greedy, accepted = [], []
+    target = load_target(target_dir, dtype=torch.float32)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for prompt in prompts:
-            ar = autoregressive_decode(
-                target, prompt, max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=[], generator=None
-            )
-            sd = speculative_decode(
-                target, drafter, embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings(),
-                prompt_ids=prompt, max_new_tokens=NEW_TOKENS + k + 1, temperature=0.0, stop_token_ids=[],
-                generator=None, mask_token_id=drafter.config.mask_token_id,
-            )  # fmt: skip
-            assert sd.tokens[:NEW_TOKENS] == ar.tokens
-            greedy.append(ar.tokens)
-            accepted.append(rounds_until(sd.accepted_lengths, NEW_TOKENS))
+        greedy = [
+            autoregressive_decode(target, p, max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=[], generator=None).tokens
+            for p in prompts
+        ]  # fmt: skip
+        per_drafter = {}
+        for name, drafter_dir in drafter_dirs.items():
+            drafter = load_drafter(drafter_dir, dtype=torch.float32).eval()
+            k = drafter.config.block_size - 1
+            accepted = []
+            for prompt, expected in zip(prompts, greedy):
+                sd = speculative_decode(
+                    target, drafter, embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings(),
+                    prompt_ids=prompt, max_new_tokens=NEW_TOKENS + k + 1, temperature=0.0, stop_token_ids=[],
+                    generator=None, mask_token_id=drafter.config.mask_token_id,
+                )  # fmt: skip
+                assert sd.tokens[:NEW_TOKENS] == expected, name
+                accepted.append(rounds_until(sd.accepted_lengths, NEW_TOKENS))
+            per_drafter[name] = {"accepted": accepted, "k": k}
     finally:
         torch.set_num_threads(previous)
-    return greedy, accepted, k
+    return greedy, per_drafter
 
 
-def serve_and_compare(toy_target, drafter_dir, prompts, tmp_path, passes):
-    greedy, accepted, k = alrira_eval(toy_target, drafter_dir, prompts)
-    spec = {
-        "target": str(toy_target), "drafter": str(drafter_dir), "k": k, "prompts": prompts,
-        "max_tokens": NEW_TOKENS, "max_model_len": 256, "passes": passes,
-    }  # fmt: skip
-    served = run_serve(spec, tmp_path)
-    for name in passes:
-        assert served[name]["tokens"] == greedy, name  # lossless: vLLM + drafter == the target alone
-    ours = alrira_counts([n for per_prompt in accepted for n in per_prompt], k=k)
+@pytest.fixture(scope="module")
+def served(toy_target, toy_corpus, drafters, llama_target, llama_drafter, tmp_path_factory):
+    """Every pair the tests check, by name: HF greedy tokens, alrira-eval's counts and vLLM's
+    result per pass. vLLM serves all of them from one subprocess (one import, three engines)."""
+    cases = {  # name: target, drafter, passes
+        "qwen3-1": (toy_target, drafters[1], ["unpatched"]),
+        "qwen3-2": (toy_target, drafters[2], ["patched", "unpatched"]),
+        "llama-1": (llama_target, llama_drafter, ["unpatched"]),
+    }
+    out, specs = {}, {}
+    for target in (toy_target, llama_target):
+        prompts = training_prompts(target, toy_corpus)
+        names = [name for name, case in cases.items() if case[0] == target]
+        greedy, per_drafter = alrira_eval(target, {name: cases[name][1] for name in names}, prompts)
+        for name in names:
+            k, accepted = per_drafter[name]["k"], per_drafter[name]["accepted"]
+            out[name] = {"greedy": greedy, "ours": alrira_counts([n for per_prompt in accepted for n in per_prompt], k=k)}
+            specs[name] = {
+                "target": str(target), "drafter": str(cases[name][1]), "k": k, "prompts": prompts,
+                "max_tokens": NEW_TOKENS, "max_model_len": 256, "passes": cases[name][2],
+            }  # fmt: skip
+    for name, result in run_serve(specs, tmp_path_factory.mktemp("vllm-serve")).items():
+        out[name]["served"] = result
+    return out
+
+
+def lossless_counts(case: dict) -> tuple[dict, dict]:
+    """Asserts every pass of a case is lossless (vLLM + drafter == the target alone); alrira-eval's
+    counts and vLLM's per pass."""
+    ours, served = case["ours"], case["served"]
     print(f"alrira-eval {ours} tau {tau(ours):.3f}")
-    for name in passes:
-        theirs = {key: served[name][key] for key in ("drafts", "per_pos")}
-        print(f"vLLM {name} {theirs} tau {tau(theirs):.3f} ({served[name]['seconds']:.1f} s)")
-    return ours, served
+    theirs = {}
+    for name, result in served.items():
+        assert result["tokens"] == case["greedy"], name
+        theirs[name] = {key: result[key] for key in ("drafts", "per_pos")}
+        print(f"vLLM {name} {theirs[name]} tau {tau(theirs[name]):.3f} ({result['seconds']:.1f} s)")
+    return ours, theirs
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_vllm_serves_a_trained_drafter_like_alrira_eval(toy_target, drafters, prompts, tmp_path):
+def test_vllm_serves_a_trained_drafter_like_alrira_eval(served):
     # 1 layer: vllm-cpu's grouped k_norm is exact, so the shipped kernels must match per position.
-    ours, served = serve_and_compare(toy_target, drafters[1], prompts, tmp_path / "one", passes=["unpatched"])
-    assert {key: served["unpatched"][key] for key in ("drafts", "per_pos")} == ours
+    ours, theirs = lossless_counts(served["qwen3-1"])
+    assert theirs["unpatched"] == ours
     assert sum(ours["per_pos"]) > 0  # not a comparison of all-rejections
 
     # 2 layers: exact with the per-layer k_norm patch; the shipped kernel only drifts a little.
-    ours, served = serve_and_compare(toy_target, drafters[2], prompts, tmp_path / "two", passes=["patched", "unpatched"])
-    assert {key: served["patched"][key] for key in ("drafts", "per_pos")} == ours
+    ours, theirs = lossless_counts(served["qwen3-2"])
+    assert theirs["patched"] == ours
     assert ours["per_pos"][1] > 0  # some round accepted >= 2 drafts
-    unpatched = served["unpatched"]
+    unpatched = theirs["unpatched"]
     assert abs(tau(unpatched) - tau(ours)) <= UNPATCHED_TAU_ATOL
     drift = sum(abs(a - b) for a, b in zip(unpatched["per_pos"], ours["per_pos"])) + abs(unpatched["drafts"] - ours["drafts"])
     assert drift <= UNPATCHED_PER_POS_RTOL * ours["drafts"], (unpatched, ours)
@@ -249,17 +279,16 @@ def test_vllm_serves_a_trained_drafter_like_alrira_eval(toy_target, drafters, pr
 
 @needs_vllm
 @pytest.mark.slow
-def test_vllm_serves_a_llama_target_drafter_with_its_mask_token(llama_target, toy_corpus, llama_drafter, tmp_path):
+def test_vllm_serves_a_llama_target_drafter_with_its_mask_token(served):
     """A Llama 3 style target (tied, GQA, Llama 3 RoPE scaling, a tokenizer that fills the embedding):
     vLLM reads the mask token (a reserved special token) from the export and serves losslessly,
-    accepting what alrira-eval accepts, position by position (one engine, one pass)."""
-    prompts = training_prompts(llama_target, toy_corpus)
-    ours, served = serve_and_compare(llama_target, llama_drafter, prompts, tmp_path, passes=["unpatched"])
-    assert {key: served["unpatched"][key] for key in ("drafts", "per_pos")} == ours
+    accepting what alrira-eval accepts, position by position (its own engine, one pass)."""
+    ours, theirs = lossless_counts(served["llama-1"])
+    assert theirs["unpatched"] == ours
     assert sum(ours["per_pos"]) > 0
 
 
 if __name__ == "__main__":
     spec_file, out_file = sys.argv[1:3]
-    result = serve(json.loads(Path(spec_file).read_text()))
-    Path(out_file).write_text(json.dumps(result))
+    results = {name: serve(spec) for name, spec in json.loads(Path(spec_file).read_text()).items()}
+    Path(out_file).write_text(json.dumps(results))
