@@ -52,3 +52,25 @@ def test_batched_sampling_is_seeded_per_row_and_recorded(toy_target, tmp_path):
     a, b, c, greedy = (answers(tmp_path / name) for name in ("a", "b", "c", "greedy"))
     assert a == b  # the same seed, the same text
     assert a != c and a != greedy  # another seed, or greedy, writes other text
+
+
+def test_an_output_from_before_a_setting_existed_resumes_at_its_default(toy_target, tmp_path):
+    """A manifest written before --batched-sampling existed has no such setting: a rerun at the
+    default resumes it (no part rewritten), a rerun with the setting on is a named difference."""
+    import json
+
+    corpus = write_jsonl(tmp_path / "chat.jsonl", toy_chat_rows(3, seed=4, min_turns=1, max_turns=1, response_words=(3, 6)))
+
+    def config(**flags):
+        return RegenerateConfig.from_flags(target=str(toy_target), corpus=str(corpus), out=str(tmp_path / "out"), max_new_tokens=6, **flags)
+
+    regenerate_corpus(config(), log=lambda m: None)
+    manifest_path = tmp_path / "out" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["provenance"]["settings"]["batched_sampling"]
+    manifest_path.write_text(json.dumps(manifest))
+    part = (tmp_path / "out" / "part-00000.jsonl").stat().st_mtime_ns
+    regenerate_corpus(config(), log=lambda m: None)
+    assert (tmp_path / "out" / "part-00000.jsonl").stat().st_mtime_ns == part
+    with pytest.raises(ValueError, match=r"settings\.batched_sampling: (None|False) -> True"):
+        regenerate_corpus(config(batched_sampling=True), log=lambda m: None)

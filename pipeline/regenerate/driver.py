@@ -27,6 +27,7 @@ from pipeline.chat import (
     iter_corpus_rows,
     jsonl_row_seeks,
 )
+from pipeline.config import flag_name, is_required, leaf_fields
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
@@ -35,6 +36,8 @@ from storage.atomic import atomic_write_bytes
 from storage.location import is_url, resolve
 
 FORMAT_VERSION = 1
+# Every setting's default, for outputs whose manifest predates a setting (`differences`).
+SETTING_DEFAULTS = {flag_name(f): f.default for f, _ in leaf_fields(RegenerateConfig) if not is_required(f)}
 RunParts = Callable[[RegenerateConfig, list[PartSpec], Callable[[dict], None]], None]
 
 
@@ -75,12 +78,16 @@ def image_root(config: RegenerateConfig) -> str | None:
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """'name: old -> new' for every provenance entry that differs (nested settings flattened)."""
+    """'name: old -> new' for every provenance entry that differs (nested settings flattened). A
+    setting an older output's manifest does not name (one added since) counts as its default then:
+    only a non-default value is a difference."""
     found = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             found += differences(a, b, prefix=f"{prefix}{key}.")
+        elif key not in old and prefix == "settings." and b == SETTING_DEFAULTS.get(key, object()):
+            continue
         elif a != b:
             found.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return found
