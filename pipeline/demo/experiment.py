@@ -102,7 +102,7 @@ class PaperSizes:
     min_supervised_tokens: int = 32  # the build's default (2 blocks)
     anchors_per_step: int = 8
     epochs: int = 3
-    head_epochs: int = 4
+    head_epochs: int = 12
     batch_size: int = 8
     lr: float = 1.47e-3  # the paper's
     max_steps: int | None = None
