@@ -23,7 +23,7 @@ A = 128 anchors, K = 15, top-k 8; random bf16 features) through storage's Zarr w
 (f) bytes one alr epoch reads from a 48-sequence cache with F = 512 (hidden 512, one tap) against
     the on-disk bytes of what alr needs: the small per-token arrays' chunking.
 
-    .venv/bin/python benchmarks/real_shapes.py [--quick] [--out DIR] [--threads 2] [--writer-only]
+    .venv/bin/python benchmarks/real_shapes.py [--quick] [--out DIR] [--threads 2] [--writer-only | --loader-only]
 
 Page cache warm: rchar counts the bytes read() returned, cached or not, which is what a loader
 decompresses from.
@@ -713,12 +713,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the drafter step and the stage-1 worker")
     parser.add_argument("--skip-stage1", action="store_true", help="leave out (d)")
     parser.add_argument("--writer-only", action="store_true", help="run (e) and (f) only")
+    parser.add_argument("--loader-only", action="store_true", help="write the cache and run (b2) only")
     args = parser.parse_args()
     shapes = QUICK if args.quick else FULL
     work = empty_workdir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="alrira-real-shapes-"))
     began, load_before = time.perf_counter(), os.getloadavg()[0]
     torch.set_num_threads(1)  # (a), (b): the loader of one DataLoader worker
 
+    if args.loader_only:
+        cache = write_cache(work / "cache", shapes)
+        reader = open_cache(cache)
+        reader.read(0, arrays=set())
+        floors = loader_against_floor(reader, cache, shapes=shapes)
+        reader.close()
+        results = {"loader_floor": floors, "load_average": [load_before, os.getloadavg()[0]]}
+        (work / "results.json").write_text(json.dumps(results, indent=1))
+        print(f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; {work / 'results.json'}")
+        return
     writer = bench_writer(work, shapes, num_records=WRITER_RECORDS["quick" if args.quick else "full"], fresh=not args.quick)
     control = print_writer(writer, shapes)
     chunk_reads = bench_chunk_reads(work, shapes, quick=args.quick)

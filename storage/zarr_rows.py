@@ -4,9 +4,10 @@ zarr-python reads a slice through its asyncio pipeline, one inner chunk at a tim
 hand-off per codec: at real shapes that costs 2-3x the Blosc decode itself (benchmarks/real_shapes.py,
 "(b2)"), so the map loader ran far below its decompression floor. This reads the one layout the
 cache writer produces (chunked along the first axis only; codecs bytes, blosc, crc32c; optionally
-inside a `sharding_indexed` file with its index at the end, bytes + crc32c) with one read and one
-Blosc call per chunk, checking every crc32c as zarr does. An array laid out any other way returns
-None from `ZarrRows.layout` and is read through zarr.
+inside a `sharding_indexed` file with its index at the end, bytes + crc32c) with one read per run
+of chunks stored back to back in a file (a sequence's rows of an array: one read per file) and one
+Blosc call per chunk straight into the result, checking every crc32c as zarr does. An array laid
+out any other way returns None from `ZarrRows.layout` and is read through zarr.
 
 `ChunkFileEncoder` is the writing side of the same layout (storage.shards.ShardWriter): zarr-python
 writes a shard file through its one event-loop thread, which fills, copies, checksums and joins
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,10 +43,11 @@ class ChunkLayout:
     fill_value: int | float
 
 
-def _checked(data: bytes, path: str, root: Path) -> bytes:
-    """`data` less its trailing little-endian crc32c, which must match (`path` names the file)."""
-    frame = data[:-4]  # (google_crc32c takes bytes only)
-    if len(data) < 4 or google_crc32c.value(frame) != int.from_bytes(data[-4:], "little"):
+def _checked(data: bytes | np.ndarray, path: str, root: Path) -> bytes | np.ndarray:
+    """`data` (bytes or a read-only uint8 view) less its trailing little-endian crc32c, which must
+    match (`path` names the file); a view of `data`'s bytes for a view, a copy for bytes."""
+    frame = data[:-4]  # (google_crc32c takes read-only buffers only: bytes or a read-only array)
+    if len(data) < 4 or google_crc32c.value(frame) != int.from_bytes(bytes(data[-4:]), "little"):
         raise ValueError(f"{os.path.relpath(path, root.parent)}: crc32c checksum mismatch")
     return frame
 
@@ -82,9 +85,9 @@ def parse_layout(meta: dict) -> ChunkLayout | None:
 
 
 class ZarrRows:
-    """Row ranges of the arrays of one local Zarr shard directory. Chunk files are read with a
-    fresh open each time (nothing to re-open after a fork); shard indexes are cached (a complete
-    shard never changes)."""
+    """Row ranges of the arrays of one local Zarr shard directory. Chunk files are opened afresh
+    by each read, once per file (nothing to re-open after a fork); shard indexes are cached (a
+    complete shard never changes)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -104,12 +107,12 @@ class ZarrRows:
         layout = self.layout(name)
         out = np.empty((stop - start, *layout.row_shape), dtype=layout.dtype)
         size = layout.chunk_rows
-        for chunk in range(start // size, -(-stop // size)):
+        for chunk, frame in self._frames(name, layout, range(start // size, -(-stop // size))):
             lo, hi = max(start, chunk * size), min(stop, (chunk + 1) * size)
             if (lo, hi) == (chunk * size, (chunk + 1) * size):
-                self._chunk(name, layout, chunk, into=out[lo - start : hi - start])
+                self._decode(layout, frame, into=out[lo - start : hi - start])
             else:
-                out[lo - start : hi - start] = self._chunk(name, layout, chunk)[lo - chunk * size : hi - chunk * size]
+                out[lo - start : hi - start] = self._decode(layout, frame)[lo - chunk * size : hi - chunk * size]
         return out
 
     def pick(self, name: str, rows: np.ndarray) -> np.ndarray:
@@ -117,20 +120,20 @@ class ZarrRows:
         layout = self.layout(name)
         rows = np.asarray(rows, dtype=np.int64)
         out = np.empty((len(rows), *layout.row_shape), dtype=layout.dtype)
-        if layout.chunk_rows == 1:  # rollout_features: a chunk per anchor row, decoded in place
-            decoded = {}
-            for i, row in enumerate(rows.tolist()):
-                if row in decoded:
-                    out[i] = out[decoded[row]]
-                else:
-                    self._chunk(name, layout, row, into=out[i : i + 1])
-                    decoded[row] = i
-            return out
         chunks = rows // layout.chunk_rows
-        for chunk in np.unique(chunks):
-            decoded = self._chunk(name, layout, int(chunk))  # [chunk_rows, *row_shape]
+        wanted = np.unique(chunks).tolist()
+        if layout.chunk_rows == 1:  # rollout_features: a chunk per anchor row, decoded in place
+            first = {row: i for i, row in reversed(list(enumerate(rows.tolist())))}
+            for row, frame in self._frames(name, layout, wanted):
+                self._decode(layout, frame, into=out[first[row] : first[row] + 1])
+            for i, row in enumerate(rows.tolist()):
+                if first[row] != i:
+                    out[i] = out[first[row]]
+            return out
+        for chunk, frame in self._frames(name, layout, wanted):
+            decoded = self._decode(layout, frame)  # [chunk_rows, *row_shape]
             mine = np.nonzero(chunks == chunk)[0]
-            out[mine] = decoded[rows[mine] - int(chunk) * layout.chunk_rows]
+            out[mine] = decoded[rows[mine] - chunk * layout.chunk_rows]
         return out
 
     def frame(self, name: str, chunk: int) -> bytes | None:
@@ -152,10 +155,47 @@ class ZarrRows:
                 data = f.read()
         return _checked(data, path, self.root)
 
-    def _chunk(self, name: str, layout: ChunkLayout, chunk: int, *, into: np.ndarray | None = None) -> np.ndarray:
-        """Chunk `chunk` of array `name` decoded: [chunk_rows, *row_shape], written into `into`
-        (a contiguous view of that shape) when given."""
-        frame = self.frame(name, chunk)
+    def _frames(self, name: str, layout: ChunkLayout, chunks) -> Iterator[tuple[int, np.ndarray | bytes | None]]:
+        """(chunk, its Blosc frame, crc32c checked; None for a chunk never written) of the ascending
+        `chunks` of array `name`: one open per chunk file, and in a shard file one read per run of
+        chunks stored back to back (the writer stores a file's chunks in order, so a sequence's
+        rows of an array are one read per file)."""
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for chunk in chunks:
+            file_index, first = divmod(chunk * layout.chunk_rows, layout.file_rows)
+            by_file.setdefault(file_index, []).append((chunk, first // layout.chunk_rows))
+        for file_index, members in by_file.items():
+            path = self._file_path(name, file_index, len(layout.row_shape))
+            if not layout.sharded:  # a file per chunk
+                with open(path, "rb") as f:
+                    yield members[0][0], _checked(f.read(), path, self.root)
+                continue
+            index = self._index(path, layout)  # [chunks per file, (offset, length)]
+            runs: list[list[tuple[int, int, int]]] = []  # (chunk, offset, length) stored back to back
+            for chunk, inner in members:
+                offset, length = (int(x) for x in index[inner])
+                if offset == _MISSING and length == _MISSING:
+                    runs.append([(chunk, -1, 0)])
+                elif runs and runs[-1][-1][1] >= 0 and sum(runs[-1][-1][1:]) == offset:
+                    runs[-1].append((chunk, offset, length))
+                else:
+                    runs.append([(chunk, offset, length)])
+            with open(path, "rb") as f:
+                for run in runs:
+                    if run[0][1] < 0:
+                        yield run[0][0], None
+                        continue
+                    begin, end = run[0][1], sum(run[-1][1:])
+                    data = os.pread(f.fileno(), end - begin, begin)
+                    if len(data) != end - begin:
+                        raise ValueError(f"{self._name(path)}: chunks at {begin} truncated ({len(data)} of {end - begin} bytes)")
+                    view = np.frombuffer(data, dtype=np.uint8)  # read-only: frames are views, not copies
+                    for chunk, offset, length in run:
+                        yield chunk, _checked(view[offset - begin : offset - begin + length], path, self.root)
+
+    def _decode(self, layout: ChunkLayout, frame, *, into: np.ndarray | None = None) -> np.ndarray:
+        """A chunk's frame (None: never written) decoded: [chunk_rows, *row_shape], written into
+        `into` (a contiguous view of that shape) when given."""
         if frame is None:
             if into is None:
                 return np.full((layout.chunk_rows, *layout.row_shape), layout.fill_value, dtype=layout.dtype)

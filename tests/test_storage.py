@@ -800,8 +800,9 @@ def test_rollout_features_are_chunked_by_anchor_at_real_row_sizes():
 
 def test_zarr_rows_reads_what_zarr_reads_sharded_or_not_and_refuses_a_flipped_byte(tmp_path):
     """Row ranges that start and end inside chunks, span shard files, rows picked in any order with
-    repeats, a one-row-chunk array decoded in place: all equal zarr's own reads. A layout it does
-    not read (chunks across the second axis) is left to zarr; a flipped byte is a crc32c error."""
+    repeats, a one-row-chunk array decoded in place, chunks never written between stored ones: all
+    equal zarr's own reads. A layout it does not read (chunks across the second axis) is left to
+    zarr; a flipped byte is a crc32c error, a truncated file an error too."""
     import zarr
 
     from storage.zarr_rows import ZarrRows
@@ -825,6 +826,17 @@ def test_zarr_rows_reads_what_zarr_reads_sharded_or_not_and_refuses_a_flipped_by
     picked = np.array([8, 0, 4, 4, 5])
     for name in ("sharded", "rows"):
         np.testing.assert_array_equal(rows.pick(name, picked), data[name][picked])
+    # Chunks of fill values only are never written: holes between a shard file's stored chunks.
+    holes = rng.integers(1, 9, (24, 2)).astype(np.int32)
+    holes[2:6] = holes[14:16] = 0
+    group.create_array("holes", shape=holes.shape, dtype=holes.dtype, chunks=(2, 2), shards=(8, 2), compressors=codecs,
+                       fill_value=0)[:] = holes  # fmt: skip
+    for start, stop in [(0, 24), (1, 11), (3, 5), (13, 17)]:
+        np.testing.assert_array_equal(rows.rows("holes", start, stop), holes[start:stop])
+    np.testing.assert_array_equal(rows.pick("holes", picked + 7), holes[picked + 7])
     _flip_a_byte(root / "sharded" / "c" / "1" / "0", at=0.3)
     with pytest.raises(ValueError, match=r"shard-00000.zarr/sharded/c/1/0: crc32c checksum mismatch"):
         ZarrRows(root).rows("sharded", 21, 42)
+    (root / "sharded" / "c" / "0" / "0").write_bytes((root / "sharded" / "c" / "0" / "0").read_bytes()[-52:])
+    with pytest.raises(ValueError, match=r"shard-00000.zarr/sharded/c/0/0: chunks at 0 truncated"):
+        ZarrRows(root).rows("sharded", 0, 21)
