@@ -90,13 +90,13 @@ class PaperSizes:
 
     corpus_prompts: int = 160
     head_prompts: int = 400
-    eval_per_category: int = 5  # MT-Bench first turns per category, scored by greedy replay at T = 0
+    eval_per_category: int = 3  # MT-Bench first turns per category, scored by greedy replay at T = 0
     eval_categories: int = 8  # the first N of MT-Bench's 8 categories
     regen_max_new_tokens: int = 96
     regen_backend: str = "hf"
     eval_max_new_tokens: int = 96
     decode_per_category: int = 1  # prompts of the real speculative decoding (T = 1, and the T = 0 replay check)
-    decode_max_new_tokens: int = 64
+    decode_max_new_tokens: int = 48
     decode_arms: tuple[str, ...] = ("dflash", "kd", "erase", "alr", "alr_ira")  # decoded for real, seed 0
     anchors: int = 24
     min_supervised_tokens: int = 32  # the build's default (2 blocks)
@@ -109,7 +109,7 @@ class PaperSizes:
     seeds: tuple[int, ...] = (0, 1, 2)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     arms: tuple[str, ...] = tuple(a.name for a in ARMS)
-    hard_prompts: int = 16  # held-out prompts of the hard-offsets analysis
+    hard_prompts: int = 8  # held-out prompts of the hard-offsets analysis
     lanes: int = 2  # trainings and decodes run side by side, one torch thread each
     seed: int = 0  # prompt split and regeneration seed
 
