@@ -44,7 +44,7 @@ from pipeline.demo import real
 from pipeline.demo.run import train_method
 from pipeline.eval.analysis import run_hard_offsets, run_offset_profile, run_training_cost
 from pipeline.eval.compare import run_compare
-from pipeline.eval.evaluate import EvalConfig, run_eval
+from pipeline.eval.evaluate import EvalConfig, _read_rows, run_eval
 from pipeline.eval.replay import run_replay
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.driver import regenerate_corpus, summary_line
@@ -329,15 +329,14 @@ def decode_arms(paths: Paths, sizes: PaperSizes, *, log) -> dict:
 def replay_check(paths: Paths, sizes: PaperSizes, *, decoded: dict, log) -> dict:
     """Greedy replay against real decoding on the same prompts and token budget: per (arm, prompt),
     are the rounds and accepted drafts equal? Both from results.csv."""
-    runs = [(Arm(name=n, method=n), 0) for n in sizes.decode_arms]
     replayed = run_replay(
         target=str(paths.target), drafters={f"{n}-s0": str(drafter_of(paths, n, 0)) for n in sizes.decode_arms},
         prompts=str(paths.files["decode"]), out=str(paths.out / "evals" / "replay-check-T0"), max_new_tokens=sizes.decode_max_new_tokens,
     )  # fmt: skip
     equal = total = 0
-    for arm, _ in runs:
-        real_rows = _csv_rows(Path(decode_config(arm.name, paths=paths, sizes=sizes, temperature=0.0).out) / "results.csv")
-        replay_rows = _csv_rows(paths.out / "evals" / "replay-check-T0" / f"{arm.name}-s0" / "results.csv")
+    for name in sizes.decode_arms:
+        real_rows = _read_rows(Path(decode_config(name, paths=paths, sizes=sizes, temperature=0.0).out) / "results.csv")
+        replay_rows = _read_rows(paths.out / "evals" / "replay-check-T0" / f"{name}-s0" / "results.csv")
         for a, b in zip(real_rows, replay_rows, strict=True):
             total += 1
             equal += (a["rounds"], a["accepted_tokens"]) == (b["rounds"], b["accepted_tokens"])
@@ -348,13 +347,6 @@ def replay_check(paths: Paths, sizes: PaperSizes, *, decoded: dict, log) -> dict
     }  # fmt: skip
     log(f"replay check: {equal}/{total} (arm, prompt) pairs with the same rounds and accepted drafts as real decoding")
     return check
-
-
-def _csv_rows(path: Path) -> list[dict]:
-    import csv
-
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _arm_runs(sizes: PaperSizes) -> list[tuple[Arm, int]]:

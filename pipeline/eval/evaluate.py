@@ -209,11 +209,11 @@ def round_start_offsets(accepted_lengths: list[int]) -> list[int]:
     return offsets
 
 
-def round_rows(prompt: EvalPrompt, spec: DecodeResult) -> list[dict]:
-    starts = round_start_offsets(spec.accepted_lengths)
+def round_rows(prompt: EvalPrompt, accepted_lengths: list[int]) -> list[dict]:
+    starts = round_start_offsets(accepted_lengths)
     return [
         {"prompt_id": prompt.prompt_id, "benchmark": prompt.benchmark, "round": i, "start_offset": start, "accepted": accepted}
-        for i, (start, accepted) in enumerate(zip(starts, spec.accepted_lengths, strict=True))
+        for i, (start, accepted) in enumerate(zip(starts, accepted_lengths, strict=True))
     ]
 
 
@@ -499,7 +499,7 @@ def run_eval(config: EvalConfig) -> dict:
         if config.temperature == 0 and spec.tokens != ar.tokens:
             mismatches += 1
         rows.append(result_row(prompt, ar=ar, spec=spec))
-        rounds.extend(round_rows(prompt, spec))
+        rounds.extend(round_rows(prompt, spec.accepted_lengths))
         accepted_by_group.setdefault(prompt.benchmark, []).extend(spec.accepted_lengths)
         running = summarize(rows)
         bar.set_postfix(tau=running["tau_geomean"], speedup=running["speedup_geomean"])

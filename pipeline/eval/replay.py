@@ -27,13 +27,12 @@ import torch
 
 from pipeline.eval.analysis import block_drafts
 from pipeline.eval.evaluate import (
-    RESULT_COLUMNS,
     ROUND_COLUMNS,
     EvalPrompt,
     _write_rows_and_histogram,
     load_prompts,
     load_target_and_stops,
-    round_start_offsets,
+    round_rows,
     summarize,
     write_csv_rows,
 )
@@ -134,10 +133,7 @@ def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str,
                 accepted = replay_prompt(model, embed_tokens=embed_tokens, lm_head=lm_head, prompt=prompt, ar=ar,
                                          hidden_states=hidden_states)  # fmt: skip
                 rows[name].append(replay_result_row(prompt, ar=ar, accepted=accepted))
-                rounds[name].extend(
-                    {"prompt_id": prompt.prompt_id, "benchmark": prompt.benchmark, "round": i, "start_offset": s, "accepted": a}
-                    for i, (s, a) in enumerate(zip(round_start_offsets(accepted), accepted, strict=True))
-                )  # fmt: skip
+                rounds[name].extend(round_rows(prompt, accepted))
                 accepted_by_group[name].setdefault(prompt.benchmark, []).extend(accepted)
             if log:
                 log(f"replay: prompt {prompt.prompt_id} ({prompt.benchmark}), {len(ar.tokens)} tokens, {len(models)} drafters")
@@ -157,5 +153,3 @@ def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str,
             (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return {name: json.loads((out_root / name / "summary.json").read_text()) for name in drafters}
 
-
-__all__ = ["RESULT_COLUMNS", "match_lengths", "replay_rounds", "run_replay"]
