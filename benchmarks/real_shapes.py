@@ -706,6 +706,47 @@ def bench_chunk_reads(work: Path, shapes: Shapes, *, quick: bool) -> dict:
     return row
 
 
+def bench_reads(reader, cache: Path, shapes: Shapes) -> tuple[list[dict], list[dict]]:
+    """(a) bytes read per sequence and (b) the loader on one core, per method; the 8-GPU node projection."""
+    variants = [(method, method, None) for method in METHODS] + [
+        (f"alr_ira ({shapes.anchors_per_step} anchors/step)", "alr_ira", shapes.anchors_per_step)
+    ]
+    reads = [measure_reads(reader, cache, label=label, method=method, anchors_per_step=a) for label, method, a in variants]
+    rates = {r["label"]: measure_loader(reader, method=r["method"], shapes=shapes, anchors_per_step=r["anchors_per_step"]) for r in reads}
+    for r in reads:
+        r["loader_seq_per_s"] = rates[r["label"]]
+    alr = next(r for r in reads if r["label"] == "alr")
+    rollout_mb = alr["rollout_features_mb_per_seq"]
+    print_table(
+        "(a) bytes read per sequence through CacheTrainDataset (rchar) vs the minimum; (b) loader on one core",
+        ["method", "MB read/seq", "min MB/seq", "ratio", "parents/seq", "extra over alr (x rollout features)",
+         "decompressed MB/seq", "seq/s/core"],
+        [[r["label"], f"{r['read_mb_per_seq']:.2f}", f"{r['min_mb_per_seq']:.2f}", f"{r['ratio']:.3f}x",
+          f"{r['parents_per_seq']:.1f}", f"{(r['read_mb_per_seq'] - alr['read_mb_per_seq']) / rollout_mb:.2f}",
+          f"{r['decompressed_mb_per_seq']:.2f}", f"{r['loader_seq_per_s']:.2f}"] for r in reads],
+    )  # fmt: skip
+    print(f"on disk per sequence: {alr['non_rollout_feature_mb_per_seq']:.2f} MB without rollout_features, "
+          f"{rollout_mb:.2f} MB of rollout_features")  # fmt: skip
+
+    # 8-GPU node: global batch 24 over 8 ranks, a step of 0.1-0.3 s -> 80-240 sequences/s per node.
+    projection = []
+    for r in reads:
+        need_lo, need_hi = 24 / 0.3, 24 / 0.1
+        projection.append({
+            "label": r["label"], "node_seq_per_s": [need_lo, need_hi],
+            "node_decompressed_mb_per_s": [need_lo * r["decompressed_mb_per_seq"], need_hi * r["decompressed_mb_per_seq"]],
+            "node_read_mb_per_s": [need_lo * r["read_mb_per_seq"], need_hi * r["read_mb_per_seq"]],
+            "cores": [need_lo / r["loader_seq_per_s"], need_hi / r["loader_seq_per_s"]],
+        })  # fmt: skip
+    for p in projection:
+        lo, hi = p["node_decompressed_mb_per_s"]
+        print(f"8-GPU node projection, {p['label']}: global batch 24 / 8 ranks at 0.3-0.1 s/step needs "
+              f"{p['node_seq_per_s'][0]:.0f}-{p['node_seq_per_s'][1]:.0f} seq/s = {lo / 1e3:.2f}-{hi / 1e3:.2f} GB/s decompressed "
+              f"({p['node_read_mb_per_s'][0] / 1e3:.2f}-{p['node_read_mb_per_s'][1] / 1e3:.2f} GB/s read); measured "
+              f"{rates[p['label']]:.2f} seq/s per core -> {p['cores'][0]:.0f}-{p['cores'][1]:.0f} loader cores per node")  # fmt: skip
+    return reads, projection
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CI smoke run, well under a minute)")
@@ -750,42 +791,7 @@ def main() -> None:
           f"K={shapes.num_slots}, top-k {shapes.top_k}, V={shapes.vocab_size}: {disk_mb:.1f} MB on disk, "
           f"written in {time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
 
-    variants = [(method, method, None) for method in METHODS] + [
-        (f"alr_ira ({shapes.anchors_per_step} anchors/step)", "alr_ira", shapes.anchors_per_step)
-    ]
-    reads = [measure_reads(reader, cache, label=label, method=method, anchors_per_step=a) for label, method, a in variants]
-    rates = {r["label"]: measure_loader(reader, method=r["method"], shapes=shapes, anchors_per_step=r["anchors_per_step"]) for r in reads}
-    for r in reads:
-        r["loader_seq_per_s"] = rates[r["label"]]
-    alr = next(r for r in reads if r["label"] == "alr")
-    rollout_mb = alr["rollout_features_mb_per_seq"]
-    print_table(
-        "(a) bytes read per sequence through CacheTrainDataset (rchar) vs the minimum; (b) loader on one core",
-        ["method", "MB read/seq", "min MB/seq", "ratio", "parents/seq", "extra over alr (x rollout features)",
-         "decompressed MB/seq", "seq/s/core"],
-        [[r["label"], f"{r['read_mb_per_seq']:.2f}", f"{r['min_mb_per_seq']:.2f}", f"{r['ratio']:.3f}x",
-          f"{r['parents_per_seq']:.1f}", f"{(r['read_mb_per_seq'] - alr['read_mb_per_seq']) / rollout_mb:.2f}",
-          f"{r['decompressed_mb_per_seq']:.2f}", f"{r['loader_seq_per_s']:.2f}"] for r in reads],
-    )  # fmt: skip
-    print(f"on disk per sequence: {alr['non_rollout_feature_mb_per_seq']:.2f} MB without rollout_features, "
-          f"{rollout_mb:.2f} MB of rollout_features")  # fmt: skip
-
-    # 8-GPU node: global batch 24 over 8 ranks, a step of 0.1-0.3 s -> 80-240 sequences/s per node.
-    projection = []
-    for r in reads:
-        need_lo, need_hi = 24 / 0.3, 24 / 0.1
-        projection.append({
-            "label": r["label"], "node_seq_per_s": [need_lo, need_hi],
-            "node_decompressed_mb_per_s": [need_lo * r["decompressed_mb_per_seq"], need_hi * r["decompressed_mb_per_seq"]],
-            "node_read_mb_per_s": [need_lo * r["read_mb_per_seq"], need_hi * r["read_mb_per_seq"]],
-            "cores": [need_lo / r["loader_seq_per_s"], need_hi / r["loader_seq_per_s"]],
-        })  # fmt: skip
-    for p in projection:
-        lo, hi = p["node_decompressed_mb_per_s"]
-        print(f"8-GPU node projection, {p['label']}: global batch 24 / 8 ranks at 0.3-0.1 s/step needs "
-              f"{p['node_seq_per_s'][0]:.0f}-{p['node_seq_per_s'][1]:.0f} seq/s = {lo / 1e3:.2f}-{hi / 1e3:.2f} GB/s decompressed "
-              f"({p['node_read_mb_per_s'][0] / 1e3:.2f}-{p['node_read_mb_per_s'][1] / 1e3:.2f} GB/s read); measured "
-              f"{rates[p['label']]:.2f} seq/s per core -> {p['cores'][0]:.0f}-{p['cores'][1]:.0f} loader cores per node")  # fmt: skip
+    reads, projection = bench_reads(reader, cache, shapes)
     floors = loader_against_floor(reader, cache, shapes=shapes)
     reader.close()
 
