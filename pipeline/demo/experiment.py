@@ -19,9 +19,9 @@ Phases (each reuses its finished output, so an interrupted run resumes):
                  `lanes` trainings side by side
   6. replay      T = 0 MAT of the head and every run by greedy replay (pipeline/eval/replay.py): the
                  exact rounds of greedy speculative decoding, one target decode per prompt for all
-  7. decode      real speculative decoding (`alrira-eval run`) of the decoded arms, seed 0, at every
-                 temperature: T = 1 MAT, speedups, losslessness; then replay of the same prompts
-                 checked against it round for round
+  7. decode      real speculative decoding (`alrira-eval run`) of the decoded arms: every seed at
+                 T = 1 (its MAT), seed 0 at T = 0 (speedups, losslessness); then replay of the same
+                 prompts checked against it round for round
   8. analyses    compare, offset profile, training cost, hard offsets (pipeline/eval/analysis.py)
 Writes OUT/paper.json: every number with the run directory it came from. benchmarks/paper.py
 turns it into docs/results.md's real-model section.
@@ -30,6 +30,7 @@ turns it into docs/results.md's real-model section.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -97,7 +98,7 @@ class PaperSizes:
     eval_max_new_tokens: int = 96
     decode_per_category: int = 1  # prompts of the real speculative decoding (T = 1, and the T = 0 replay check)
     decode_max_new_tokens: int = 48
-    decode_arms: tuple[str, ...] = ("dflash", "kd", "erase", "alr", "alr_ira")  # decoded for real, seed 0
+    decode_arms: tuple[str, ...] = ("dflash", "kd", "erase", "alr", "alr_ira")  # decoded for real: T = 0 seed 0, T > 0 every seed
     anchors: int = 24
     min_supervised_tokens: int = 32  # the build's default (2 blocks)
     anchors_per_step: int = 8
@@ -168,41 +169,50 @@ def needed_corpora(sizes: PaperSizes) -> list[str]:
 def regenerate(paths: Paths, sizes: PaperSizes, *, log) -> dict[str, str]:
     """The off-policy corpus (T = 1, per-row seeds), the head's corpus (greedy answers to its
     prompts), and the two greedy references of the SAME prompts as the off-policy corpus, whose
-    turns they replace (so their supervised length is that corpus's). The regeneration driver runs
-    in this process; a rerun keeps the parts already written. Returns each corpus's summary line."""
-    jobs = (
-        ("offpolicy", paths.files["corpus_source"], 1.0, "none"),
-        ("head", paths.files["head_source"], 0.0, "none"),
-        ("truncate", paths.corpus("offpolicy"), 0.0, "truncate"),
-        ("window", paths.corpus("offpolicy"), 0.0, "window"),
-    )
-    lines = {}
-    for name, source, temperature, control in jobs:
-        if name not in needed_corpora(sizes):
-            continue
-        config = RegenerateConfig.from_flags(
+    turns they replace (so their supervised length is that corpus's). Two lanes: the off-policy
+    corpus then its references, beside the head's corpus (about equal token counts); a rerun keeps
+    the parts already written. Returns each corpus's summary line."""
+    jobs = {
+        "offpolicy": (paths.files["corpus_source"], 1.0, "none"),
+        "head": (paths.files["head_source"], 0.0, "none"),
+        "truncate": (paths.corpus("offpolicy"), 0.0, "truncate"),
+        "window": (paths.corpus("offpolicy"), 0.0, "window"),
+    }
+    configs = {}
+    for name in needed_corpora(sizes):
+        source, temperature, control = jobs[name]
+        configs[name] = RegenerateConfig.from_flags(
             target=str(paths.target), corpus=str(source), out=str(paths.corpus(name)), temperature=temperature,
             seed=sizes.seed, max_new_tokens=sizes.regen_max_new_tokens, length_control=control, cpus_per_worker=1,
             backend=sizes.regen_backend, batched_sampling=temperature > 0,
         )  # fmt: skip
         log(f"regenerate {name}: T = {temperature:g}, length control {control}, from {source}")
-        lines[name] = summary_line(regenerate_corpus(config, log=log))
-        log(f"regenerate {name}: {lines[name]}")
+    chains = [c for c in ([n for n in ("offpolicy", "truncate", "window") if n in configs], ["head"]) if c]
+    manifests = run_chains([[(regenerate_corpus, (configs[n],), {"log": print}) for n in chain] for chain in chains], lanes=sizes.lanes)
+    lines = {}
+    for chain, results in zip(chains, manifests, strict=True):
+        for name, manifest in zip(chain, results, strict=True):
+            lines[name] = summary_line(manifest)
+            log(f"regenerate {name}: {lines[name]}")
     return lines
 
 
 def build_caches(paths: Paths, sizes: PaperSizes, *, log) -> None:
-    """One build recipe for every corpus: SmolLM2's mask token, the same anchors and one tap. The
-    build driver runs in this process (one machine; no Ray start per cache); a rerun keeps the
-    shards that verify (docs/design.md, "A cache build")."""
+    """One build recipe for every corpus: SmolLM2's mask token, the same anchors and one tap. Two
+    lanes: the off-policy cache (it alone has rollouts) beside the other three. Each build driver
+    runs in its lane's process (one machine; no Ray start per cache); a rerun keeps the shards that
+    verify (docs/design.md, "A cache build")."""
+    configs = {}
     for name in needed_corpora(sizes):
-        config = CacheBuildConfig.from_flags(
+        configs[name] = CacheBuildConfig.from_flags(
             target=str(paths.target), corpus=str(paths.corpus(name)), out=str(paths.cache(name)), mask_token=real.MASK_TOKEN,
             draft_layers=1, anchors=sizes.anchors, min_supervised_tokens=sizes.min_supervised_tokens, cpus_per_worker=1,
             rollouts=name == "offpolicy",  # the head trains dflash, the references kd: corpus arrays only
         )  # fmt: skip
-        log(f"cache {name}: {config.out}")
-        build_cache(config, run_shards=run_shards_here, progress=False, log=log)
+        log(f"cache {name}: {configs[name].out}")
+    chains = [c for c in (["offpolicy"], [n for n in ("head", "truncate", "window") if n in configs]) if c]
+    build = functools.partial(build_cache, run_shards=run_shards_here, progress=False, log=print)
+    run_chains([[(build, (configs[n],), {}) for n in chain] for chain in chains], lanes=sizes.lanes)
 
 
 def corpus_greedy_agreement(cache: Path) -> float:
@@ -275,6 +285,15 @@ def run_lanes(jobs: list[tuple], *, lanes: int) -> list:
         return [f.result() for f in futures]
 
 
+def _in_order(jobs: list[tuple]) -> list:
+    return [fn(*args, **kwargs) for fn, args, kwargs in jobs]
+
+
+def run_chains(chains: list[list[tuple]], *, lanes: int) -> list[list]:
+    """Each chain's jobs in order, the chains `lanes` at a time (run_lanes); results per chain."""
+    return run_lanes([(_in_order, (chain,), {}) for chain in chains], lanes=lanes)
+
+
 def train_arms(runs: list[tuple[Arm, int]], *, paths: Paths, sizes: PaperSizes, head: Path, log) -> dict:
     """Every (arm, seed) run, `sizes.lanes` side by side; the training seconds of each."""
     jobs = [(train_method, (arm_config(arm, paths=paths, sizes=sizes, seed=seed, head=head),), {"log": print}) for arm, seed in runs]
@@ -301,28 +320,37 @@ def replay_all(runs: list[tuple[Arm, int]], *, paths: Paths, sizes: PaperSizes, 
     return summaries
 
 
-def decode_config(name: str, *, paths: Paths, sizes: PaperSizes, temperature: float) -> EvalConfig:
-    """Real speculative decoding (`alrira-eval run`) of one seed-0 arm on the decode prompts."""
+def decode_config(name: str, *, paths: Paths, sizes: PaperSizes, temperature: float, seed: int = 0) -> EvalConfig:
+    """Real speculative decoding (`alrira-eval run`) of one (arm, drafter seed) on the decode prompts;
+    the sampling seed is the experiment's, so every drafter meets the same draws."""
     return EvalConfig(
-        target=str(paths.target), drafter=str(drafter_of(paths, name, 0)), prompts=str(paths.files["decode"]),
-        out=str(paths.out / "evals" / "decode" / f"{name}-s0-T{temperature:g}"), temperature=temperature,
+        target=str(paths.target), drafter=str(drafter_of(paths, name, seed)), prompts=str(paths.files["decode"]),
+        out=str(paths.out / "evals" / "decode" / f"{name}-s{seed}-T{temperature:g}"), temperature=temperature,
         max_new_tokens=sizes.decode_max_new_tokens, seed=sizes.seed, progress=False,
     )  # fmt: skip
 
 
+def decode_keys(sizes: PaperSizes) -> list[tuple[str, int, float]]:
+    """(arm, drafter seed, temperature) of every real decoding: T = 0 for seed 0 only (greedy replay
+    gives every seed's T = 0 MAT exactly; this is its check and the speedups), T > 0 for every seed
+    (replay cannot sample)."""
+    return [(name, seed, t) for name in sizes.decode_arms for t in sizes.temperatures
+            for seed in (sizes.seeds if t > 0 else sizes.seeds[:1])]  # fmt: skip
+
+
 def decode_arms(paths: Paths, sizes: PaperSizes, *, log) -> dict:
-    """`alrira-eval run` of sizes.decode_arms (seed 0) at every temperature, `sizes.lanes` side by
-    side; a finished evaluation is kept. Summaries by (arm, temperature)."""
-    keys = [(name, t) for name in sizes.decode_arms for t in sizes.temperatures]
-    todo = [k for k in keys if not (Path(decode_config(k[0], paths=paths, sizes=sizes, temperature=k[1]).out) / "summary.json").is_file()]
-    log(f"decode: {len(keys)} real speculative decodings ({len(todo)} to run), {sizes.lanes} at a time")
-    run_lanes([(run_eval, (decode_config(n, paths=paths, sizes=sizes, temperature=t),), {}) for n, t in todo], lanes=sizes.lanes)
+    """`alrira-eval run` of every decode_keys entry, `sizes.lanes` side by side; a finished
+    evaluation is kept. Summaries by (arm, seed, temperature)."""
+    configs = {k: decode_config(k[0], paths=paths, sizes=sizes, seed=k[1], temperature=k[2]) for k in decode_keys(sizes)}
+    todo = [c for c in configs.values() if not (Path(c.out) / "summary.json").is_file()]
+    log(f"decode: {len(configs)} real speculative decodings ({len(todo)} to run), {sizes.lanes} at a time")
+    run_lanes([(run_eval, (c,), {}) for c in todo], lanes=sizes.lanes)
     summaries = {}
-    for name, t in keys:
-        summary = json.loads((Path(decode_config(name, paths=paths, sizes=sizes, temperature=t).out) / "summary.json").read_text())
-        log(f"decode {name} T={t:g}: tau {summary['tau_geomean']:.3f}, speedup {summary['speedup_geomean']:.2f}x, "
+    for (name, seed, t), config in configs.items():
+        summary = json.loads((Path(config.out) / "summary.json").read_text())
+        log(f"decode {name}-s{seed} T={t:g}: tau {summary['tau_geomean']:.3f}, speedup {summary['speedup_geomean']:.2f}x, "
             f"lossless mismatches {summary['lossless_mismatches']}")  # fmt: skip
-        summaries[(name, t)] = summary
+        summaries[(name, seed, t)] = summary
     return summaries
 
 
@@ -343,7 +371,7 @@ def replay_check(paths: Paths, sizes: PaperSizes, *, decoded: dict, log) -> dict
     check = {
         "prompts": total, "equal": equal,
         "replay_tau": {n: replayed[f"{n}-s0"]["tau_geomean"] for n in sizes.decode_arms},
-        "decoded_tau": {n: decoded[(n, 0.0)]["tau_geomean"] for n in sizes.decode_arms if (n, 0.0) in decoded},
+        "decoded_tau": {n: decoded[(n, 0, 0.0)]["tau_geomean"] for n in sizes.decode_arms if (n, 0, 0.0) in decoded},
     }  # fmt: skip
     log(f"replay check: {equal}/{total} (arm, prompt) pairs with the same rounds and accepted drafts as real decoding")
     return check
@@ -389,10 +417,10 @@ def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DI
         "evals": {f"{name}-T0": {"dir": str(out / "evals" / "replay-T0" / name), "tau": e["tau_geomean"], "speedup": None,
                                   "mode": "greedy_replay", "lossless_mismatches": 0}
                   for name, e in replayed.items()},
-        "decoded": {f"{n}-s0-T{t:g}": {"dir": str(Path(decode_config(n, paths=paths, sizes=sizes, temperature=t).out)),
-                                       "tau": e["tau_geomean"], "speedup": e["speedup_geomean"],
-                                       "lossless_mismatches": e["lossless_mismatches"]}
-                    for (n, t), e in decoded.items()},
+        "decoded": {f"{n}-s{s}-T{t:g}": {"dir": str(Path(decode_config(n, paths=paths, sizes=sizes, seed=s, temperature=t).out)),
+                                          "tau": e["tau_geomean"], "speedup": e["speedup_geomean"],
+                                          "lossless_mismatches": e["lossless_mismatches"]}
+                    for (n, s, t), e in decoded.items()},
         "replay_check": check, "analyses": analyses, "phase_s": phase_s, "wall_s": time.time() - started,
     }  # fmt: skip
     (out / "paper.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -401,7 +429,7 @@ def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DI
 
 def run_analyses(paths: Paths, sizes: PaperSizes, *, runs: list[tuple[Arm, int]], head: Path) -> dict:
     """At T = 0 (greedy replay, every run): compare, the offset profile (alr_ira over alr), the
-    training cost (relative to erase); at T = 1 (real decoding, seed 0): compare; hard offsets
+    training cost (relative to erase); at T = 1 (real decoding, every seed): compare; hard offsets
     (alr_ira over alr grouped by kd, seed control alr seed 1). CSV + PNG each."""
     root = paths.out / "analyses"
     results = {}
@@ -413,9 +441,10 @@ def run_analyses(paths: Paths, sizes: PaperSizes, *, runs: list[tuple[Arm, int]]
     reference = next((n for n in ("erase", "dflash") if n in labels), labels[0])
     results["cost_T0"] = run_training_cost(summaries, out=str(root / "cost-T0"), reference=reference, labels=labels)
     for t in sizes.temperatures:
-        decoded = [str(Path(decode_config(n, paths=paths, sizes=sizes, temperature=t).out)) for n in sizes.decode_arms]
+        keys = [k for k in decode_keys(sizes) if k[2] == t]
+        decoded = [str(Path(decode_config(n, paths=paths, sizes=sizes, seed=s, temperature=t).out)) for n, s, _ in keys]
         results[f"compare_decode_T{t:g}"] = run_compare(decoded, out=str(root / f"compare-decode-T{t:g}"),
-                                                        baseline=sizes.decode_arms[0], labels=list(sizes.decode_arms))  # fmt: skip
+                                                        baseline=sizes.decode_arms[0], labels=[n for n, _, _ in keys])  # fmt: skip
     drafter = lambda name, seed=0: str(drafter_of(paths, name, seed))  # noqa: E731
     names = {a.name for a, _ in runs}
     independent = "kd" if "kd" in names else "erase"
