@@ -664,7 +664,7 @@ def print_writer(rows: list[dict], shapes: Shapes) -> list[dict]:
          f"cores/GPU for {GPU_SEQ_PER_S} seq/s", "checksum"],
         [[r["format"], r["threads"], f"{r['sequences'] / r['seconds']:.2f}", f"{r['feature_mb'] / r['seconds']:.0f}",
           f"{one[r['format']]['seconds'] / r['seconds']:.2f}x", f"{r['publish_s']:.2f}", f"{r['cpu_s'] / r['sequences']:.2f}",
-          f"{GPU_SEQ_PER_S * r['cpu_s'] / r['sequences']:.1f}", r["checksum"][7:19]] for r in rows],
+          f"{GPU_SEQ_PER_S * r['cpu_s'] / r['sequences']:.1f}", r["checksum"].split(":")[1][:12]] for r in rows],
     )  # fmt: skip
     print_table(
         "(e) where the writer's time goes: CPU s by thread; main only = wall with no piece on a writer thread; "

@@ -233,23 +233,63 @@ def shard_bytes(path: str | os.PathLike | Location) -> int:
     return sum(size for _, size in resolve(path).files())
 
 
-def shard_checksum(path: str | os.PathLike | Location) -> str:
-    """"sha256:<hex>" of a shard: a tar's bytes, or a Zarr directory's sorted relative file paths,
-    sizes and bytes (so renaming, adding or dropping a chunk changes it too). On a store the same
-    over its objects (every byte is downloaded once)."""
+# A checksum names its scheme: "sha256:" hashes one stream, a tar's bytes (and, in shards written
+# before 2026-12-02, a Zarr directory's sorted relative paths, sizes and bytes); "sha256-files:" a
+# Zarr directory's sorted relative paths, sizes and each file's own sha256, so the writer hashes a
+# file on the thread that wrote it and nothing is read back (docs/design.md, "A cache build").
+CHECKSUM_STREAM = "sha256"
+CHECKSUM_FILES = "sha256-files"
+CHECKSUM_SCHEMES = (CHECKSUM_STREAM, CHECKSUM_FILES)
+_HASH_THREADS = 8  # hashlib releases the GIL: a local directory's files are read and hashed side by side
+
+
+def checksum_scheme(checksum: str) -> str:
+    """The scheme a recorded checksum ("<scheme>:<hex>") was computed with."""
+    scheme = checksum.split(":", 1)[0]
+    if scheme not in CHECKSUM_SCHEMES or ":" not in checksum:
+        raise ValueError(f"checksum must look like '<{' or '.join(CHECKSUM_SCHEMES)}>:<hex>', got {checksum!r}")
+    return scheme
+
+
+def shard_checksum(
+    path: str | os.PathLike | Location, *, scheme: str = CHECKSUM_FILES, known: dict[str, tuple[int, bytes]] | None = None
+) -> str:  # fmt: skip
+    """"<scheme>:<hex>" of a shard: a tar's bytes ("sha256:" whatever `scheme`), or a Zarr
+    directory's sorted relative file paths and sizes (so renaming, adding or dropping a chunk
+    changes it too) with, per `scheme`, each file's sha256 or the bytes themselves. `known`:
+    relative path -> (size, sha256 digest) of files hashed as they were written; the others are
+    read. On a store the same over its objects (every unknown byte is downloaded once)."""
     shard = resolve(path)
     if not shard.exists():
         raise ValueError(f"{shard}: shard does not exist")
-    digest = hashlib.sha256()
+    checksum_scheme(f"{scheme}:")
     files = shard.files()
-    directory = not (len(files) == 1 and files[0][0] == "")  # a tar is one file, named ""
-    for rel, size in files:
-        if directory:
+    if len(files) == 1 and files[0][0] == "":  # a tar is one file, named ""
+        return f"{CHECKSUM_STREAM}:{_file_sha256(shard, '').hexdigest()}"
+    digest = hashlib.sha256()
+    if scheme == CHECKSUM_STREAM:
+        for rel, size in files:
             digest.update(rel.encode("utf-8") + b"\0" + size.to_bytes(8, "little"))
-        with shard.open(rel, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-    return f"sha256:{digest.hexdigest()}"
+            with shard.open(rel, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+        return f"{CHECKSUM_STREAM}:{digest.hexdigest()}"
+    known = known or {}
+    unknown = [rel for rel, size in files if known.get(rel, (None,))[0] != size]
+    threads = _HASH_THREADS if shard.is_local and len(unknown) > 1 else 1
+    with ThreadPoolExecutor(threads) as pool:
+        read = dict(zip(unknown, pool.map(lambda rel: _file_sha256(shard, rel).digest(), unknown), strict=True))
+    for rel, size in files:
+        digest.update(rel.encode("utf-8") + b"\0" + size.to_bytes(8, "little") + (read[rel] if rel in read else known[rel][1]))
+    return f"{CHECKSUM_FILES}:{digest.hexdigest()}"
+
+
+def _file_sha256(shard: Location, rel: str):
+    digest = hashlib.sha256()
+    with shard.open(rel, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest
 
 
 def shard_object_tags(path: str | os.PathLike | Location) -> str | None:
@@ -607,7 +647,8 @@ class _ZarrColumn:
 
     def __init__(
         self, group, name: str, *, row_shape: tuple, dtype: np.dtype, num_rows: int, compressors: list,
-        writes: BackgroundWrites, rows_per_sequence: int | None = None, before_write=None, local_dir: Path | None = None,
+        writes: BackgroundWrites, written: dict[str, tuple[int, bytes]], rows_per_sequence: int | None = None,
+        before_write=None, local_dir: Path | None = None,
     ):  # fmt: skip
         self.chunk_rows, self.shard_rows = _chunk_layout(
             name, row_shape, dtype.itemsize, num_rows, rows_per_sequence=rows_per_sequence
@@ -625,7 +666,8 @@ class _ZarrColumn:
             # Every chunk gets a file, so the file set depends only on the shapes.
             config={"write_empty_chunks": True},
         )
-        self.num_rows, self.written = num_rows, 0
+        self.num_rows, self.written_rows = num_rows, 0
+        self.written = written  # shard-relative path -> (size, sha256) of each file written here
         self.dir = self.encoder = None
         if local_dir is not None:
             self.dir = local_dir / name
@@ -635,7 +677,7 @@ class _ZarrColumn:
         self.pending_rows = 0
 
     def append(self, rows: np.ndarray) -> None:
-        if self.written + self.pending_rows + len(rows) > self.num_rows:
+        if self.written_rows + self.pending_rows + len(rows) > self.num_rows:
             raise ValueError(f"array {self.array.basename}: more rows than the {self.num_rows} planned")
         self.pending.append(rows)
         self.pending_rows += len(rows)
@@ -653,8 +695,8 @@ class _ZarrColumn:
         last, rest_rows = self.pending[-1], self.pending_rows - num_rows
         pieces = [*self.pending[:-1], last[: len(last) - rest_rows]]
         # Whole Zarr shard files, so writes in flight together never touch the same file.
-        self.writes.submit(self._write, self.written, pieces)
-        self.written += num_rows
+        self.writes.submit(self._write, self.written_rows, pieces)
+        self.written_rows += num_rows
         self.pending = [last[len(last) - rest_rows :]] if rest_rows else []
         self.pending_rows = rest_rows
 
@@ -667,8 +709,12 @@ class _ZarrColumn:
         for rel, parts in self.encoder.files(first_row, data):
             path = self.dir / rel
             path.parent.mkdir(parents=True, exist_ok=True)
+            digest = hashlib.sha256()
+            for part in parts:
+                digest.update(part)
             with open(path, "xb") as f:
                 f.writelines(parts)
+            self.written[f"{self.array.basename}/{rel}"] = (sum(len(part) for part in parts), digest.digest())
             self.writes.sync_soon(path)
 
 
@@ -690,6 +736,7 @@ class _ZarrBody:
         if chunk_checksums:
             self.compressors.append(zarr.codecs.Crc32cCodec())
         self.columns: dict[str, _ZarrColumn] = {}  # created with the first record (it gives F, k, K)
+        self.written: dict[str, tuple[int, bytes]] = {}  # the files the columns wrote, hashed as written
 
     def _column(
         self, name: str, num_rows: int, row_shape: tuple, dtype: np.dtype, rows_per_sequence: int | None = None
@@ -699,7 +746,7 @@ class _ZarrBody:
                 self.before_write()
             self.columns[name] = _ZarrColumn(
                 self.group, name, row_shape=row_shape, dtype=dtype, num_rows=num_rows, compressors=self.compressors,
-                writes=self.writes, rows_per_sequence=rows_per_sequence, before_write=self.before_write,
+                writes=self.writes, written=self.written, rows_per_sequence=rows_per_sequence, before_write=self.before_write,
                 local_dir=self.local_dir,
             )  # fmt: skip
         return self.columns[name]
@@ -740,8 +787,10 @@ class _ZarrBody:
             }
         )
 
-    def checksum(self, final: Path | StorePrefix) -> None:
-        return None  # shard_checksum reads the files back: it hashes them in path order, not written order
+    def checksum(self, final: Path | StorePrefix) -> str:
+        """shard_checksum with the chunk files' digests taken as they were written (created here by
+        exclusive open, written once, sizes checked); zarr's metadata files are read back."""
+        return shard_checksum(final, known=self.written)
 
     def commit(self) -> None:
         pass  # every object is written already

@@ -34,6 +34,7 @@ from storage.shards import (
     RecordDims,
     ZarrShard,
     check_record,
+    checksum_scheme,
     open_shard,
     record_dtype,
     shard_bytes,
@@ -147,7 +148,7 @@ def _shard_problems(cache: Location, manifest: Manifest, record: ShardRecord) ->
     if not path.exists():
         return [f"listed in manifest as {record.status} but missing on disk ({path})"]
     problems = []
-    checksum = shard_checksum(path)
+    checksum = shard_checksum(path, scheme=checksum_scheme(record.checksum))
     if checksum != record.checksum:
         problems.append(f"checksum mismatch: manifest {record.checksum}, on disk {checksum}")
     size = shard_bytes(path)

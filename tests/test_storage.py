@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -609,6 +610,28 @@ def test_verify_catches_flipped_byte_in_zarr_chunk(tmp_path):
     problems = verify_cache(tmp_path)
     assert problems and all(p.startswith("shard-00001.zarr: ") for p in problems)
     assert any("checksum mismatch" in p for p in problems)
+
+
+def test_checksum_schemes_new_shards_and_old_ones_verify(tmp_path):
+    """A Zarr shard's checksum is "sha256-files:" (each file's digest, taken as written), equal to a
+    read-back; a manifest written before records "sha256:" (one stream of paths, sizes and bytes),
+    which verify and a resume still check by that scheme; a flipped byte fails either."""
+    build_cache(tmp_path, storage_format="zarr", codec="bf16")
+    manifest = load_manifest(tmp_path)
+    shard = tmp_path / SHARD_DIR / manifest.shards[1].name
+    assert manifest.shards[1].checksum.startswith("sha256-files:")
+    assert manifest.shards[1].checksum == shard_checksum(shard)  # the writer's digests = the bytes on disk
+    stream = shard_checksum(shard, scheme="sha256")
+    assert stream.startswith("sha256:") and stream != manifest.shards[1].checksum
+    old = make_manifest(manifest.settings, [dataclasses.replace(manifest.shards[0], checksum=shard_checksum(
+        tmp_path / SHARD_DIR / manifest.shards[0].name, scheme="sha256")), dataclasses.replace(manifest.shards[1], checksum=stream)])  # fmt: skip
+    save_manifest(tmp_path, old)
+    assert verify_cache(tmp_path) == []
+    _flip_a_byte(next(p for p in sorted(shard.rglob("*")) if p.is_file() and p.name != "zarr.json"))
+    assert shard_checksum(shard, scheme="sha256") != stream
+    assert any("checksum mismatch" in p for p in verify_cache(tmp_path))
+    with pytest.raises(ValueError, match="sha256-files"):
+        shard_checksum(shard, scheme="md5")
 
 
 def test_verify_catches_missing_shard(tmp_path):

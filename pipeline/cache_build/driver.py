@@ -72,7 +72,7 @@ from storage.ownership import (
     remove_cache_files,
     remove_write_leftovers,
 )
-from storage.shards import clean_partial_shards, shard_checksum, shard_object_tags
+from storage.shards import checksum_scheme, clean_partial_shards, shard_checksum, shard_object_tags
 
 
 @dataclass(kw_only=True)
@@ -460,7 +460,7 @@ def _verified_shards(out: Location, previous: Manifest | None, *, log) -> dict[i
 def _still_verifies(path: Location, record: ShardRecord) -> bool:
     if not path.is_local and record.object_tags is not None:
         return shard_object_tags(path) == record.object_tags
-    return shard_checksum(path) == record.checksum
+    return shard_checksum(path, scheme=checksum_scheme(record.checksum)) == record.checksum
 
 
 def _summary(manifest: Manifest, *, elapsed: float, times: BuildTimes | None = None) -> str:
