@@ -265,27 +265,25 @@ def shard_checksum(
     checksum_scheme(f"{scheme}:")
     files = shard.files()
     if len(files) == 1 and files[0][0] == "":  # a tar is one file, named ""
-        return f"{CHECKSUM_STREAM}:{_file_sha256(shard, '').hexdigest()}"
+        return f"{CHECKSUM_STREAM}:{_hash_file(hashlib.sha256(), shard, '').hexdigest()}"
     digest = hashlib.sha256()
     if scheme == CHECKSUM_STREAM:
         for rel, size in files:
             digest.update(rel.encode("utf-8") + b"\0" + size.to_bytes(8, "little"))
-            with shard.open(rel, "rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
+            _hash_file(digest, shard, rel)
         return f"{CHECKSUM_STREAM}:{digest.hexdigest()}"
     known = known or {}
     unknown = [rel for rel, size in files if known.get(rel, (None,))[0] != size]
     threads = _HASH_THREADS if shard.is_local and len(unknown) > 1 else 1
     with ThreadPoolExecutor(threads) as pool:
-        read = dict(zip(unknown, pool.map(lambda rel: _file_sha256(shard, rel).digest(), unknown), strict=True))
+        read = dict(zip(unknown, pool.map(lambda rel: _hash_file(hashlib.sha256(), shard, rel).digest(), unknown), strict=True))
     for rel, size in files:
         digest.update(rel.encode("utf-8") + b"\0" + size.to_bytes(8, "little") + (read[rel] if rel in read else known[rel][1]))
     return f"{CHECKSUM_FILES}:{digest.hexdigest()}"
 
 
-def _file_sha256(shard: Location, rel: str):
-    digest = hashlib.sha256()
+def _hash_file(digest, shard: Location, rel: str):
+    """`digest` updated with the bytes of `rel` under `shard`, read 1 MiB at a time; returned."""
     with shard.open(rel, "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
@@ -870,7 +868,7 @@ class _WdsBody:
             return None
         if os.path.getsize(final) != self.hashed.size:
             raise ValueError(f"{final}: {os.path.getsize(final)} bytes on disk, {self.hashed.size} written")
-        return f"sha256:{self.hashed.digest.hexdigest()}"
+        return f"{CHECKSUM_STREAM}:{self.hashed.digest.hexdigest()}"
 
     def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
         while self.encoding:

@@ -615,7 +615,7 @@ def test_verify_catches_flipped_byte_in_zarr_chunk(tmp_path):
 def test_checksum_schemes_new_shards_and_old_ones_verify(tmp_path):
     """A Zarr shard's checksum is "sha256-files:" (each file's digest, taken as written), equal to a
     read-back; a manifest written before records "sha256:" (one stream of paths, sizes and bytes),
-    which verify and a resume still check by that scheme; a flipped byte fails either."""
+    which verify still checks by that scheme; a flipped byte fails either."""
     build_cache(tmp_path, storage_format="zarr", codec="bf16")
     manifest = load_manifest(tmp_path)
     shard = tmp_path / SHARD_DIR / manifest.shards[1].name
