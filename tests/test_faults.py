@@ -41,10 +41,11 @@ def _busy_loops(seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(os.cpu_count() or 2)]
 
 
-def _kill_during_build(args: list[str], manifest_path, *, load: list, timeout: float = 90) -> int:
+def _kill_during_build(args: list[str], manifest_path, *, load: list, timeout: float = 300) -> int:
     """Start `alrira-cache build` in a subprocess; once its manifest lists a shard put every core
     under load (appended to `load`) and SIGKILL the driver: its actors are orphaned, one usually
-    mid-write. Returns the number of shards listed."""
+    mid-write. Returns the number of shards listed. `timeout` only bounds the wait for the first
+    shard: on a machine loaded by others a Ray start and a target load can take minutes."""
     proc = subprocess.Popen(
         [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
