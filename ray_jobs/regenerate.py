@@ -1,4 +1,4 @@
-"""The Ray side of `alrira-cache regenerate`: the build's actor pool (ray_jobs/build.py: the same
+"""The Ray side of `alrira-cache regenerate`: the build's actor pool (ray_jobs/pool.py: the same
 --workers / --gpus-per-worker / --workers-per-node placement, capacity check, resource wait and
 orphan stop), each actor loading the target once and writing whole parts itself. Only `PartSpec`s
 go out and part records come back; planning, resume and the manifest are
@@ -18,21 +18,21 @@ from pipeline.regenerate import driver
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
 from pipeline.target import target_hash
-from ray_jobs.build import (
-    _plain_error,
-    _wait_for_resources,
+from ray_jobs.pool import (
     actor_factory,
     check_capacity,
     connect_ray,
+    plain_error,
     plan_pool,
+    run_pool,
     stop_earlier_workers,
     target_problem,
     this_node,
+    wait_for_resources,
     worker_problem,
 )
-from ray_jobs.pool import run_pool
 
-STAGE = "regenerate"  # its actors' name prefix (ray_jobs/build.py _actor_prefix): a build's never match
+STAGE = "regenerate"  # its actors' name prefix (ray_jobs/pool.py actor_prefix): a build's never match
 
 
 @ray.remote
@@ -84,7 +84,7 @@ def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=pr
     check_capacity(compute, len(placements))
     driver.check_out_is_ours(config)  # a mistyped --out (a cache, a corpus) is refused before any actor is stopped
     stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
-    _wait_for_resources(compute, len(placements), log=log)
+    wait_for_resources(compute, len(placements), log=log)
     run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
     return driver.regenerate_corpus(config, run_parts=run_parts, log=log)
 
@@ -109,7 +109,7 @@ def run_parts_on_ray(
     try:
         run_pool(
             pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.write.remote(spec),
-            on_result=on_result, name_of=lambda spec: part_name(spec.index), translate_error=_plain_error,
+            on_result=on_result, name_of=lambda spec: part_name(spec.index), translate_error=plain_error,
         )  # fmt: skip
     finally:
         bar.close()

@@ -3,7 +3,7 @@ core must finish (exit 0) with a cache identical to a clean build.
 
 The killed driver's actors live on (Ray reaps orphans asynchronously): still writing a shard's temp
 directory and holding the cluster's CPUs when the rerun starts. The rerun stops them first
-(ray_jobs.build.stop_earlier_workers), so its clean-up of their temp files races no writer and its
+(ray_jobs.pool.stop_earlier_workers), so its clean-up of their temp files races no writer and its
 own actors find room. ALRIRA_FAULT_ROUNDS=N repeats the round (for measuring; CI runs one).
 """
 

@@ -225,7 +225,7 @@ def test_a_node_without_the_drivers_target_is_named_in_one_line(toy_target, tmp_
     """What a worker checks before it loads the target: the path exists on its node and holds the
     files the driver hashed (a stale copy on one node would silently mix two targets in a cache)."""
     from pipeline.target import target_hash
-    from ray_jobs.build import target_problem
+    from ray_jobs.pool import target_problem
 
     driver_hash = target_hash(toy_target)
     assert target_problem(str(toy_target), driver_target_hash=driver_hash, node="10.0.0.7/1a2b3c4d") is None

@@ -321,7 +321,7 @@ def test_regenerate_on_a_builds_out_leaves_its_actors_alone(ray_address, toy_tar
     regeneration's anyway."""
     import ray
 
-    from ray_jobs.build import ACTOR_NAMESPACE, _actor_prefix
+    from ray_jobs.pool import ACTOR_NAMESPACE, actor_prefix
     from ray_jobs.cli import cache_cli
 
     @ray.remote(num_cpus=0)
@@ -332,8 +332,8 @@ def test_regenerate_on_a_builds_out_leaves_its_actors_alone(ray_address, toy_tar
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "manifest.json").write_text("{}")
-    name = _actor_prefix(cache, stage="cache") + "live"
-    assert not name.startswith(_actor_prefix(cache, stage="regenerate"))
+    name = actor_prefix(cache, stage="cache") + "live"
+    assert not name.startswith(actor_prefix(cache, stage="regenerate"))
     live = Live.options(name=name, namespace=ACTOR_NAMESPACE).remote()
     try:
         args = ["regenerate", "--target", str(toy_target), "--corpus", str(short_corpus), "--out", str(cache), "--no-progress"]
@@ -356,7 +356,7 @@ def test_a_node_whose_corpus_differs_writes_nothing(ray_address, toy_target, sho
     """The driver hashed other rows than this node reads (a stale copy at the same path)."""
     from pipeline.regenerate.driver import write_manifest
     from pipeline.regenerate.parts import PartSpec
-    from ray_jobs.build import plan_pool
+    from ray_jobs.pool import plan_pool
     from ray_jobs.regenerate import run_parts_on_ray
 
     out = tmp_path / "out"

@@ -212,7 +212,7 @@ def test_info_and_verify_say_the_real_store_error(isolated_s3, s3_prefix):
 
 
 def test_a_ray_address_where_nothing_answers_ends_in_one_line(toy_target, toy_corpus, tmp_path):
-    from ray_jobs.build import probe_ray_address
+    from ray_jobs.pool import probe_ray_address
 
     # A port whose listen backlog is full: connect() waits for an answer that never comes.
     full = socket.socket()
@@ -384,7 +384,8 @@ def test_a_node_without_the_store_credentials_says_so_first(ray_address, toy_tar
     from pipeline.cache_build.config import CacheBuildConfig
     from pipeline.cache_build.driver import ShardSpec
     from pipeline.target import target_hash
-    from ray_jobs.build import CacheWorker, _plain_error
+    from ray_jobs.build import CacheWorker
+    from ray_jobs.pool import plain_error
 
     config = CacheBuildConfig.from_flags(
         target=str(toy_target), corpus="unused.jsonl", out=s3_prefix, layers=[0, 2], anchors=6, top_k=4, max_length=128,
@@ -400,14 +401,14 @@ def test_a_node_without_the_store_credentials_says_so_first(ray_address, toy_tar
             ray.get(worker.build.remote(ShardSpec(index=0, start=0, stop=1, owner=None)), timeout=120)
     finally:
         ray.kill(worker, no_restart=True)
-    line = str(_plain_error(failed.value))
+    line = str(plain_error(failed.value))
     assert line.startswith("node ") and "Unable to locate credentials" in line and "\n" not in line, line
     assert "every node needs the store's credentials and endpoint in its environment" in line
 
 
 def test_the_credentials_hint_also_follows_a_store_corpus():
     from pipeline.cache_build.config import CacheBuildConfig
-    from ray_jobs.build import worker_problem
+    from ray_jobs.pool import worker_problem
 
     config = CacheBuildConfig.from_flags(target="t", corpus="s3://bucket/chat.jsonl", out="local-cache", layers=[0, 2], anchors=6, top_k=4)
     hint = "every node needs the store's credentials"
