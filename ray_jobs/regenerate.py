@@ -13,7 +13,7 @@ import os
 import ray
 from tqdm.auto import tqdm
 
-from pipeline.cache_build.corpus import file_sha256
+from pipeline.corpus_source import file_sha256, remove_pins
 from pipeline.regenerate import driver
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
@@ -24,6 +24,7 @@ from ray_jobs.pool import (
     connect_ray,
     plain_error,
     plan_pool,
+    remove_workers_copies,
     run_pool,
     stop_earlier_workers,
     target_problem,
@@ -31,6 +32,8 @@ from ray_jobs.pool import (
     wait_for_resources,
     worker_problem,
 )
+from storage.errors import first_line
+from storage.location import is_url, remove_local_copies
 
 STAGE = "regenerate"  # its actors' name prefix (ray_jobs/pool.py actor_prefix): a build's never match
 
@@ -60,13 +63,20 @@ class RegenerateWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def remove_local_copies(self) -> int:
+        """Remove the node-local copies of a store corpus this actor made and its own links to them
+        (pipeline/corpus_source.py pinned_local_corpus)."""
+        return len(remove_local_copies()) + len(remove_pins())
+
 
 def corpus_problem(corpus: str, *, driver_corpus_hash: str, node: str) -> str | None:
     """Why `node` cannot read the driver's rows from its copy of `corpus`, or None: every node reads
     the corpus itself, at the same path (docs/cluster.md, "The target on every node")."""
     try:
-        found = file_sha256(corpus)
-    except (OSError, ValueError):
+        found = file_sha256(corpus)  # a store corpus: of this node's copy
+    except (OSError, ValueError) as error:
+        if is_url(corpus):
+            return f"node {node}: --corpus {corpus}: {first_line(error)}"
         return f"node {node}: --corpus {corpus}: not found there; every node needs the corpus at the same path"
     if found != driver_corpus_hash:
         return (
@@ -86,7 +96,11 @@ def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=pr
     stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
     wait_for_resources(compute, len(placements), log=log)
     run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
-    return driver.regenerate_corpus(config, run_parts=run_parts, log=log)
+    try:
+        return driver.regenerate_corpus(config, run_parts=run_parts, log=log)
+    finally:
+        remove_local_copies()  # the driver's node-local copies of a store corpus (its workers remove theirs)
+        remove_pins()
 
 
 def run_parts_on_ray(
@@ -110,6 +124,7 @@ def run_parts_on_ray(
         run_pool(
             pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.write.remote(spec),
             on_result=on_result, name_of=lambda spec: part_name(spec.index), translate_error=plain_error,
+            before_kill=remove_workers_copies,
         )  # fmt: skip
     finally:
         bar.close()

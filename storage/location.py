@@ -387,10 +387,18 @@ class StorePrefix:
         Every listed key is checked before it becomes a local path (storage.paths.checked_join). A
         copy already there is reused only if it holds exactly the listed files at their sizes, and
         was made from the same listing; another is replaced. The copies this process made are
-        removed by remove_local_copies (the build does it when it ends, on the driver and workers)."""
+        removed by remove_local_copies (the build does it when it ends, on the driver and workers).
+        A URL naming one object (a corpus file) is copied under its own name: `copy / basename`."""
         keys = self.object_tags()  # one listing
         if not keys:
             raise ValueError(f"{self.url}: no objects there")
+        if [name for name, _, _ in keys] == [""]:
+            keys = [(self.url.rsplit("/", 1)[-1], keys[0][1], keys[0][2])]
+            return self._copy_objects(keys, download=lambda relative, local: self.download("", local))
+        return self._copy_objects(keys, download=self.download)
+
+    def _copy_objects(self, keys: list[tuple[str, int, str]], *, download) -> Path:
+        """local_copy's work: `keys` (relative path, size, tag) downloaded with `download(relative, local)`."""
         digest = hashlib.sha256(json.dumps([self.url, keys]).encode()).hexdigest()[:32]
         copies = _local_copies_dir()
         final = copies / digest
@@ -403,7 +411,7 @@ class StorePrefix:
             for relative, _, _ in keys:
                 local = checked_join(partial, relative, source=f"{self.url} (listing)")
                 local.parent.mkdir(parents=True, exist_ok=True)
-                self.download(relative, local)
+                download(relative, local)
             (partial / COPY_LISTING_FILE).write_text(listing)
             if _copy_matches(final, keys, listing):  # another process on this node finished first
                 return final

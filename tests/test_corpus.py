@@ -12,13 +12,13 @@ import pytest
 from pipeline.cache_build.corpus import (
     CorpusConfig,
     TokenizedCorpus,
-    file_sha256,
     ingest_corpus,
     load_tokenized_corpus,
     render_sequence,
     save_tokenized_corpus,
 )
 from pipeline.chat import CorpusError, iter_corpus_rows, normalize_messages
+from pipeline.corpus_source import file_sha256
 from pipeline.demo.toy import TOY_CHAT_TEMPLATE, make_toy_tokenizer, toy_chat_rows
 
 # A copy of Qwen3-4B's chat template (tokenizer_config.json), to check the masks on the real one.

@@ -13,7 +13,6 @@ the stage-1 worker can re-read it: pixel values are never cached.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -25,8 +24,9 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.cache_build.rollouts import TargetSequence
-from pipeline.chat import LOSS_TOKENS_KEY, CorpusError, iter_corpus_rows, normalize_row, regenerated_manifest, row_locator
+from pipeline.chat import LOSS_TOKENS_KEY, CorpusError, iter_corpus_rows, normalize_row, row_locator
 from pipeline.config import group, opt
+from pipeline.corpus_source import default_image_root, local_corpus
 from pipeline.vision import (
     SequenceImage,
     VisionInputConfig,
@@ -34,6 +34,7 @@ from pipeline.vision import (
     effective_system_prompt,
     expand_image_tokens,
     image_record,
+    is_vision_target,
     resolve_image_path,
     template_messages,
 )
@@ -259,20 +260,11 @@ def render_sequence(
 
 def corpus_vision_inputs(target_dir: str | os.PathLike, config: CorpusConfig) -> VisionInputs | None:
     """The VisionInputs the corpus of `config` is tokenized and computed with; None for a text target.
-    Relative image paths resolve against --image-root, else default_image_root."""
+    Relative image paths resolve against --image-root, else default_image_root (looked for only for
+    a vision-language target: a text target never copies a store corpus for it)."""
+    if not is_vision_target(target_dir):
+        return None
     return config.vision_input.load(target_dir, default_image_root=default_image_root(config.path))
-
-
-def default_image_root(corpus: str | os.PathLike) -> Path:
-    """What relative image paths resolve against without --image-root: the corpus file's folder, a
-    dataset's folder, or for a regenerated corpus the image root its regeneration used, recorded in
-    its manifest (its rows keep their input's relative paths; docs/design.md, "Regeneration")."""
-    corpus = Path(corpus)
-    if not corpus.is_dir():
-        return corpus.parent
-    provenance = (regenerated_manifest(corpus) or {}).get("provenance")
-    recorded = provenance.get("image_root") if isinstance(provenance, dict) else None
-    return Path(recorded) if isinstance(recorded, str) else corpus
 
 
 def check_image_fits(input_ids: np.ndarray, *, image: dict | None, vision: VisionInputs, max_length: int, where: str) -> None:
@@ -321,8 +313,9 @@ def ingest_corpus(
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target tokenizer has no chat template; the corpus cannot be rendered")
     system_prompt = effective_system_prompt(config.vision_input.system_prompt, vision=vision)
-    rows = iter_corpus_rows(config.path)
-    locate = row_locator(config.path)
+    path = local_corpus(config.path)  # a store corpus: this node's copy (pipeline/corpus_source.py)
+    rows = iter_corpus_rows(path)
+    locate = row_locator(path)
     source_rows: list[int] = []
     lengths: list[int] = []
     id_chunks: list[np.ndarray] = []
@@ -430,27 +423,3 @@ def load_tokenized_corpus(out_dir: str | os.PathLike, *, mmap: bool = True) -> T
         **arrays, stats=stats, images=images.get("sequences"), corpus_path=images.get("corpus_path"),
         image_processor_class=images.get("image_processor_class"),
     )  # fmt: skip
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """"sha256:<hex>" of a file's bytes, or of a directory: every file under it in sorted
-    relative-path order, each as its path and its own digest. Reads in 1 MiB chunks."""
-    path = Path(path)
-
-    def digest(file: Path) -> bytes:
-        h = hashlib.sha256()
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return h.digest()
-
-    if path.is_file():
-        return "sha256:" + digest(path).hex()
-    if path.is_dir():
-        h = hashlib.sha256()
-        files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*") if p.is_file())
-        for relative, file in files:
-            h.update(relative.encode() + b"\0")
-            h.update(digest(file))
-        return "sha256:" + h.hexdigest()
-    raise ValueError(f"{path}: no such file or directory")

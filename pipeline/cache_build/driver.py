@@ -33,13 +33,13 @@ from pipeline.cache_build.corpus import (
     CORPUS_FILES,
     IMAGES_FILE,
     corpus_vision_inputs,
-    file_sha256,
     ingest_corpus,
     load_tokenized_corpus,
     save_tokenized_corpus,
 )
 from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
 from pipeline.chat import iter_corpus_rows, row_locator
+from pipeline.corpus_source import file_sha256, local_corpus
 from pipeline.target import (
     load_tokenizer,
     read_generation_config,
@@ -51,7 +51,7 @@ from pipeline.target import (
 )
 from pipeline.vision import changed_images
 from storage.format import CORPUS_DIR, MANIFEST_FILE, SHARD_COMPLETE, SHARD_DIR
-from storage.location import Location, resolve
+from storage.location import Location, is_url, resolve
 from storage.manifest import (
     CacheSettings,
     Manifest,
@@ -232,7 +232,7 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
     started = time.time()
     out = resolve(config.out)
     check_out_dir(out)
-    iter_corpus_rows(config.corpus.path)  # a missing or unreadable corpus stops here, before --out is touched
+    iter_corpus_rows(local_corpus(config.corpus.path))  # a missing or unreadable corpus stops here, before --out is touched
     target_config = read_target_config(config.target)
     num_layers = int(target_config["num_hidden_layers"])
     layer_ids = resolve_layer_ids(config, num_target_layers=num_layers)
@@ -290,7 +290,9 @@ def _build_claimed(
     corpus = _tokenized_corpus(config, tokenizer, reuse=reuse_corpus, progress=progress)
     if len(corpus) == 0:
         raise ValueError(f"{config.corpus.path}: no sequences left after filtering ({corpus.stats['dropped']})")
-    check_corpus_lacks_mask_token(corpus, mask_token_id=mask_token_id, tokenizer=tokenizer, corpus_path=config.corpus.path)
+    check_corpus_lacks_mask_token(
+        corpus, mask_token_id=mask_token_id, tokenizer=tokenizer, corpus_path=local_corpus(config.corpus.path)
+    )
     vocab_size = int(target_config["vocab_size"])
     if target_head_hash(out) != settings.target_hash:  # missing, or written for another target
         embed_tokens, lm_head = read_target_head(config.target)
@@ -315,7 +317,7 @@ def _build_claimed(
         vocab_size=vocab_size,
         stop_token_ids=stop_ids,
         mask_token_id=mask_token_id,
-        corpus_path=str(Path(config.corpus.path).resolve()),
+        corpus_path=config.corpus.path if is_url(config.corpus.path) else str(Path(config.corpus.path).resolve()),
         corpus_stats=corpus.stats,
         shards=sorted(done.values(), key=lambda s: s.index),
         num_shards_planned=len(specs),

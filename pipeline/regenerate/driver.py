@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.cache_build.corpus import default_image_root, file_sha256
+from pipeline.corpus_source import default_image_root, file_sha256, local_corpus
 from pipeline.chat import (
     REGENERATED_KIND,
     REGENERATED_MANIFEST,
@@ -122,7 +122,8 @@ def refuse_out_over_corpus(config: RegenerateConfig) -> None:
     """--out must not be the corpus, inside it, or hold it: a resume or --overwrite would replace
     the input it is reading."""
     if is_url(config.out) or is_url(config.corpus):
-        overlap = config.out.rstrip("/") == config.corpus.rstrip("/")
+        out, corpus = config.out.rstrip("/") + "/", config.corpus.rstrip("/") + "/"
+        overlap = out.startswith(corpus) or corpus.startswith(out)
     else:
         out, corpus = Path(config.out).resolve(), Path(config.corpus).resolve()
         overlap = out == corpus or corpus in out.parents or out in corpus.parents
@@ -225,12 +226,13 @@ def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_par
         from pipeline.cache_build.vllm_runner import check_vllm_target
 
         check_vllm_target(config.target)
-    num_rows = sum(1 for _ in iter_corpus_rows(config.corpus))  # a missing corpus stops here, before --out
+    corpus = local_corpus(config.corpus)  # a store corpus: this node's copy (pipeline/corpus_source.py)
+    num_rows = sum(1 for _ in iter_corpus_rows(corpus))  # a missing corpus stops here, before --out
     new = provenance(config, num_rows=num_rows)
     previous = check_out(config, new)
     starts = range(0, num_rows, config.rows_per_part)
     # A JSONL corpus: each part's first row's byte offset, found in one pass, so no part re-reads the rows before it.
-    seeks = jsonl_row_seeks(config.corpus, every=config.rows_per_part) if is_jsonl_file(config.corpus) else [None] * len(starts)
+    seeks = jsonl_row_seeks(corpus, every=config.rows_per_part) if is_jsonl_file(corpus) else [None] * len(starts)
     specs = [
         PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows), seek=seek)
         for i, (start, seek) in enumerate(zip(starts, seeks, strict=True))

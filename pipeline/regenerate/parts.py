@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs
 from pipeline.chat import CorpusError, iter_corpus_rows, row_locator
 from pipeline.chat import regenerated_part_name as part_name
+from pipeline.corpus_source import pinned_local_corpus
 from pipeline.regenerate.backends import load_generator
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.rows import RowRegeneration, apply_turn, next_request, output_row, prepare_row
@@ -52,6 +53,7 @@ class PartWriter:
 
     def __init__(self, config: RegenerateConfig):
         self.config = config
+        self.corpus = pinned_local_corpus(config.corpus)  # a store corpus: this node's copy (pipeline/corpus_source.py)
         self.generator = load_generator(config)
         self.tokenizer = self.generator.tokenizer
         corpus = CorpusConfig(path=config.corpus, vision_input=config.vision_input, skip_bad_rows=config.skip_bad_rows)
@@ -96,9 +98,9 @@ class PartWriter:
     def _prepare(self, spec: PartSpec) -> tuple[list[RowRegeneration], Counter, Counter, list[int]]:
         """The part's rows ready for their first turn, and the bad ones counted (skipped, with
         --skip-bad-rows; else the first one stops the run with its one-line error)."""
-        locate = row_locator(self.config.corpus)
+        locate = row_locator(self.corpus)
         rows, skipped, failed, failed_rows = [], Counter(), Counter(), []
-        for row_index, raw in corpus_rows(self.config.corpus, start=spec.start, stop=spec.stop, seek=spec.seek):
+        for row_index, raw in corpus_rows(self.corpus, start=spec.start, stop=spec.stop, seek=spec.seek):
             try:
                 if isinstance(raw, CorpusError):
                     raise raw
