@@ -115,7 +115,7 @@ def ref_weights(record, method, *, depth=K - 1):
         row = []
         for k in range(1, K + 1):
             if method == "dflash":
-                w = ref_base_factor(record, a, k) * ref_envelope(k, 7.0)
+                w = ref_base_factor(record, a, k) * ref_envelope(k, 2.0)  # a config bound to no cache: text
             elif method in ("kd", "erase", "erase_hard"):
                 w = ref_base_factor(record, a, k) * ref_envelope(k, 2.0)
                 if method == "erase":
@@ -170,7 +170,7 @@ def test_gates_are_not_trivial_on_the_test_record():
 
 def test_dflash_labels_are_one_hot_corpus_tokens():
     record = make_record()
-    targets = build(record, "dflash")
+    targets = build(record, "dflash", dflash_gamma=7.0)
     x = record["input_ids"].long()
     assert targets.label_ids[0, 2, 0].item() == x[8 + 3]  # anchor 8, slot 3
     assert targets.label_probs[0, 2].tolist() == [1.0]
@@ -370,6 +370,11 @@ def test_config_validation():
     with pytest.raises(ValueError, match="anchors_per_step"):
         config("kd", anchors_per_step=0)
     assert config("alr", rollout_depth=4).rollout_depth == 4
+    # --dflash-gamma's default follows the cache's target kind (7 vision, 2 text); a value given stays.
+    bind = dict(num_slots=K, mask_token_id=MASK, stop_token_ids=(STOP,))
+    assert config("dflash").for_cache(**bind, vision=True).dflash_gamma == 7.0
+    assert config("dflash").for_cache(**bind, vision=False).dflash_gamma == 2.0
+    assert config("dflash", dflash_gamma=5.0).for_cache(**bind, vision=True).dflash_gamma == 5.0
     assert config("kd", num_slots=4).num_slots == 4  # corpus methods ignore rollout_depth
 
 

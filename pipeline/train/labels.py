@@ -42,7 +42,11 @@ class ObjectiveConfig:
 
     method: str = opt(f"Objective: {', '.join(METHODS)}.", default="alr_ira")
     gamma: float = opt("Slot envelope decay for the distillation family (kd, erase, alr, ira).", default=2.0)
-    dflash_gamma: float = opt("Slot envelope decay for the DFlash cross-entropy baseline (7 vision, 2 text).", default=7.0)
+    dflash_gamma: float | None = opt(
+        "Slot envelope decay for the DFlash cross-entropy baseline (default: the cache's target kind, 7 for a "
+        "vision-language target, 2 for a text one).",
+        default=None,
+    )
     rollout_depth: int | None = opt(
         "R: rollout tokens used for labels (R + 1 slots trained); default and for alr_ira: K - 1 of the cache.", default=None
     )
@@ -61,7 +65,7 @@ class ObjectiveConfig:
         check_num_slots(self.num_slots)  # the cache's K: one rule (storage/format.py)
         if not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
-        if not self.dflash_gamma > 0:
+        if self.dflash_gamma is not None and not self.dflash_gamma > 0:
             raise ValueError(f"dflash_gamma must be > 0, got {self.dflash_gamma}")
         if self.rollout_depth is not None and self.rollout_depth < 0:
             raise ValueError(f"rollout_depth must be >= 0, got {self.rollout_depth}")
@@ -96,9 +100,18 @@ class ObjectiveConfig:
                 f"secondaries sit at offsets up to K - 1), got {self.rollout_depth}"
             )
 
-    def for_cache(self, *, num_slots: int, mask_token_id: int, stop_token_ids) -> ObjectiveConfig:
-        """This objective bound to a cache's K, mask token and stop tokens (validated again)."""
-        return replace(self, num_slots=num_slots, mask_token_id=mask_token_id, stop_token_ids=tuple(stop_token_ids))
+    def for_cache(self, *, num_slots: int, mask_token_id: int, stop_token_ids, vision: bool = False) -> ObjectiveConfig:
+        """This objective bound to a cache's K, mask token and stop tokens (validated again), with
+        --dflash-gamma's default taken from the cache's target kind (`vision`)."""
+        dflash_gamma = self.dflash_gamma if self.dflash_gamma is not None else default_dflash_gamma(vision=vision)
+        return replace(
+            self, num_slots=num_slots, mask_token_id=mask_token_id, stop_token_ids=tuple(stop_token_ids), dflash_gamma=dflash_gamma
+        )
+
+
+def default_dflash_gamma(*, vision: bool) -> float:
+    """The DFlash recipe's slot envelope decay: 7 for vision-language targets, 2 for text (docs/objectives.md)."""
+    return 7.0 if vision else 2.0
 
 
 @dataclass(kw_only=True)
@@ -193,7 +206,8 @@ def _corpus_targets(
 ) -> BlockTargets:
     num_slots = config.num_slots
     method = recipe(config.method)
-    gamma = config.dflash_gamma if method.dflash_envelope else config.gamma
+    dflash_gamma = config.dflash_gamma if config.dflash_gamma is not None else default_dflash_gamma(vision=False)
+    gamma = dflash_gamma if method.dflash_envelope else config.gamma
     envelope = slot_envelope(num_slots=num_slots, gamma=gamma)
     in_seq = base_factors(anchor_pos=anchor_pos, loss_mask=record["loss_mask"], num_slots=num_slots)
     corpus_gate = None

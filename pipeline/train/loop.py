@@ -270,10 +270,13 @@ def setup(config: TrainConfig) -> TrainState:
     if len(reader) < optim.batch_size:
         raise ValueError(f"--batch-size {optim.batch_size} is larger than the cache ({len(reader)} sequences)")
     objective = config.objective.for_cache(
-        num_slots=settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids
+        num_slots=settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids,
+        vision=settings.vision is not None,
     )
-    # The flags with the depth the cache gave (K - 1 by default): what checkpoints record and compare.
-    run_settings = to_flags(replace(config, objective=replace(config.objective, rollout_depth=objective.rollout_depth)))
+    # The flags with what the cache gave (the depth, K - 1 by default; --dflash-gamma's default from
+    # the target kind): what train_config.json and checkpoints record and compare.
+    resolved = replace(config.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
+    run_settings = to_flags(replace(config, objective=resolved))
     per_epoch = steps_per_epoch(len(reader), batch_size=optim.batch_size)
     epoch_steps = _stream_epoch_steps(plan, optim.epochs) if stream else [per_epoch] * optim.epochs
     epoch_ends = list(itertools.accumulate(epoch_steps))
