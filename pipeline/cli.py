@@ -110,9 +110,27 @@ def one_line_error(error: BaseException) -> str:
 # alrira-train / alrira-eval
 
 
+def threads_option(func):
+    """--threads: torch's intra-op threads in this process (as the demo's --threads)."""
+    return click.option(
+        "--threads", type=click.IntRange(min=1), default=None, callback=_set_threads,
+        help="Torch threads of this process (default: torch's, one per core). On a small or shared machine 1 thread "
+        "can be several times faster for small matmuls (docs/results.md).",
+    )(func)  # fmt: skip
+
+
+def _set_threads(ctx, param, threads: int | None) -> int | None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    return threads
+
+
 @click.command(help="Stage 2: train a DFlash drafter from a cache (also under torchrun).")
 @config_options(TrainConfig)
-def train_cli(**kwargs):
+@threads_option
+def train_cli(threads: int | None, **kwargs):
     from pipeline.train.loop import format_summary, train
 
     config = config_from_flags(TrainConfig, kwargs)
@@ -138,7 +156,8 @@ def eval_cli():
 
 @eval_cli.command("run")
 @config_options(EvalConfig)
-def eval_run(**kwargs):
+@threads_option
+def eval_run(threads: int | None, **kwargs):
     """Speculative decoding with the HF target: tau, speedup over AR, accepted-length histogram."""
     from pipeline.eval.evaluate import run_eval, score_table
 
@@ -231,8 +250,9 @@ def eval_cost(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], ref
               help="The baseline's method trained with another seed: its gain should stay near 0.")  # fmt: skip
 @click.option("--out", required=True, help="Output directory (hard_offsets.csv/.png, hard_offsets_raw.csv).")
 @click.option("--max-new-tokens", default=128, show_default=True, help="Length of each greedy response.")
-@click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts.")
-def eval_hard(**kwargs):
+@click.option("--max-prompts", default=None, type=int, help="Use only N prompts, taken evenly across the groups.")
+@threads_option
+def eval_hard(threads: int | None, **kwargs):
     """Where drafting is hard: one drafted block per offset of greedy responses; gains grouped by an independent drafter's acceptance."""
     from pipeline.eval.analysis import format_rows, run_hard_offsets
 
@@ -249,8 +269,11 @@ def eval_hard(**kwargs):
               help="A drafter to score (repeat the flag): its results go to OUT/<its run's name>.")  # fmt: skip
 @click.option("--out", required=True, help="Output directory: one run-format folder (summary.json, rounds.csv) per drafter.")
 @click.option("--max-new-tokens", default=128, show_default=True, help="Length of each greedy response.")
-@click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts.")
-def eval_replay(target: str, prompts: str, drafters: tuple[str, ...], out: str, max_new_tokens: int, max_prompts: int | None):
+@click.option("--max-prompts", default=None, type=int, help="Use only N prompts, taken evenly across the groups.")
+@threads_option
+def eval_replay(
+    target: str, prompts: str, drafters: tuple[str, ...], out: str, max_new_tokens: int, max_prompts: int | None, threads: int | None
+):
     """Greedy (T = 0) MAT of many drafters at one target decode per prompt: the exact rounds of greedy speculative decoding, replayed."""
     from pathlib import Path
 

@@ -160,7 +160,7 @@ def test_sampled_run_skips_the_lossless_check(toy_target, drafter_dir, prompts_f
     )
     summary = run_eval(config)
     assert summary["lossless_mismatches"] is None
-    assert summary["num_prompts"] == 2 and list(summary["groups"]) == ["alpha"]
+    assert summary["num_prompts"] == 2 and list(summary["groups"]) == ["alpha", "beta"]  # --max-prompts: evenly across groups
     with open(tmp_path / "sampled" / "results.csv", newline="") as f:
         assert all(int(r["committed"]) <= 8 for r in csv.DictReader(f))
 

@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from drafter.masks import SHARED_OWNER, visibility_mask
-from pipeline.eval.compare import load_replicate, plot_figure
+from pipeline.eval.compare import load_replicate
 from pipeline.eval.evaluate import ROUND_COLUMNS, write_csv_rows
+from pipeline.eval.plots import legend, plot_figure
 
 OFFSET_BUCKETS = ((0, 15), (16, 63), (64, 127), (128, None))  # SPEC'd buckets of a round's start offset
 
@@ -122,7 +123,7 @@ def plot_offset_profile(rows: list[dict], path: Path, *, baseline: str | None) -
         axes.set_xlabel("round start offset (response tokens before the round)")
         axes.set_ylabel("MAT")
         axes.set_title("offset profile" + (f" (gains over {baseline} in the CSV)" if baseline else ""))
-        axes.legend()
+        legend(axes)
 
     return plot_figure(path, draw, size=(6.0, 3.5))
 
@@ -201,7 +202,7 @@ def plot_training_cost(rows: list[dict], path: Path, *, reference: str) -> bool:
                 axes.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         axes.set_xlabel(f"time relative to {reference} (C)")
         axes.set_ylabel("MAT")
-        axes.legend()
+        legend(axes)
 
     return plot_figure(path, draw, size=(6.0, 4.0))
 
@@ -285,7 +286,7 @@ def plot_hard_offsets(rows: list[dict], path: Path) -> bool:
         axes.axhline(0.0, color="black", linewidth=0.8)
         axes.set_xlabel("independent drafter's acceptance length at the offset")
         axes.set_ylabel("acceptance gain (%)")
-        axes.legend()
+        legend(axes)
 
     return plot_figure(path, draw, size=(6.0, 3.5))
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.eval.evaluate import geometric_mean
+from pipeline.eval.plots import legend, plot_figure
 
 
 @dataclass(kw_only=True)
@@ -111,22 +112,6 @@ def write_csv(rows: list[dict], path: Path) -> None:
             writer.writerow(["" if v is None else (round(v, 5) if isinstance(v, float) else v) for v in flat])
 
 
-def plot_figure(path: Path, draw, *, size: tuple[float, float]) -> bool:
-    """draw(axes) on a new figure saved to `path`; False (nothing written) without matplotlib. An
-    Agg canvas directly, no pyplot: the process-wide backend is left alone."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    figure = Figure(figsize=size)
-    FigureCanvasAgg(figure)
-    draw(figure.add_subplot())
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    return True
-
-
 def plot_gains(rows: list[dict], path: Path, *, baseline: str) -> bool:
     """Bar chart of the tau gain over the baseline per benchmark group (one bar per method)."""
     columns = [key.removeprefix("tau gain ") for key in rows[0] if key.startswith("tau gain ")]
@@ -140,7 +125,7 @@ def plot_gains(rows: list[dict], path: Path, *, baseline: str) -> bool:
         axes.set_xticks([j + width * (len(others) - 1) / 2 for j in range(len(columns))], columns)
         axes.axhline(0.0, color="black", linewidth=0.8)
         axes.set_ylabel(f"tau gain over {baseline} (%)")
-        axes.legend()
+        legend(axes)
 
     return plot_figure(path, draw, size=(max(4.0, 1.2 * len(columns) * max(1, len(others))), 3.5))
 

@@ -2,7 +2,8 @@
 
 For every prompt the autoregressive baseline and speculative decoding run on the same target, in
 alternating order (even prompts AR first, odd prompts speculative first) so warm-up and thermal
-drift do not favour either. Outputs in `out/`:
+drift do not favour either; the AR side is decoded once per target, prompts and settings and reused
+by the next drafter's run (pipeline/eval/ar_baseline.py). Outputs in `out/`:
   results.csv       one row per prompt (RESULT_COLUMNS)
   summary.json      per group: tau pooled over its prompts, speedup; geometric means across groups
   accept_hist.json  counts of committed draft tokens per round (0..K), overall and per group
@@ -17,6 +18,7 @@ processed before each decode, outside the timed part.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import os
@@ -30,6 +32,8 @@ from tqdm.auto import tqdm
 from drafter.checkpoint import check_compatible, load_drafter
 from pipeline.chat import CorpusError, iter_corpus_rows, prompt_row, row_locator
 from pipeline.config import group, opt
+from pipeline.eval.ar_baseline import ar_baseline_file, read_ar_baseline, write_ar_baseline
+from pipeline.eval.plots import legend, plot_figure
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.tree import tree_speculative_decode
 from pipeline.target import load_target, load_tokenizer, stop_token_ids
@@ -76,7 +80,7 @@ class EvalConfig:
     out: str = opt("Output directory (results.csv, summary.json, accept_hist.json/.png).")
     temperature: float = opt("Sampling temperature (0 = greedy, checked lossless against AR).", default=0.0)
     max_new_tokens: int = opt("Generated tokens per prompt (fewer when a stop token comes first).", default=256)
-    max_prompts: int | None = opt("Evaluate only the first N prompts.", default=None)
+    max_prompts: int | None = opt("Evaluate only N prompts, taken evenly across the groups (each group's first rows).", default=None)
     seed: int = opt("Seed of the samplers at T > 0 (prompt i uses seed + i).", default=0)
     dtype: str = opt(
         "Compute dtype of target and drafter: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.",
@@ -89,6 +93,11 @@ class EvalConfig:
     )
     tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
     vision_input: VisionInputConfig = group(VisionInputConfig)
+    reuse_ar_baseline: bool = opt(
+        "Decode the autoregressive baseline once per target, prompts and settings, kept in OUT/../.alrira-ar-baseline/, "
+        "and reuse it for every drafter (pipeline/eval/ar_baseline.py).",
+        default=True,
+    )
     progress: bool = opt("Show a progress bar.", default=True)
 
     def __post_init__(self):
@@ -138,23 +147,25 @@ def load_prompts(
     path: str | os.PathLike, tokenizer, *, max_prompts: int | None = None, vision: VisionInputs | None = None,
     system_prompt: str | None = None,
 ) -> list[EvalPrompt]:  # fmt: skip
-    """Render every row (or the first max_prompts) of a prompts file with the target chat template;
-    with `vision`, a row's image goes first in its user turn and its `<|image_pad|>` is expanded
-    to the image's tokens, as in the corpus (pipeline/cache_build/corpus.py)."""
+    """Render every row (or max_prompts taken evenly across the groups: select_evenly) of a prompts
+    file with the target chat template; with `vision`, a row's image goes first in its user turn
+    and its `<|image_pad|>` is expanded to the image's tokens, as in the corpus
+    (pipeline/cache_build/corpus.py)."""
     default_group = Path(path).stem
     locate = row_locator(path)
     system_prompt = effective_system_prompt(system_prompt, vision=vision)
-    prompts = []
+    rows = []
     for row_index, row in iter_corpus_rows(path):
-        if max_prompts is not None and len(prompts) >= max_prompts:
-            break
         if isinstance(row, CorpusError):
             raise ValueError(str(row))
+        group = (row.get("benchmark") or row.get("group") if isinstance(row, dict) else None) or default_group
+        rows.append((row_index, row, str(group)))
+    prompts = []
+    for row_index, row, group in select_evenly(rows, max_prompts=max_prompts):
         where = locate(row_index)
         chat = prompt_row(row, where=where)
         if chat.image is not None and vision is None:
             raise CorpusError(f"{where}: row has an image ({chat.image}) but the target is text-only", "image_for_text_target")
-        group = row.get("benchmark") or row.get("group") or default_group
         input_ids = render_prompt(tokenizer, template_messages(chat, system_prompt=system_prompt))
         image = None
         if vision is not None:
@@ -166,10 +177,23 @@ def load_prompts(
                     path=resolve_image_path(chat.image, image_root=vision.image_root), sha256=record["sha256"],
                     grid_thw=tuple(record["grid_thw"]), where=where, vision=vision,
                 )  # fmt: skip
-        prompts.append(EvalPrompt(prompt_id=row_index, benchmark=str(group), input_ids=input_ids, image=image))
+        prompts.append(EvalPrompt(prompt_id=row_index, benchmark=group, input_ids=input_ids, image=image))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
+
+
+def select_evenly(rows: list[tuple], *, max_prompts: int | None) -> list[tuple]:
+    """At most `max_prompts` of `rows` ((row index, row, group), in file order), taken evenly across
+    the groups: the first of every group, then the second of every group, ... (a group with fewer
+    rows leaves its turns to the others); returned in file order."""
+    if max_prompts is None or max_prompts >= len(rows):
+        return rows
+    by_group: dict[str, list[int]] = {}
+    for position, (_, _, group) in enumerate(rows):
+        by_group.setdefault(group, []).append(position)
+    rounds = (positions[turn] for turn in range(max(map(len, by_group.values()))) for positions in by_group.values() if turn < len(positions))
+    return [rows[position] for position in sorted(itertools.islice(rounds, max_prompts))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,28 +333,20 @@ def accept_histogram(accepted_lengths: list[int], *, num_draft: int) -> list[int
 
 
 def _plot_histogram(hist: dict, path: Path) -> bool:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    # Figure + Agg canvas directly: no pyplot, so the process-wide backend is left alone.
-    fig = Figure(figsize=(8, 4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
     groups = hist["groups"]
     lengths = list(range(len(hist["all"])))
     width = 0.8 / max(len(groups), 1)
-    for i, (name, counts) in enumerate(groups.items()):
-        total = sum(counts) or 1
-        ax.bar([x - 0.4 + width * (i + 0.5) for x in lengths], [c / total for c in counts], width=width, label=name)
-    ax.set_xlabel("accepted draft tokens per round")
-    ax.set_ylabel("fraction of rounds")
-    ax.set_xticks(lengths)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
+
+    def draw(ax) -> None:
+        for i, (name, counts) in enumerate(groups.items()):
+            total = sum(counts) or 1
+            ax.bar([x - 0.4 + width * (i + 0.5) for x in lengths], [c / total for c in counts], width=width, label=name)
+        ax.set_xlabel("accepted draft tokens per round")
+        ax.set_ylabel("fraction of rounds")
+        ax.set_xticks(lengths)
+        legend(ax)
+
+    return plot_figure(path, draw, size=(8, 4))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,22 +496,28 @@ def run_eval(config: EvalConfig) -> dict:
             image=image,
         )
 
+    ar_file = ar_baseline_file(config, prompts, dtype=dtype, device=device) if config.reuse_ar_baseline else None
+    known_ar = read_ar_baseline(ar_file, prompts) if ar_file is not None else None
     # Untimed warm-up of both decoders: first-call costs (allocator, kernels) would skew prompt 0.
     warmup = min(config.max_new_tokens, WARMUP_TOKENS)
-    run_ar(prompts[0], warmup, config.seed)
+    if known_ar is None:
+        run_ar(prompts[0], warmup, config.seed)
     run_spec(prompts[0], warmup, config.seed)
 
-    rows, rounds, mismatches = [], [], 0
+    rows, rounds, mismatches, ar_results = [], [], 0, {}
     accepted_by_group: dict[str, list[int]] = {}
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=not config.progress)
     for i, prompt in enumerate(bar):
         seed = config.seed + i
-        if i % 2 == 0:
+        if known_ar is not None:
+            ar, spec = known_ar[prompt.prompt_id], run_spec(prompt, config.max_new_tokens, seed)
+        elif i % 2 == 0:
             ar = run_ar(prompt, config.max_new_tokens, seed)
             spec = run_spec(prompt, config.max_new_tokens, seed)
         else:
             spec = run_spec(prompt, config.max_new_tokens, seed)
             ar = run_ar(prompt, config.max_new_tokens, seed)
+        ar_results[prompt.prompt_id] = ar
         if config.temperature == 0 and spec.tokens != ar.tokens:
             mismatches += 1
         rows.append(result_row(prompt, ar=ar, spec=spec))
@@ -504,11 +526,14 @@ def run_eval(config: EvalConfig) -> dict:
         running = summarize(rows)
         bar.set_postfix(tau=running["tau_geomean"], speedup=running["speedup_geomean"])
 
+    if ar_file is not None and known_ar is None:
+        write_ar_baseline(ar_file, ar_results)
     out = Path(config.out)
     plotted = _write_rows_and_histogram(out, rows, accepted_by_group, num_draft=num_draft)
     write_csv_rows(out / "rounds.csv", rounds, columns=ROUND_COLUMNS)
     summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
                        block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
+    summary["ar_baseline"] = None if ar_file is None else {"file": str(ar_file), "reused": known_ar is not None}
     _write_json(out / "summary.json", summary)
     return summary
 

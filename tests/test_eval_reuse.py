@@ -1,0 +1,94 @@
+"""Evaluation defaults (issue 28): the AR baseline decoded once per (target, prompts, settings) and
+reused across drafters, --threads, --max-prompts taken evenly across the groups, one line when
+matplotlib is missing, no legend warning from `compare`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoTokenizer
+
+from drafter.checkpoint import save_drafter
+from drafter.config import DFlashConfig
+from drafter.model import DFlashDrafter
+from pipeline.eval import plots
+from pipeline.eval.compare import plot_gains
+from pipeline.eval.evaluate import load_prompts, select_evenly
+from tests.conftest import write_jsonl
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROWS = [
+    {"benchmark": "alpha", "prompt": "tell me a story about the river ."},
+    {"benchmark": "alpha", "prompt": "what is the name of the city ?"},
+    {"benchmark": "alpha", "prompt": "how do people learn ?"},
+    {"benchmark": "beta", "prompt": "write about the house , the door and the light ."},
+    {"benchmark": "gamma", "prompt": "the end"},
+]
+
+
+def _drafter(toy_target, out, *, seed: int):
+    tokenizer = AutoTokenizer.from_pretrained(toy_target)
+    target_config = json.loads((toy_target / "config.json").read_text())
+    config = DFlashConfig.from_target_config(target_config, num_draft_layers=1, mask_token_id=len(tokenizer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DFlashDrafter(config)
+    save_drafter(model, out, dtype=torch.float32)
+    return out
+
+
+def test_max_prompts_takes_the_groups_in_turn(toy_target, tmp_path):
+    rows = [(i, row, row["benchmark"]) for i, row in enumerate(ROWS)]
+    assert [i for i, _, _ in select_evenly(rows, max_prompts=3)] == [0, 3, 4]  # one of each group
+    assert [i for i, _, _ in select_evenly(rows, max_prompts=4)] == [0, 1, 3, 4]  # then alpha's second
+    assert select_evenly(rows, max_prompts=None) == rows == select_evenly(rows, max_prompts=9)
+    tokenizer = AutoTokenizer.from_pretrained(toy_target)
+    prompts = load_prompts(write_jsonl(tmp_path / "p.jsonl", ROWS), tokenizer, max_prompts=3)
+    assert [(p.prompt_id, p.benchmark) for p in prompts] == [(0, "alpha"), (3, "beta"), (4, "gamma")]
+
+
+def test_the_ar_baseline_is_decoded_once_and_reused_by_the_next_drafter(toy_target, tmp_path):
+    """Drafter B's run reads drafter A's AR decodes (same target, prompts, settings): its AR times
+    are A's and its lossless check still passes; its tau is what a run decoding AR itself gives."""
+    from pipeline.cli import eval_cli
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", ROWS[:3])
+    drafters = {name: _drafter(toy_target, tmp_path / name, seed=seed) for name, seed in (("a", 0), ("b", 1))}
+
+    def run(name: str, out: str, *extra: str) -> dict:
+        args = ["run", "--target", str(toy_target), "--drafter", str(drafters[name]), "--prompts", str(prompts),
+                "--out", str(tmp_path / "evals" / out), "--max-new-tokens", "12", "--device", "cpu", "--threads", "1",
+                "--no-progress", *extra]  # fmt: skip
+        result = CliRunner().invoke(eval_cli, args)
+        assert result.exit_code == 0, result.output
+        return json.loads((tmp_path / "evals" / out / "summary.json").read_text())
+
+    first, second = run("a", "a"), run("b", "b")
+    assert first["ar_baseline"]["reused"] is False and second["ar_baseline"]["reused"] is True
+    assert first["ar_baseline"]["file"] == second["ar_baseline"]["file"]
+    assert second["lossless_mismatches"] == 0
+    ar_ms = lambda out: [line.split(",")[8] for line in (tmp_path / "evals" / out / "results.csv").read_text().splitlines()[1:]]  # noqa: E731
+    assert ar_ms("a") == ar_ms("b")
+    alone = run("b", "b-alone", "--no-reuse-ar-baseline")
+    assert alone["ar_baseline"] is None and alone["tau_geomean"] == second["tau_geomean"]
+    other = run("b", "b-longer", "--max-new-tokens", "13")  # another setting: another baseline
+    assert other["ar_baseline"]["reused"] is False
+
+
+def test_a_missing_matplotlib_is_one_line_and_compare_warns_of_no_legend(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # its import raises ImportError
+    monkeypatch.setattr(plots, "_said_skipped", False)
+    assert plots.plot_figure(tmp_path / "a.png", lambda axes: None, size=(1, 1)) is False
+    assert plots.plot_figure(tmp_path / "b.png", lambda axes: None, size=(1, 1)) is False
+    assert capsys.readouterr().err == plots.PLOTS_SKIPPED + "\n"
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found" would fail here
+        assert plot_gains([{"method": "dflash", "tau gain mt": None}], tmp_path / "gain.png", baseline="dflash")
