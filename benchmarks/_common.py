@@ -6,27 +6,33 @@ this folder first on sys.path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
 
-from pipeline.demo.toy import make_toy_target, toy_chat_rows
+from pipeline.demo.toy import ToyShape, make_toy_target, toy_chat_rows
 
 
-def make_bench_target(path: Path, sizes) -> Path:
-    """A tiny random Qwen3 (peaked, so greedy rollouts are not uniform noise) shaped by `sizes`'
-    hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim and
-    intermediate_size; the same seed in every benchmark."""
-    return make_toy_target(
-        path,
-        hidden_size=sizes.hidden_size,
-        num_hidden_layers=sizes.num_hidden_layers,
-        num_attention_heads=sizes.num_attention_heads,
-        num_key_value_heads=sizes.num_key_value_heads,
-        head_dim=sizes.head_dim,
-        intermediate_size=sizes.intermediate_size,
-        seed=0,
-        peaked=True,
-    )
+def wide_target(*, num_hidden_layers: int) -> ToyShape:
+    """The benchmarks' full-size target: hidden 256, 4 heads x 64 (2 kv heads), MLP 512."""
+    return ToyShape(
+        hidden_size=256, num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        intermediate_size=512,
+    )  # fmt: skip
+
+
+def make_bench_target(path: Path, shape: ToyShape) -> Path:
+    """A tiny random Qwen3 of `shape` (peaked, so greedy rollouts are not uniform noise); the same
+    seed in every benchmark."""
+    return make_toy_target(path, **dataclasses.asdict(shape), seed=0, peaked=True)
+
+
+def timed(fn) -> tuple[float, object]:
+    """(seconds, fn())."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def write_toy_corpus(path: Path, *, num_rows: int, response_words: tuple[int, int], max_turns: int) -> Path:

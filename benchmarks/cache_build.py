@@ -34,6 +34,7 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from pipeline.demo.toy import ToyShape
 from storage.format import CORPUS_DIR
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.shard_builder import ShardBuilder, outputs_to_record, plan_batches
@@ -43,7 +44,7 @@ from pipeline.target import load_target
 from storage.reader import cache_stats, open_cache
 from storage.shards import write_shard
 
-from _common import empty_workdir, make_bench_target, print_table, write_toy_corpus
+from _common import empty_workdir, make_bench_target, print_table, timed, wide_target, write_toy_corpus
 
 RAY_CPUS = 2  # the local Ray cluster the script starts
 NUM_REPEATS = 3
@@ -54,12 +55,7 @@ MIN_SUPERVISED_TOKENS = 32  # CacheBuildConfig's default, so both tokenize alike
 class BenchSizes:
     """Model, corpus and cache settings of one benchmark run."""
 
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
+    target: ToyShape  # the random Qwen3 measured on (_common.make_bench_target)
     num_rows: int  # toy chat rows in the corpus
     response_words: tuple[int, int]
     max_turns: int
@@ -74,12 +70,7 @@ class BenchSizes:
 
 
 FULL = BenchSizes(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=512,
+    target=wide_target(num_hidden_layers=4),
     num_rows=48,
     response_words=(80, 160),
     max_turns=2,
@@ -94,12 +85,7 @@ FULL = BenchSizes(
 )
 
 QUICK = BenchSizes(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    intermediate_size=128,
+    target=ToyShape(),  # the toy defaults: hidden 64, 4 layers
     num_rows=8,
     response_words=(30, 60),
     max_turns=1,
@@ -112,12 +98,6 @@ QUICK = BenchSizes(
     batch_tokens=1024,
     num_generate_sequences=2,
 )
-
-
-def timed(fn) -> tuple[float, object]:
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,7 +244,7 @@ def ray_build(config: CacheBuildConfig) -> tuple[float, dict]:
 
 def prepare(sizes: BenchSizes, work: Path):
     """Toy target + chat corpus on disk; the corpus tokenized exactly as the build will do it."""
-    target = make_bench_target(work / "target", sizes)
+    target = make_bench_target(work / "target", sizes.target)
     corpus_path = write_toy_corpus(
         work / "chat.jsonl", num_rows=sizes.num_rows, response_words=sizes.response_words, max_turns=sizes.max_turns
     )
@@ -467,9 +447,9 @@ def run(sizes: BenchSizes, *, work: Path, threads: int) -> None:
     model = load_target(target, dtype=torch.float32)
     num_params = sum(p.numel() for p in model.parameters())
     print(
-        f"target: random Qwen3, {num_params / 1e6:.2f}M params (hidden {sizes.hidden_size}, {sizes.num_hidden_layers} "
-        f"layers, {sizes.num_attention_heads} heads x {sizes.head_dim}, {sizes.num_key_value_heads} kv heads, mlp "
-        f"{sizes.intermediate_size}), taps {sizes.layer_ids}, fp32\ncorpus: {len(sequences)} sequences, {sum(lengths)} "
+        f"target: random Qwen3, {num_params / 1e6:.2f}M params (hidden {sizes.target.hidden_size}, {sizes.target.num_hidden_layers} "
+        f"layers, {sizes.target.num_attention_heads} heads x {sizes.target.head_dim}, {sizes.target.num_key_value_heads} kv heads, mlp "
+        f"{sizes.target.intermediate_size}), taps {sizes.layer_ids}, fp32\ncorpus: {len(sequences)} sequences, {sum(lengths)} "
         f"tokens (min {min(lengths)}, mean {np.mean(lengths):.0f}, max {max(lengths)}); K={sizes.num_slots}, top-k "
         f"{sizes.top_k}, {sizes.anchors} anchors/sequence; torch threads {torch.get_num_threads()}; load average "
         f"{os.getloadavg()[0]:.2f}",

@@ -33,9 +33,10 @@ import torch
 
 from pipeline.cache_build.shard_builder import plan_batches
 from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
+from pipeline.demo.toy import ToyShape
 from pipeline.target import load_target
 
-from _common import make_bench_target
+from _common import make_bench_target, wide_target
 
 NUM_THREADS = 2
 
@@ -44,12 +45,7 @@ NUM_THREADS = 2
 class BenchSizes:
     """Model and work of one benchmark run."""
 
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
+    target: ToyShape  # the random Qwen3 measured on (_common.make_bench_target)
     num_sequences: int
     lengths: tuple[int, int]  # sequence lengths drawn uniformly from [lo, hi]
     layer_ids: list[int]
@@ -60,12 +56,7 @@ class BenchSizes:
 
 
 FULL = BenchSizes(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=512,
+    target=wide_target(num_hidden_layers=4),
     num_sequences=16,
     lengths=(256, 512),
     layer_ids=[0, 1, 2],
@@ -76,12 +67,7 @@ FULL = BenchSizes(
 )
 
 QUICK = BenchSizes(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    intermediate_size=128,
+    target=ToyShape(),  # the toy defaults: hidden 64, 4 layers
     num_sequences=4,
     lengths=(160, 300),
     layer_ids=[0, 2],
@@ -161,7 +147,7 @@ def main():
 
     torch.set_num_threads(NUM_THREADS)
     work = Path(args.out or tempfile.mkdtemp(prefix="bench-rollout-backends-"))
-    target = make_bench_target(work / "target", sizes)
+    target = make_bench_target(work / "target", sizes.target)
     model = load_target(target, dtype=torch.float32)
     sequences = make_sequences(sizes, vocab=model.config.vocab_size - 16)
     batches = plan_batches([len(s.input_ids) for s in sequences], batch_tokens=sizes.batch_tokens)
@@ -212,7 +198,7 @@ def main():
     print(
         f"work: {len(sequences)} sequences, {num_tokens} tokens, {len(batches)} batches (batch_tokens "
         f"{sizes.batch_tokens}), {num_anchors} anchors, K={config.num_slots}, top_k={config.top_k}, "
-        f"taps {config.layer_ids}; model hidden {sizes.hidden_size} x {sizes.num_hidden_layers} layers, fp32, "
+        f"taps {config.layer_ids}; model hidden {sizes.target.hidden_size} x {sizes.target.num_hidden_layers} layers, fp32, "
         f"{NUM_THREADS} threads; fastest of {args.repeats}"
     )
     print(

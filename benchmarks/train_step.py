@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.demo.toy import ToyShape
 from pipeline.train.batching import CacheTrainDataset, StepSampler, TrainBatch, collate
 from ray_jobs.cli import cache_cli
 from pipeline.train.methods import METHODS, ROLLOUT_METHODS
@@ -48,7 +49,7 @@ from pipeline.train.loop import build_drafter, forward_loss
 from storage.manifest import load_target_head
 from storage.reader import open_cache
 
-from _common import empty_workdir, make_bench_target, print_table, write_toy_corpus
+from _common import empty_workdir, make_bench_target, print_table, wide_target, write_toy_corpus
 
 NUM_THREADS = 2
 LOADER_WORKERS = (0, 1, 2)
@@ -58,12 +59,7 @@ LOADER_WORKERS = (0, 1, 2)
 class BenchSizes:
     """Target, corpus, cache and step settings of one benchmark run."""
 
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
+    target: ToyShape  # the random Qwen3 measured on (_common.make_bench_target)
     num_rows: int  # toy chat rows in the corpus
     response_words: tuple[int, int]
     max_turns: int
@@ -79,12 +75,7 @@ class BenchSizes:
 
 
 FULL = BenchSizes(
-    hidden_size=256,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=512,
+    target=wide_target(num_hidden_layers=6),
     num_rows=48,
     response_words=(60, 120),
     max_turns=2,
@@ -100,12 +91,7 @@ FULL = BenchSizes(
 )
 
 QUICK = BenchSizes(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    intermediate_size=128,
+    target=ToyShape(),  # the toy defaults: hidden 64, 4 layers
     num_rows=12,
     response_words=(30, 60),
     max_turns=1,
@@ -327,7 +313,7 @@ def main() -> None:
     began = time.perf_counter()
     load_before = os.getloadavg()
 
-    target = make_bench_target(work / "target", sizes)
+    target = make_bench_target(work / "target", sizes.target)
     corpus = write_toy_corpus(
         work / "chat.jsonl", num_rows=sizes.num_rows, response_words=sizes.response_words, max_turns=sizes.max_turns
     )
@@ -347,8 +333,8 @@ def main() -> None:
     num_target_params = sum(p.numel() for p in target_model.parameters())
     num_drafter_params = sum(p.numel() for p in build_drafter(TrainConfig.from_flags(cache=str(cache), out="-"), manifest).parameters())
     print(
-        f"target: Qwen3 {num_target_params / 1e6:.2f}M params (hidden {sizes.hidden_size}, {sizes.num_hidden_layers} layers, "
-        f"{sizes.num_attention_heads}x{sizes.head_dim} heads), taps {sizes.layer_ids}; drafter: {len(sizes.layer_ids)} layers, "
+        f"target: Qwen3 {num_target_params / 1e6:.2f}M params (hidden {sizes.target.hidden_size}, {sizes.target.num_hidden_layers} layers, "
+        f"{sizes.target.num_attention_heads}x{sizes.target.head_dim} heads), taps {sizes.layer_ids}; drafter: {len(sizes.layer_ids)} layers, "
         f"{num_drafter_params / 1e6:.2f}M trained params; cache: {len(reader)} sequences, {sum(lengths)} tokens "
         f"(mean {np.mean(lengths):.0f}, max {max(lengths)}), K={sizes.num_slots}, top-k {sizes.top_k}, "
         f"pool {sizes.anchors} anchors/sequence (all trained each step), built in {build_s:.1f}s; "

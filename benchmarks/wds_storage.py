@@ -180,7 +180,7 @@ def report(rows: list[dict], *, codec: str) -> None:
 
 def run(sizes, *, work: Path) -> None:
     began = time.perf_counter()
-    target = make_bench_target(work / "target", sizes)
+    target = make_bench_target(work / "target", sizes.target)
     corpus = write_toy_corpus(work / "chat.jsonl", num_rows=sizes.num_rows, response_words=sizes.response_words,
                               max_turns=sizes.max_turns)  # fmt: skip
     for codec in ("bf16", "fp8"):
