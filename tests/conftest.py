@@ -13,6 +13,9 @@ from tests.s3_fixtures import s3_bucket, s3_prefix  # noqa: F401 (one S3 server 
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `auto` dtypes as on a CPU without bf16 matrix units (pipeline/precision.py): the tests' numbers (golden
+# trace, reference comparisons) must not depend on whether the CI machine has AMX.
+os.environ.setdefault("ALRIRA_CPU_BF16", "0")
 
 
 @pytest.fixture(scope="module")

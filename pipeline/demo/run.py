@@ -29,6 +29,7 @@ import torch
 
 from pipeline.demo.world import World, WorldConfig, build_world
 from pipeline.eval.evaluate import EvalConfig, run_eval
+from pipeline.precision import native_bf16_matmul
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import train
 from storage.manifest import load_manifest
@@ -80,7 +81,7 @@ def build_demo_cache(world: World, out: Path, sizes: DemoSizes, *, log) -> Path:
     args = [
         "build", "--target", str(world.target), "--corpus", str(world.corpus), "--out", str(out),
         "--draft-layers", "2", "--anchors", str(sizes.anchors), "--shard-size", str(sizes.shard_size),
-        "--workers", str(sizes.workers), "--cpus-per-worker", "1", "--no-progress",
+        "--workers", str(sizes.workers), "--cpus-per-worker", "1", "--target-dtype", "float32", "--no-progress",
     ]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "TOKENIZERS_PARALLELISM": "false"}
 
@@ -96,6 +97,7 @@ def train_config(*, cache: Path, out: Path, method: str, seed: int, sizes: DemoS
         anchors_per_step=sizes.anchors_per_step,
         gamma=2.0, dflash_gamma=2.0,  # the text recipe: one slot envelope for every method
         seed=seed, num_workers=1, resume=True, save_dtype="float32", progress=False,
+        precision="fp32",  # the documented recipe on every CPU, AMX or not (docs/results.md)
     )  # fmt: skip
 
 
@@ -144,6 +146,17 @@ def method_results(*, train_summary: dict, evals: dict[float, dict]) -> dict:
             "lossless_mismatches": summary["lossless_mismatches"],
         }
     return result
+
+
+def environment() -> dict:
+    """What the demo's numbers depend on besides its seeds: every tau and loss is the same on
+    another run with the same torch threads and CPU kind, whatever the core count; another thread
+    count or instruction set (AVX2, AVX512, AMX) rounds fp32 sums in another order
+    (docs/results.md, "The demo")."""
+    return {
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16_matmul": native_bf16_matmul(),
+    }  # fmt: skip
 
 
 def format_table(results: dict[str, dict], *, temperatures: list[float]) -> str:
@@ -231,6 +244,7 @@ def run_demo(*, out: Path, seed: int, quick: bool, temperatures: list[float], me
         "world": {k: v for k, v in world.stats.items() if k != "config"},
         "methods": results,
         "wall_s": time.time() - started,
+        "environment": environment(),
     }
     (out / RESULTS_FILE).write_text(json.dumps(report, indent=2) + "\n")
     temps = ", ".join(f"{t:g}" for t in temperatures)

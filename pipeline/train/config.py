@@ -44,7 +44,8 @@ class OptimConfig:
     warmup_frac: float = opt("Fraction of steps of linear warm-up before the cosine decay to 0.", default=0.04)
     grad_clip: float = opt("Gradient-norm clip.", default=1.0)
     precision: str = opt(
-        "auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32. Master weights stay fp32; under bf16 the frozen "
+        "auto (bf16 autocast on GPU and on CPUs with bf16 matrix units, AMX or AVX512-BF16; else fp32), bf16 or fp32. "
+        "Master weights stay fp32; under bf16 the frozen "
         "embed_tokens / lm_head are held in bf16 and the loss's lm_head GEMM runs in bf16, log-softmax and loss in fp32.",
         default="auto",
     )

@@ -37,6 +37,7 @@ from drafter.config import DFlashConfig
 from drafter.masks import flex_block_mask, visibility_mask
 from drafter.model import DFlashDrafter
 from pipeline.config import to_flags
+from pipeline.precision import auto_bf16
 from pipeline.train.batching import (
     CacheTrainDataset,
     ReadFailure,
@@ -294,7 +295,7 @@ def setup(config: TrainConfig) -> TrainState:
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         start_step = state["step"]
-    use_bf16 = optim.precision == "bf16" or (optim.precision == "auto" and device.type == "cuda")
+    use_bf16 = optim.precision == "bf16" or (optim.precision == "auto" and auto_bf16(device.type, stage="train"))
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     attention = "flex" if optim.attention == "flex" or (optim.attention == "auto" and device.type == "cuda") else "sdpa"
     if attention == "flex" and device.type != "cuda":
