@@ -154,7 +154,8 @@ def environment() -> dict:
     count or instruction set (AVX2, AVX512, AMX) rounds fp32 sums in another order
     (docs/results.md, "The demo")."""
     return {
-        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16_matmul": native_bf16_matmul(),
     }  # fmt: skip
 
