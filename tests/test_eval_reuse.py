@@ -9,17 +9,14 @@ import sys
 import warnings
 
 import pytest
-import torch
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
-from drafter.checkpoint import save_drafter
-from drafter.config import DFlashConfig
-from drafter.model import DFlashDrafter
 from pipeline.eval import plots
 from pipeline.eval.compare import plot_gains
 from pipeline.eval.evaluate import load_prompts, select_evenly
 from tests.conftest import write_jsonl
+from tests.test_analysis import _drafter  # a random drafter saved for the toy target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,17 +27,6 @@ ROWS = [
     {"benchmark": "beta", "prompt": "write about the house , the door and the light ."},
     {"benchmark": "gamma", "prompt": "the end"},
 ]
-
-
-def _drafter(toy_target, out, *, seed: int):
-    tokenizer = AutoTokenizer.from_pretrained(toy_target)
-    target_config = json.loads((toy_target / "config.json").read_text())
-    config = DFlashConfig.from_target_config(target_config, num_draft_layers=1, mask_token_id=len(tokenizer))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DFlashDrafter(config)
-    save_drafter(model, out, dtype=torch.float32)
-    return out
 
 
 def test_max_prompts_takes_the_groups_in_turn(toy_target, tmp_path):
