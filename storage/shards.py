@@ -71,7 +71,7 @@ from storage.errors import CorruptShardError, first_line
 from storage.location import Location, StorePrefix, remove_path, remove_path_tolerant, resolve
 from storage.manifest import ShardRecord
 from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
-from storage.wds import WdsShard, WdsShardWriter, encode_member
+from storage.wds import BLOSC_BLOCK_BYTES, WdsShard, WdsShardWriter, encode_member
 from storage.zarr_rows import ChunkFileEncoder
 
 # Record arrays by the axis they are concatenated along in a Zarr shard (fp8 scales included).
@@ -99,6 +99,10 @@ ZARR_SHARD_BYTES = 16 << 20  # ~16 MiB uncompressed per file
 ANCHOR_ROW_CHUNK_ARRAYS = ("rollout_features", "rollout_feature_scales")
 ZARR_MIN_CHUNK_BYTES = 64 << 10
 ZARR_CLEVEL = 3
+# Blosc compresses a chunk in independent blocks; left to itself it picks small ones (its "auto"),
+# which at real shapes made bf16 features 5% larger than one block per 256 KiB chunk at the same
+# speed (docs/benchmarks.md, "Cache settings" (h)): the tar writer's block size, for both formats.
+ZARR_BLOSC_BLOCK_BYTES = BLOSC_BLOCK_BYTES
 # A tar being written is handed to BackgroundWrites.sync_soon every this many bytes.
 SYNC_EVERY_BYTES = 64 << 20
 
@@ -764,7 +768,9 @@ class _ZarrBody:
         self.group = zarr.open_group(store=_zarr_store(target, read_only=False), mode="w-", zarr_format=3)
         # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
         # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
-        self.compressors = [zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle")]
+        self.compressors = [
+            zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle", blocksize=ZARR_BLOSC_BLOCK_BYTES)
+        ]
         if chunk_checksums:
             self.compressors.append(zarr.codecs.Crc32cCodec())
         self.columns: dict[str, _ZarrColumn] = {}  # created with the first record (it gives F, k, K)
