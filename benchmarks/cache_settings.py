@@ -150,14 +150,16 @@ def bench_bytes(work: Path, records: list[dict], shapes: Shapes) -> list[dict]:
     return rows
 
 
+BLOCK = 256 << 10  # storage.shards.ZARR_BLOSC_BLOCK_BYTES: one Blosc block per 256 KiB chunk
 CODEC_VARIANTS = (
-    ("zstd 3, byte shuffle (today)", dict(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE)),
-    ("zstd 1, byte shuffle", dict(cname="zstd", clevel=1, shuffle=Blosc.SHUFFLE)),
-    ("zstd 5, byte shuffle", dict(cname="zstd", clevel=5, shuffle=Blosc.SHUFFLE)),
-    ("zstd 9, byte shuffle", dict(cname="zstd", clevel=9, shuffle=Blosc.SHUFFLE)),
-    ("zstd 3, bit shuffle", dict(cname="zstd", clevel=3, shuffle=Blosc.BITSHUFFLE)),
-    ("zstd 3, no shuffle", dict(cname="zstd", clevel=3, shuffle=Blosc.NOSHUFFLE)),
-    ("lz4 5, byte shuffle", dict(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)),
+    ("zstd 3, byte shuffle, auto blocks (Zarr before)", dict(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE)),
+    ("zstd 3, byte shuffle, 256 KiB blocks (now)", dict(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE, blocksize=BLOCK)),
+    ("zstd 1, byte shuffle, 256 KiB", dict(cname="zstd", clevel=1, shuffle=Blosc.SHUFFLE, blocksize=BLOCK)),
+    ("zstd 5, byte shuffle, 256 KiB", dict(cname="zstd", clevel=5, shuffle=Blosc.SHUFFLE, blocksize=BLOCK)),
+    ("zstd 9, byte shuffle, 256 KiB", dict(cname="zstd", clevel=9, shuffle=Blosc.SHUFFLE, blocksize=BLOCK)),
+    ("zstd 3, bit shuffle, 256 KiB", dict(cname="zstd", clevel=3, shuffle=Blosc.BITSHUFFLE, blocksize=BLOCK)),
+    ("zstd 3, no shuffle, 256 KiB", dict(cname="zstd", clevel=3, shuffle=Blosc.NOSHUFFLE, blocksize=BLOCK)),
+    ("lz4 5, byte shuffle, 256 KiB", dict(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE, blocksize=BLOCK)),
 )
 
 

@@ -235,7 +235,7 @@ def _rollout_targets(
     in_seq = base_factors(anchor_pos=anchor_pos, loss_mask=record["loss_mask"], num_slots=num_slots)
     alive = alive_mask(rollout_tokens=rollout_tokens, stop_token_ids=stop_token_ids)  # [N, K + 1]
     depth = depth_mask(num_slots=num_slots, rollout_depth=config.rollout_depth)  # [K + 1]
-    split = cap = gate = None
+    cap = gate = None
     method = recipe(config.method)
     if method.ira is not None and split is None:
         split = ira_split(num_blocks=num_blocks, num_slots=num_slots, generator=generator)
