@@ -98,7 +98,10 @@ ZARR_SHARD_BYTES = 16 << 20  # ~16 MiB uncompressed per file
 # = 333 KB): the trainer reads the rollout features of a few parent anchors (IRA) only.
 ANCHOR_ROW_CHUNK_ARRAYS = ("rollout_features", "rollout_feature_scales")
 ZARR_MIN_CHUNK_BYTES = 64 << 10
-ZARR_CLEVEL = 3
+# zstd level 1: at real shapes it compressed bf16 features as well as level 3 (1.44x vs 1.43x, in
+# 256 KiB blocks) at 2.7x the speed, fp8 the same 1.22x at 1.5x (docs/benchmarks.md, "Cache
+# settings" (h)): the writer's CPU per sequence is what a cache build pays for it.
+ZARR_CLEVEL = 1
 # Blosc compresses a chunk in independent blocks; left to itself it picks small ones (its "auto"),
 # which at real shapes made bf16 features 5% larger than one block per 256 KiB chunk at the same
 # speed (docs/benchmarks.md, "Cache settings" (h)): the tar writer's block size, for both formats.
