@@ -191,3 +191,24 @@ def test_flags_are_checked():
     assert CacheBuildConfig.from_flags(**base, compact=True, anchors=128).layout == {
         "feature_codec": "bf16", "rollout_feature_codec": "fp8", "ira_parents": 64, "profile": "compact"
     }
+
+
+def test_a_compact_record_round_trips_through_a_tar(compact, tmp_path):
+    """The WebDataset form of a version-2 shard: the same records, fp8 rollout rows for the parents only."""
+    from storage.shards import write_shard
+
+    reader = open_cache(compact["cache"])
+    records = [reader.read(i, decode_features=False) for i in range(3)]
+    shard = write_shard(
+        tmp_path, shard_index=0, records=records, storage_format="wds", feature_codec="bf16", rollout_feature_codec="fp8",
+        ira_parents=3,
+    )  # fmt: skip
+    assert shard.parents == 9
+    back = list(read_shard_records(tmp_path / SHARD_DIR / shard.name, storage_format="wds"))
+    for record, got in zip(records, back, strict=True):
+        assert set(got) == set(record)
+        for name in record:
+            np.testing.assert_array_equal(got[name], record[name], err_msg=name)
+    with pytest.raises(ValueError, match=r"array rollout_features has shape \(3, 5, 128\), expected \(6, 5, 128\)"):
+        write_shard(tmp_path / "all", shard_index=0, records=records, storage_format="wds", feature_codec="bf16",
+                    rollout_feature_codec="fp8")  # fmt: skip
