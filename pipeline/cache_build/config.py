@@ -61,8 +61,9 @@ class StorageConfig:
         default=None,
     )
     compact: bool = opt(
-        "The recommended small cache (docs/cache-format.md, 'Compact caches'): sets --rollout-feature-codec and "
-        "--ira-parents (give neither with it); recorded in the manifest.",
+        "The recommended small cache (docs/cache-format.md, 'Compact caches'): --rollout-feature-codec fp8 and "
+        "--ira-parents (--anchors / 2), corpus features as --feature-codec says (give neither flag with it); trains "
+        "every method, alr_ira with the whole pool per step. Recorded in the manifest.",
         default=False,
     )
     storage_format: str = opt("Shard format: zarr or wds (WebDataset tar).", flag="format", default="zarr")
