@@ -562,13 +562,14 @@ class ShardWriter:
     def publish(self) -> ShardRecord:
         """Finish the shard and publish it under its name (a published shard of that name is
         replaced); returns its manifest record (status "complete")."""
+        parents_kept = self.ira_parents is not None and "rollout_features" in self.contents
         got = ShardSize(
             num_sequences=len(self.dims),
             num_tokens=sum(d.num_tokens for d in self.dims),
             num_anchors=sum(d.num_anchors for d in self.dims),
-            num_parents=self.size.num_parents,
+            num_parents=sum(d.num_parents for d in self.dims) if parents_kept else self.size.num_parents,
         )
-        if got != self.size or (self.ira_parents is not None and "rollout_features" in self.contents and sum(d.num_parents for d in self.dims) != self.size.parent_rows):
+        if got != self.size:
             raise ValueError(f"shard {self.name}: records hold {got}, planned {self.size}")
         self.body.finish(np.array(self.source_rows, dtype=np.int64), self.dims)
         self.writes.wait_synced()  # what the sync thread took is on disk (an error of one raises here)
