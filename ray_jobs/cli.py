@@ -146,7 +146,18 @@ def _cache_info(cache: str):
         },
         "corpus": manifest.corpus_stats,
         "trainable_methods": [m for m in METHODS if required_arrays(m) <= arrays],
+        **_ira_parents_note(settings),
     }, reader
+
+
+def _ira_parents_note(settings) -> dict:
+    """What --ira-parents leaves alr_ira (floor(m/2) parents of m anchors per step); {} without it."""
+    if settings.ira_parents is None or "rollout_features" not in settings.contents:
+        return {}
+    most = 2 * settings.ira_parents + 1
+    if most >= settings.anchors_per_sequence:
+        return {"alr_ira_anchors_per_step": f"any (rollout features for {settings.ira_parents} anchors per sequence)"}
+    return {"alr_ira_anchors_per_step": f"<= {most} (rollout features for {settings.ira_parents} anchors per sequence)"}
 
 
 @cache_cli.command("verify")

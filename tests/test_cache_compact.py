@@ -92,6 +92,7 @@ def test_estimate_is_within_10_percent_of_the_build_and_info_prints_bytes_by_gro
     assert abs(sum(by_group.values()) - info["bytes_per_token"]) < 1.0  # the groups add up to the whole
     assert by_group["corpus_features"] > by_group["rollout_features"] > 0
     assert info["profile"] == "compact" and "fp8 rollout features for 3 anchors" in info["format"]
+    assert info["alr_ira_anchors_per_step"].startswith("any")  # 3 parents: the whole pool of 6 per step
     for line in lines[2:]:  # the estimate names the same groups
         assert line.split()[0] in by_group
 
