@@ -25,6 +25,10 @@ A = 128 anchors, K = 15, top-k 8; random bf16 features) through storage's Zarr w
 
     .venv/bin/python benchmarks/real_shapes.py [--quick] [--out DIR] [--threads 2] [--writer-only | --loader-only]
 
+(g)-(i), every cache setting at these shapes (bytes per corpus token by array group, the writer's
+CPU, the codec profile, the alr_ira loader on the full and the compact cache), are
+benchmarks/cache_settings.py, which builds its records with this file's `synthetic_record`.
+
 Page cache warm: rchar counts the bytes read() returned, cached or not, which is what a loader
 decompresses from.
 """

@@ -7,8 +7,9 @@ order; one member per record array, named `{key}.{array}.npy.blosc.crc32`, read 
 
     crc32   numcodecs' CRC32 codec: 4 bytes, the little-endian CRC32 of what follows, checked on
             every read (TarWriter sets no PAX headers, so the checksum travels inside the member)
-    blosc   numcodecs' Blosc frame (self-describing): zstd level 3, byte shuffle over the array's
-            item size, as the Zarr shards' chunks (storage/shards.py), in 256 KiB blocks
+    blosc   numcodecs' Blosc frame (self-describing): zstd level 1 (3 before 2026-12-03), byte
+            shuffle over the array's item size, as the Zarr shards' chunks (storage/shards.py), in
+            256 KiB blocks
     npy     the array's np.save bytes, no pickle (the header is padded to 64 bytes, so the data
             stays aligned to its item size for the shuffle)
 
@@ -42,7 +43,7 @@ from storage.location import Location, resolve
 from storage.paths import unsafe_name_reason
 
 BLOSC_CNAME = "zstd"
-BLOSC_CLEVEL = 3  # the Zarr shards' ZARR_CLEVEL: one codec for both formats
+BLOSC_CLEVEL = 1  # the Zarr shards' ZARR_CLEVEL: one codec for both formats (its reason: storage/shards.py)
 # Blosc compresses a buffer in independent blocks. A member is one sequence's array (a Zarr chunk
 # ~256 KiB of rows); 256 KiB blocks, the Zarr chunk's size, make bf16 features 7% smaller than
 # Blosc's automatic choice (docs/benchmarks.md, "WebDataset shards").
@@ -176,9 +177,9 @@ class WdsShardWriter:
 
     def __init__(
         self, file_obj_or_path: str | os.PathLike | BinaryIO, *, feature_codec: str, contents: tuple[str, ...],
-        chunk_checksums: bool = True,
+        chunk_checksums: bool = True, rollout_feature_codec: str | None = None,
     ):  # fmt: skip
-        self.names = sorted(record_array_names(feature_codec, contents))
+        self.names = sorted(record_array_names(feature_codec, contents, rollout_feature_codec))
         self.chunk_checksums = chunk_checksums
         self.num_records = 0
         self._owned = isinstance(file_obj_or_path, (str, os.PathLike))

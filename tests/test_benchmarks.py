@@ -127,6 +127,22 @@ def test_real_shapes_loader_reads_what_each_method_needs(tmp_path):
     assert 1 <= results["chunk_reads"]["ratio"] < float("inf")  # (f)
 
 
+def test_cache_settings_orders_the_settings_by_bytes(tmp_path):
+    output = run_benchmark("cache_settings.py", "--quick", "--out", str(tmp_path / "work"))
+    results = json.loads((tmp_path / "work" / "results.json").read_text())
+    per_token = {r["setting"].split(" (")[0]: r["bytes_per_token"] for r in results["bytes"]}
+    assert len(table_rows(output, "setting")) == len(results["bytes"]) == 11
+    full, compact = per_token["full, bf16"], per_token["--compact"]
+    assert full > per_token["--ira-parents 64"] > per_token["--ira-parents 32"] > per_token["--no-rollout-features, bf16"]
+    assert full > compact > per_token["--no-rollout-features, bf16"] > per_token["--no-rollout-features, fp8"]
+    for row in results["bytes"]:  # the groups add up to the shard
+        assert abs(sum(row["per_token"].values()) - row["bytes_per_token"]) < 1e-6
+    assert {(r["setting"].split(" (")[0], r["method"]) for r in results["loader"]} == {
+        ("full, bf16", "alr"), ("full, bf16", "alr_ira"), ("--compact", "alr"), ("--compact", "alr_ira")
+    }
+    assert all(r["seq_per_s_per_core"] > 0 for r in results["loader"]) and len(results["codecs"]) == 16
+
+
 def _gpu_check(*args: str) -> subprocess.CompletedProcess:
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHON": sys.executable}
     return subprocess.run(["bash", "benchmarks/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -26,10 +26,11 @@ from storage.zarr_rows import ChunkFileEncoder
 from test_storage import make_record, make_shard_records
 
 # The tar of make_shard_records(7, first_row=0, num=6, codec=...) as the serial writer wrote it
-# before the writer went parallel (storage/shards.py at 26e4228).
+# (storage/shards.py at 26e4228), with zstd level 1 since 2026-12-03 (at level 3:
+# bf16 sha256:f04744c7..., fp8 sha256:76d1c347...).
 WDS_CHECKSUMS = {
-    "bf16": "sha256:f04744c7db3da65c3221ecbd97a5c0a795c2c96d454ea7243a7009c2cf2fc8ad",
-    "fp8": "sha256:76d1c34729ffa4f36af2124b35599de7d32852daa2446cce65cdbd5dd36343e8",
+    "bf16": "sha256:ca68d518cac9631a0df459d516a305e1771b0eddb7efbbaaa2893da1fba6bd43",
+    "fp8": "sha256:b54f79934af44d0d9fa9d296d80d7b18b6921746080d1580bb59c0682cbef52c",
 }
 SMALL = dict(layers=[0, 2], anchors=6, top_k=4, max_length=128, shard_size=5, batch_tokens=128)
 
