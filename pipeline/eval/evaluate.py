@@ -32,6 +32,7 @@ from pipeline.chat import CorpusError, iter_corpus_rows, prompt_row, row_locator
 from pipeline.config import group, opt
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.tree import tree_speculative_decode
+from pipeline.outputs import check_out_path, claim_output, log_line, owns
 from pipeline.target import load_target, load_tokenizer, stop_token_ids
 from pipeline.vision import (
     SequenceImage,
@@ -90,6 +91,10 @@ class EvalConfig:
     tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
     vision_input: VisionInputConfig = group(VisionInputConfig)
     progress: bool = opt("Show a progress bar.", default=True)
+    overwrite: bool = opt(
+        "Replace an earlier output in --out computed from other inputs (without it: refused; with the same inputs it is kept).",
+        default=False,
+    )
 
     def __post_init__(self):
         for name in ("target", "drafter", "prompts", "out"):
@@ -435,10 +440,50 @@ def eval_prompts(config: EvalConfig, tokenizer) -> list[EvalPrompt]:
     )
 
 
-def run_eval(config: EvalConfig) -> dict:
-    """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return the summary."""
+EVAL_FILES = ("results.csv", "summary.json", "accept_hist.json", "accept_hist.png", "rounds.csv")
+
+
+def eval_inputs(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -> dict:
+    """What the numbers of a run depend on (pipeline/outputs.py): the target, drafter and prompts by
+    content, and every setting that changes a number; `mode` tells real decoding from replay."""
+    from dataclasses import asdict
+
+    from drafter.checkpoint import drafter_hash
+    from pipeline.cache_build.corpus import file_sha256
+    from pipeline.target import target_hash
+
+    return {
+        "mode": "decode", "target_hash": target_hash(config.target), "drafter_hash": drafter_hash(config.drafter),
+        "prompts_sha256": file_sha256(config.prompts), "max_prompts": config.max_prompts, "temperature": config.temperature,
+        "max_new_tokens": config.max_new_tokens, "seed": config.seed, "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type, "verify": _verify_name(config), "vision_input": asdict(config.vision_input),
+    }  # fmt: skip
+
+
+def _verify_name(config: EvalConfig) -> str:
+    return "chain" if config.tree_budget is None else f"tree (budget {config.tree_budget}, branch {config.tree_branch})"
+
+
+def run_eval(config: EvalConfig, *, log=log_line) -> dict:
+    """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return
+    the summary. --out is claimed first (pipeline/outputs.py): an earlier output of the same inputs
+    is kept (its summary returned), one of other inputs refused unless --overwrite."""
     device = _resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    check_out_path(config.out)
+    inputs = eval_inputs(config, device=device, dtype=dtype)
+    with claim_output(config.out, command="alrira-eval run", inputs=inputs, own=owns(*EVAL_FILES), overwrite=config.overwrite,
+                      log=log) as output:  # fmt: skip
+        if output.kept:
+            return json.loads((output.path / "summary.json").read_text())
+        summary = _run_eval(config, device=device, dtype=dtype)
+        summary["inputs"] = inputs
+        _write_json(output.path / "summary.json", summary)
+        output.finish()
+    return summary
+
+
+def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -> dict:
     target, tokenizer, drafter, stops = load_models(config, device, dtype)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     draft_config = drafter.config
@@ -527,7 +572,7 @@ def _summary(config: EvalConfig, rows: list[dict], *, num_groups: int, mismatche
         "dtype": dtype_name,
         "device": str(device),
         "block_size": block_size,
-        "verify": "chain" if config.tree_budget is None else f"tree (budget {config.tree_budget}, branch {config.tree_branch})",
+        "verify": _verify_name(config),
         "num_prompts": len(rows),
         "num_groups": num_groups,
         "committed_tokens": sum(r["committed"] for r in rows),

@@ -22,10 +22,12 @@ from pipeline.cache_build.corpus import default_image_root, file_sha256
 from pipeline.chat import (
     REGENERATED_KIND,
     REGENERATED_MANIFEST,
+    CorpusError,
     checked_regenerated_parts,
     is_jsonl_file,
     iter_corpus_rows,
     jsonl_row_seeks,
+    normalize_row,
 )
 from pipeline.config import flag_name, is_required, leaf_fields
 from pipeline.regenerate.config import RegenerateConfig
@@ -168,11 +170,32 @@ def check_out(config: RegenerateConfig, new: dict) -> dict | None:
     return None
 
 
-def part_is_intact(out, record: dict) -> bool:
+def part_problem(out, record: dict, spec: PartSpec) -> str | None:
+    """Why an earlier run's part cannot be kept, or None: missing, its bytes not the recorded
+    checksum, or the manifest's counts not those of the part itself (a manifest edited by hand
+    would otherwise resume as intact and print wrong totals): its row range, its lines, its
+    assistant turns, and written + failed + skipped = the rows of its range."""
     location = resolve(out)
     if not location.is_file(record["name"]):
-        return False
-    return "sha256:" + hashlib.sha256(location.read_bytes(record["name"])).hexdigest() == record["sha256"]
+        return "missing"
+    data = location.read_bytes(record["name"])
+    if "sha256:" + hashlib.sha256(data).hexdigest() != record["sha256"]:
+        return "its bytes differ from the recorded checksum"
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    turns = 0
+    for line in lines:
+        try:
+            messages = normalize_row(json.loads(line), where=record["name"]).messages
+        except (ValueError, CorpusError):
+            return "a line is not a chat row"
+        turns += sum(m["role"] == "assistant" for m in messages)
+    found = {"rows": [spec.start, spec.stop], "lines": len(lines), "written": len(lines), "turns": turns,
+             "rows accounted": spec.stop - spec.start, "failed_rows": sum(record["failed"].values())}  # fmt: skip
+    recorded = {"rows": record.get("rows"), "lines": record["lines"], "written": record["written"], "turns": record["turns"],
+                "rows accounted": record["written"] + sum(record["failed"].values()) + sum(record["skipped"].values()),
+                "failed_rows": len(record.get("failed_rows") or [])}  # fmt: skip
+    changed = [f"{key} {recorded[key]} in the manifest, {found[key]} in the part" for key in found if recorded[key] != found[key]]
+    return "; ".join(changed) or None
 
 
 def totals(manifest: dict) -> dict:
@@ -235,7 +258,13 @@ def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_par
         PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows), seek=seek)
         for i, (start, seek) in enumerate(zip(starts, seeks, strict=True))
     ]
-    kept = [r for r in (previous or {}).get("parts", []) if r["index"] < len(specs) and part_is_intact(config.out, r)]
+    kept = []
+    for record in (previous or {}).get("parts", []):
+        problem = part_problem(config.out, record, specs[record["index"]]) if record["index"] < len(specs) else "outside the plan"
+        if problem is None:
+            kept.append(record)
+        else:
+            log(f"{record['name']}: not kept ({problem}); writing it again")
     if previous is not None:
         log(f"{config.out}: resuming, {len(kept)}/{len(specs)} part(s) already written and intact")
     manifest = {

@@ -46,7 +46,15 @@ from pipeline.train.batching import (
     decode_feature_bits,
     steps_per_epoch,
 )
-from pipeline.train.checkpoints import check_data_position, check_resume_settings, load_latest_checkpoint, save_checkpoint
+from pipeline.outputs import output_lock
+from pipeline.train.checkpoints import (
+    check_data_position,
+    check_resume_settings,
+    claim_run,
+    load_latest_checkpoint,
+    run_inputs,
+    save_checkpoint,
+)
 from pipeline.train.config import TrainConfig
 from pipeline.train.methods import check_cache_serves
 from pipeline.train.preflight import check_cache_complete, check_run_dir
@@ -59,7 +67,7 @@ from pipeline.train.streaming import (
 from pipeline.train.objectives import topk_tail_loss
 from storage.atomic import atomic_write_text, remove_path_tolerant
 from storage.local_cache import sweep_orphans
-from storage.location import Location, resolve
+from storage.location import Location, is_url, resolve
 from storage.manifest import load_target_head
 from storage.reader import available_arrays, open_cache
 
@@ -255,6 +263,9 @@ def setup(config: TrainConfig) -> TrainState:
     manifest = reader.manifest
     settings = manifest.settings
     log = print if rank == 0 else (lambda line: None)
+    if rank == 0:
+        claim_run(run, inputs=run_inputs(manifest, cache=config.cache), resume=config.checkpoint.resume,
+                  overwrite=config.checkpoint.overwrite, log=log)  # fmt: skip
     check_cache_complete(manifest, cache=resolve(config.cache), allow_partial=config.allow_partial, log=log)
     # --loader stream: which shards every rank and worker streams (a Zarr cache is refused here).
     plan = stream_plan(
@@ -452,6 +463,19 @@ def _next_batch(s: TrainState) -> TrainBatch:
 
 
 def train(config: TrainConfig) -> dict:
+    """Train a drafter into --out. A local --cache is recorded resolved (train_config.json is read
+    from other directories: `alrira-eval cost`); rank 0 holds --out's lock (pipeline/outputs.py)
+    for the whole run, so a second process on the same --out refuses."""
+    if not is_url(config.cache):
+        config = replace(config, cache=str(Path(config.cache).resolve()))
+    if int(os.environ.get("RANK", "0")) != 0 or is_url(config.out):
+        return _train(config)
+    check_run_dir(resolve(config.out), cache=resolve(config.cache))  # before the lock: never a file in the cache
+    with output_lock(config.out, command="alrira-train"):
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> dict:
     s = setup(config)
     settings = s.settings
     if s.rank == 0:  # first: what marks --out as a run (pipeline/train/preflight.py) for the other ranks' checks
