@@ -83,10 +83,11 @@ def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=pr
     placements = plan_pool(compute, workers_per_node=compute.workers_per_node)
     check_capacity(compute, len(placements))
     driver.check_out_is_ours(config)  # a mistyped --out (a cache, a corpus) is refused before any actor is stopped
-    stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
-    _wait_for_resources(compute, len(placements), log=log)
-    run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
-    return driver.regenerate_corpus(config, run_parts=run_parts, log=log)
+    with driver.regenerate_lock(config):  # a second run on this --out refuses here, before it stops the first one's actors
+        stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
+        _wait_for_resources(compute, len(placements), log=log)
+        run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
+        return driver.regenerate_unlocked(config, run_parts=run_parts, log=log)
 
 
 def run_parts_on_ray(

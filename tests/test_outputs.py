@@ -211,3 +211,29 @@ def test_cost_resolves_an_older_runs_relative_cache_from_another_directory(tmp_p
     config.write_text(json.dumps({"method": "erase", "cache": "gone/c"}))
     message = _one_line_error(CliRunner().invoke(eval_cli, ["cost", str(erase), "--reference", "erase", "--out", str(tmp_path / "cost2")]))
     assert f"{config}: its --cache gone/c is relative" in message
+
+
+def test_hard_keeps_its_output_and_takes_only_a_true_seed_control(toy_target, files, tmp_path):
+    runs = {}
+    for name, seed, lr in (("base", 0, 0.003), ("control", 1, 0.003), ("other", 1, 0.01)):
+        runs[name] = _drafter(toy_target, tmp_path / name / "drafter", seed=seed)
+        (tmp_path / name / "train_config.json").write_text(json.dumps({"method": "alr", "seed": seed, "lr": lr, "out": str(tmp_path / name)}))
+    out = tmp_path / "hard"
+
+    def hard(control, *extra, new_tokens="24"):
+        args = ["hard", "--target", str(toy_target), "--prompts", str(files["prompts"]), "--drafter", str(files["a"]), "--baseline",
+                str(runs["base"]), "--independent", str(files["b"]), "--control", str(runs[control]), "--out", str(out),
+                "--max-new-tokens", new_tokens, "--max-prompts", "1", *extra]  # fmt: skip
+        return CliRunner().invoke(eval_cli, args)
+
+    message = _one_line_error(hard("other"))
+    assert "--control" in message and "lr: 0.003 -> 0.01" in message and not out.exists()
+    first = hard("control")
+    assert first.exit_code == 0, first.output
+    again = hard("control")
+    assert again.exit_code == 0 and "kept (same inputs)" in again.output
+    assert again.output.splitlines()[-1] == first.output.splitlines()[-1]  # the table read back: the same "all" row
+    assert "max_new_tokens: 24 -> 20" in _one_line_error(hard("control", new_tokens="20"))
+    mixed = hard("other", "--allow-mixed-replicates", "--overwrite")
+    assert mixed.exit_code == 0, mixed.output
+    assert "lr: 0.003 -> 0.01" in json.loads((out / RECORD_FILE).read_text())["inputs"]["control_mixed"][0]

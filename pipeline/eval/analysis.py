@@ -422,7 +422,7 @@ def run_hard_offsets(*, target: str, prompts: str, drafter: str, baseline: str, 
     earlier output of the same inputs is kept (its rows read back), of other inputs refused unless
     `overwrite` (pipeline/outputs.py)."""
     from drafter.checkpoint import drafter_hash
-    from pipeline.eval.replay import replay_inputs
+    from pipeline.eval.evaluate import replay_inputs
 
     drafters = {"independent": independent, "drafter": drafter, "baseline": baseline} | ({"control": control} if control else {})
     mixed = check_control(control, baseline, allow_mixed=allow_mixed) if control else []

@@ -57,10 +57,11 @@ def check_replicates(replicates: list[Replicate], *, allow_mixed: bool, log=None
     drafters: dict[tuple[str, str], Path] = {}
     for replicate in replicates:
         if replicate.drafter is not None:
-            seen = drafters.setdefault((replicate.method, replicate.drafter), replicate.path)
-            if seen != replicate.path:
+            seen = drafters.get((replicate.method, replicate.drafter))
+            if seen is not None:
                 raise ValueError(f"{replicate.method}: {seen} and {replicate.path} evaluated the same drafter; "
                                  "one drafter is not two replicates")  # fmt: skip
+            drafters[(replicate.method, replicate.drafter)] = replicate.path
         base = first.setdefault(replicate.method, replicate)
         changed = differences(base.conditions, replicate.conditions)
         if not changed:

@@ -460,6 +460,19 @@ def eval_inputs(config: EvalConfig, *, device: torch.device, dtype: torch.dtype)
     }  # fmt: skip
 
 
+def replay_inputs(*, target: str, prompts: str, max_new_tokens: int, max_prompts: int | None) -> dict:
+    """What every drafter's replay numbers depend on besides the drafter (pipeline/outputs.py);
+    the keys `alrira-eval run` records, so `compare` can tell replay from decoding."""
+    from pipeline.cache_build.corpus import file_sha256
+    from pipeline.target import target_hash
+
+    return {
+        "mode": "greedy_replay", "target_hash": target_hash(target), "prompts_sha256": file_sha256(prompts),
+        "max_prompts": max_prompts, "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
+        "device": "cpu", "verify": "chain",
+    }  # fmt: skip
+
+
 def _verify_name(config: EvalConfig) -> str:
     return "chain" if config.tree_budget is None else f"tree (budget {config.tree_budget}, branch {config.tree_branch})"
 

@@ -28,6 +28,7 @@ import torch
 from pipeline.eval.analysis import block_drafts
 from pipeline.eval.evaluate import (
     EVAL_FILES,
+    replay_inputs,
     ROUND_COLUMNS,
     EvalPrompt,
     _write_rows_and_histogram,
@@ -106,19 +107,6 @@ def replay_result_row(prompt: EvalPrompt, *, ar: DecodeResult, accepted: list[in
 
 
 REPLAY_COMMAND = "alrira-eval replay"
-
-
-def replay_inputs(*, target: str, prompts: str, max_new_tokens: int, max_prompts: int | None) -> dict:
-    """What every drafter's replay numbers depend on besides the drafter (pipeline/outputs.py);
-    the keys `alrira-eval run` records, so `compare` can tell replay from decoding."""
-    from pipeline.cache_build.corpus import file_sha256
-    from pipeline.target import target_hash
-
-    return {
-        "mode": "greedy_replay", "target_hash": target_hash(target), "prompts_sha256": file_sha256(prompts),
-        "max_prompts": max_prompts, "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
-        "device": "cpu", "verify": "chain",
-    }  # fmt: skip
 
 
 def check_replay_root(out_root: Path, names: list[str]) -> None:

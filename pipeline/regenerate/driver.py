@@ -10,6 +10,7 @@ written + failed + skipped = input.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -30,6 +31,8 @@ from pipeline.chat import (
     normalize_row,
 )
 from pipeline.config import flag_name, is_required, leaf_fields
+from pipeline.outputs import LOCK_FILE, output_lock
+from pipeline.outputs import differences as recorded_differences
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
@@ -79,20 +82,13 @@ def image_root(config: RegenerateConfig) -> str | None:
     return str(Path(config.vision_input.image_root or default_image_root(config.corpus)).resolve())
 
 
-def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def differences(old: dict, new: dict) -> list[str]:
     """'name: old -> new' for every provenance entry that differs (nested settings flattened). A
     setting an older output's manifest does not name (one added since) counts as its default then:
     only a non-default value is a difference."""
-    found = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            found += differences(a, b, prefix=f"{prefix}{key}.")
-        elif key not in old and prefix == "settings." and b == SETTING_DEFAULTS.get(key, object()):
-            continue
-        elif a != b:
-            found.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return found
+    return recorded_differences(
+        old, new, skip=lambda name, value: name.startswith("settings.") and value == SETTING_DEFAULTS.get(name.removeprefix("settings."), object())
+    )
 
 
 def read_manifest(out) -> dict | None:
@@ -138,7 +134,7 @@ def check_out_is_ours(config: RegenerateConfig) -> tuple[list[str], dict | None]
     any earlier run's actors on --out are stopped (ray_jobs/regenerate.py)."""
     refuse_out_over_corpus(config)
     location = resolve(config.out)
-    names = location.names() if location.is_dir() else []
+    names = [n for n in (location.names() if location.is_dir() else []) if n != LOCK_FILE]  # the lock: regenerate_lock's
     previous = read_manifest(config.out)
     foreign = [name for name in names if not OWN_FILE.match(name)]
     if previous is None and names:
@@ -242,8 +238,27 @@ def run_parts_in_process(config: RegenerateConfig, pending: list[PartSpec], publ
         writer.close()
 
 
+@contextlib.contextmanager
+def regenerate_lock(config: RegenerateConfig):
+    """Hold --out's lock (pid and host, pipeline/outputs.py) for the run, so a second regeneration
+    of the same local --out refuses instead of stopping the first one's workers. On an object store
+    the manifest alone says whose output it is."""
+    if is_url(config.out):
+        yield
+        return
+    refuse_out_over_corpus(config)
+    with output_lock(config.out, command="alrira-cache regenerate"):
+        yield
+
+
 def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
-    """Regenerate (or resume) `config.corpus` into `config.out`; returns the final manifest."""
+    """Regenerate (or resume) `config.corpus` into `config.out` under its lock; the final manifest."""
+    with regenerate_lock(config):
+        return regenerate_unlocked(config, run_parts=run_parts, log=log)
+
+
+def regenerate_unlocked(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
+    """`regenerate_corpus` for a caller that holds the lock already (ray_jobs/regenerate.py)."""
     if config.compute.backend == "vllm" and is_vision_target(config.target):
         from pipeline.cache_build.vllm_runner import check_vllm_target
 

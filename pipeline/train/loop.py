@@ -470,7 +470,8 @@ def train(config: TrainConfig) -> dict:
         config = replace(config, cache=str(Path(config.cache).resolve()))
     if int(os.environ.get("RANK", "0")) != 0 or is_url(config.out):
         return _train(config)
-    check_run_dir(resolve(config.out), cache=resolve(config.cache))  # before the lock: never a file in the cache
+    if resolve(config.cache).is_file("manifest.json"):  # before the lock: never a lock file in a cache
+        check_run_dir(resolve(config.out), cache=resolve(config.cache))
     with output_lock(config.out, command="alrira-train"):
         return _train(config)
 
