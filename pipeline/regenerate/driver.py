@@ -273,15 +273,17 @@ def regenerate_unlocked(config: RegenerateConfig, *, run_parts: RunParts = run_p
         PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows), seek=seek)
         for i, (start, seek) in enumerate(zip(starts, seeks, strict=True))
     ]
-    kept = []
+    kept, redo = [], []
     for record in (previous or {}).get("parts", []):
         problem = part_problem(config.out, record, specs[record["index"]]) if record["index"] < len(specs) else "outside the plan"
         if problem is None:
             kept.append(record)
         else:
-            log(f"{record['name']}: not kept ({problem}); writing it again")
+            redo.append(f"{record['name']}: not kept ({problem}); writing it again")
     if previous is not None:
         log(f"{config.out}: resuming, {len(kept)}/{len(specs)} part(s) already written and intact")
+    for line in redo:
+        log(line)
     manifest = {
         "kind": REGENERATED_KIND, "format_version": FORMAT_VERSION, "out": str(config.out), "provenance": new,
         "num_parts": len(specs), "parts": kept,
