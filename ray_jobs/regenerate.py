@@ -49,7 +49,7 @@ class RegenerateWorker:
         if not self.problem:
             try:  # a failing load is this node's one line, not a worker death retried MAX_ATTEMPTS times
                 self.writer = PartWriter(config)
-            except (OSError, ValueError) as error:
+            except Exception as error:  # any failure to start (a damaged file, a library's error): its own first line
                 self.problem = worker_problem(error, node=node, paths=(config.out, config.corpus))
 
     def write(self, spec: PartSpec) -> tuple[dict, str]:
