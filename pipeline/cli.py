@@ -190,10 +190,13 @@ def eval_compare(summaries: tuple[str, ...], out: str, baseline: str | None, lab
 @click.option("--group", default="benchmark", show_default=True, help="CSV column to group prompts by.")
 def eval_score(csv_path: str, group: str):
     """Print the tau / speedup table of a results.csv written by `alrira-eval run`."""
-    from pipeline.eval.evaluate import score_table
+    from pipeline.eval.evaluate import provenance_line, score_table
 
     try:
-        click.echo(score_table(csv_path, group=group))
+        table = score_table(csv_path, group=group)
+        if line := provenance_line(csv_path):  # which target, drafter, prompts and settings the numbers come from
+            click.echo(line, err=True)
+        click.echo(table)
     except (KeyError, ValueError) as error:
         raise click.ClickException(f"{csv_path}: {error}") from None
 

@@ -64,6 +64,8 @@ def test_eval_run_keeps_the_same_inputs_and_names_what_differs(toy_target, files
         message = _one_line_error(_run(toy_target, files, out, *extra, **kwargs))
         assert named in message and "--overwrite" in message
     assert (out / "results.csv").read_bytes() == csv_before
+    scored = CliRunner().invoke(eval_cli, ["score", str(out / "results.csv")])
+    assert scored.exit_code == 0 and "max_new_tokens 8" in scored.output and "drafter_hash sha256:" in scored.output
     replaced = _run(toy_target, files, out, "--overwrite", new_tokens="6")
     assert replaced.exit_code == 0, replaced.output
     summary = json.loads((out / "summary.json").read_text())

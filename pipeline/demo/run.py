@@ -108,7 +108,10 @@ def train_method(config: TrainConfig, *, log) -> dict:
     run = Path(config.out)
     if (run / "summary.json").is_file() and (run / "drafter" / "config.json").is_file():
         # Only a run of these settings (the world and so the cache are checked when they are reused).
-        check_resume_settings(json.loads((run / "train_config.json").read_text()), to_flags(config), run=resolve(run))
+        saved = json.loads((run / "train_config.json").read_text())
+        # A setting left to the cache (None: --rollout-depth) was recorded resolved from this same cache.
+        current = {k: saved.get(k) if v is None else v for k, v in to_flags(config).items()}
+        check_resume_settings(saved, current, run=resolve(run))
         log(f"train {config.objective.method}: reusing {run} (same settings)")
         return json.loads((run / "summary.json").read_text())
     optim = config.optim

@@ -283,6 +283,20 @@ def _read_rows(csv_path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+def provenance_line(csv_path: str | os.PathLike) -> str | None:
+    """What a results.csv was computed from, by the recorded inputs of the summary.json beside it
+    (None for a CSV without one): what `alrira-eval score` prints above its table."""
+    summary_path = Path(csv_path).parent / "summary.json"
+    try:
+        inputs = json.loads(summary_path.read_text()).get("inputs")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(inputs, dict):
+        return None
+    shown = ("mode", "target_hash", "drafter_hash", "prompts_sha256", "temperature", "max_new_tokens", "max_prompts", "dtype")
+    return f"{csv_path}: " + ", ".join(f"{key} {str(inputs.get(key))[:19]}" for key in shown if key in inputs)
+
+
 def score_table(csv_path: str | os.PathLike, *, group: str = "benchmark") -> str:
     """A printable table of a results.csv: per group prompts, tau, speedup; then the geometric means."""
     rows = _read_rows(csv_path)
