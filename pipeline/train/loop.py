@@ -263,9 +263,6 @@ def setup(config: TrainConfig) -> TrainState:
     manifest = reader.manifest
     settings = manifest.settings
     log = print if rank == 0 else (lambda line: None)
-    if rank == 0:
-        claim_run(run, inputs=run_inputs(manifest, cache=config.cache), resume=config.checkpoint.resume,
-                  overwrite=config.checkpoint.overwrite, log=log)  # fmt: skip
     check_cache_complete(manifest, cache=resolve(config.cache), allow_partial=config.allow_partial, log=log)
     # --loader stream: which shards every rank and worker streams (a Zarr cache is refused here).
     plan = stream_plan(
@@ -307,6 +304,9 @@ def setup(config: TrainConfig) -> TrainState:
     attention = "flex" if optim.attention == "flex" or (optim.attention == "auto" and device.type == "cuda") else "sdpa"
     if attention == "flex" and device.type != "cuda":
         raise ValueError(f"--attention flex needs a CUDA device (PyTorch has no flex-attention backward on {device.type}); use sdpa or auto")
+    if rank == 0:  # after every refusal above: a refused run leaves nothing in --out
+        claim_run(run, inputs=run_inputs(manifest, cache=config.cache), resume=config.checkpoint.resume,
+                  overwrite=config.checkpoint.overwrite, log=log)  # fmt: skip
 
     batches = _batches(
         config, reader, objective, plan=plan, epoch_steps=epoch_steps, start_step=start_step, rank=rank,
