@@ -208,7 +208,7 @@ def prepare_output(
             )
         log(f"{flag} {out}: --overwrite: replacing {_shown(names)}")
         remove_names(out, names)
-    elif record is not None:
+    elif record is not None and (names or record.get("complete")):  # (a claim that wrote nothing is no output)
         changed = differences(record["inputs"], inputs)
         if not changed and record.get("complete"):
             if not overwrite and keep:

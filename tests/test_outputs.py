@@ -196,6 +196,7 @@ def test_damaged_weights_are_named_in_one_line(toy_target, files, tmp_path):
         load_target(target)
     files = {**files, "a": drafter}
     assert "model.safetensors: damaged weights file" in _one_line_error(_run(toy_target, files, tmp_path / "o1"))
+    assert _run(toy_target, {**files, "a": files["b"]}, tmp_path / "o1").exit_code == 0  # the refused run left no output to guard
 
 
 def test_cost_resolves_an_older_runs_relative_cache_from_another_directory(tmp_path, monkeypatch):
