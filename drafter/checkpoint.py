@@ -9,13 +9,14 @@ returns the drafter (drafter/hf_modeling.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from drafter.config import AUTO_MAP, DFlashConfig
@@ -115,6 +116,36 @@ def _weight_files(path: Path) -> list[Path]:
     raise ValueError(f"{path} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
 
 
+def _read_weights(file: Path, *, expected: dict, state: dict, device, dtype: torch.dtype) -> None:
+    """Add the tensors of one safetensors file to `state`, checked against the model's names and shapes."""
+    with safe_open(file, framework="pt", device="cpu") as f:
+        for raw_name in f.keys():
+            name = raw_name.removeprefix("model.")
+            if name in IGNORED_TENSORS:
+                continue
+            if name not in expected:
+                raise ValueError(f"{file}: unexpected tensor {raw_name!r}")
+            if name in state:
+                raise ValueError(f"{file}: tensor {name!r} appears twice")
+            tensor = f.get_tensor(raw_name)
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"{file}: tensor {raw_name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+            state[name] = tensor.to(device=device, dtype=dtype)
+
+
+def drafter_hash(path: str | os.PathLike) -> str:
+    """"sha256:<hex>" of a drafter directory's config and weights files (names and bytes): what an
+    evaluation records to say which drafter produced its numbers (pipeline/outputs.py)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    for file in [path / CONFIG_FILE, *_weight_files(path)]:
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
 def load_drafter(
     path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> DFlashDrafter:
@@ -134,21 +165,10 @@ def load_drafter(
 
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for raw_name in f.keys():
-                name = raw_name.removeprefix("model.")
-                if name in IGNORED_TENSORS:
-                    continue
-                if name not in expected:
-                    raise ValueError(f"{file}: unexpected tensor {raw_name!r}")
-                if name in state:
-                    raise ValueError(f"{file}: tensor {name!r} appears twice")
-                tensor = f.get_tensor(raw_name)
-                if tuple(tensor.shape) != expected[name]:
-                    raise ValueError(
-                        f"{file}: tensor {raw_name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
-                    )
-                state[name] = tensor.to(device=device, dtype=dtype)
+        try:
+            _read_weights(file, expected=expected, state=state, device=device, dtype=dtype)
+        except (SafetensorError, OSError) as error:  # truncated or overwritten: one line, not a traceback
+            raise ValueError(f"{file}: damaged weights file ({(str(error).strip().splitlines() or [type(error).__name__])[0]}); copy or export the drafter again") from None
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"{path}: missing tensors {missing}")

@@ -127,6 +127,14 @@ def regenerated_parts(path: str | os.PathLike) -> list[tuple[int, Path]] | None:
         raise ValueError(
             f"{path}: regeneration not finished ({len(parts)}/{manifest['num_parts']} parts); rerun alrira-cache regenerate"
         )
+    for part in parts:  # the row indices below come from these counts: checked against the parts themselves
+        with open(path / part["name"], "rb") as f:
+            lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+        if lines != part["lines"]:
+            raise ValueError(
+                f"{path / part['name']}: holds {lines} lines, its manifest says {part['lines']} (edited or damaged); "
+                "rerun alrira-cache regenerate on it"
+            )
     firsts = itertools.accumulate((part["lines"] for part in parts), initial=0)
     return [(first, path / part["name"]) for first, part in zip(firsts, parts)]
 

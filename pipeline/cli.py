@@ -164,8 +164,8 @@ def eval_run(threads: int | None, **kwargs):
     config = config_from_flags(EvalConfig, kwargs)
     try:
         summary = run_eval(config)
-    except ValueError as error:
-        raise click.ClickException(str(error)) from None
+    except (ValueError, OSError) as error:
+        raise click.ClickException(first_line(error)) from None
     click.echo(score_table(Path(config.out) / "results.csv"))
     mismatches = summary.get("lossless_mismatches")
     if mismatches and summary["lossless_exact"]:
@@ -174,17 +174,32 @@ def eval_run(threads: int | None, **kwargs):
         click.echo(f"{mismatches} prompt(s) differ from greedy AR ({summary['lossless_note']})", err=True)
 
 
+_OVERWRITE_HELP = "Replace an earlier output in --out computed from other inputs (without it: refused)."
+_MIXED_HELP = ("Pool summaries of one method that differ in more than the drafter (target, prompts, temperature, "
+               "max new tokens, decode vs replay, dtype); the output records what differed.")
+
+
+def _output_flags(func, *, mixed: bool = True):
+    """--overwrite (and --allow-mixed-replicates) of a command that writes --out (pipeline/outputs.py)."""
+    func = click.option("--overwrite", is_flag=True, help=_OVERWRITE_HELP)(func)
+    if mixed:
+        func = click.option("--allow-mixed-replicates", "allow_mixed", is_flag=True, help=_MIXED_HELP)(func)
+    return func
+
+
 @eval_cli.command("compare")
 @click.argument("summaries", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--out", required=True, help="Output directory (compare.csv, compare_gain.png).")
 @click.option("--baseline", default=None, help="Method whose tau the gains are measured against (e.g. dflash).")
 @click.option("--label", "labels", multiple=True, help="Method name of each summary, in order (default: from the drafter's run).")
-def eval_compare(summaries: tuple[str, ...], out: str, baseline: str | None, labels: tuple[str, ...]):
+@_output_flags
+def eval_compare(summaries: tuple[str, ...], out: str, baseline: str | None, labels: tuple[str, ...], allow_mixed: bool, overwrite: bool):
     """Paper-style table over run summaries: tau and speedup per benchmark, geometric means, gain over a baseline, mean +- sd over replicates."""
     from pipeline.eval.compare import run_compare
 
     try:
-        click.echo(run_compare(list(summaries), out=out, baseline=baseline, labels=list(labels) or None))
+        click.echo(run_compare(list(summaries), out=out, baseline=baseline, labels=list(labels) or None, allow_mixed=allow_mixed,
+                               overwrite=overwrite))  # fmt: skip
     except ValueError as error:
         raise click.ClickException(str(error)) from None
 
@@ -194,10 +209,13 @@ def eval_compare(summaries: tuple[str, ...], out: str, baseline: str | None, lab
 @click.option("--group", default="benchmark", show_default=True, help="CSV column to group prompts by.")
 def eval_score(csv_path: str, group: str):
     """Print the tau / speedup table of a results.csv written by `alrira-eval run`."""
-    from pipeline.eval.evaluate import score_table
+    from pipeline.eval.evaluate import provenance_line, score_table
 
     try:
-        click.echo(score_table(csv_path, group=group))
+        table = score_table(csv_path, group=group)
+        if line := provenance_line(csv_path):  # which target, drafter, prompts and settings the numbers come from
+            click.echo(line, err=True)
+        click.echo(table)
     except (KeyError, ValueError) as error:
         raise click.ClickException(f"{csv_path}: {error}") from None
 
@@ -210,18 +228,20 @@ def _summaries_args(func):
     label_help = "Method name of each summary, in order (default: from the drafter's run)."
     func = click.option("--label", "labels", multiple=True, help=label_help)(func)
     func = click.option("--out", required=True, help="Output directory.")(func)
+    func = _output_flags(func)
     return click.argument("summaries", nargs=-1, required=True, type=click.Path(exists=True))(func)
 
 
 @eval_cli.command("offsets")
 @_summaries_args
 @click.option("--baseline", default=None, help="Method whose MAT each bucket's gain is measured against (e.g. alr).")
-def eval_offsets(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], baseline: str | None):
+def eval_offsets(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], baseline: str | None, allow_mixed: bool, overwrite: bool):
     """Offset profile: MAT by round-start offset bucket (0-15, 16-63, 64-127, 128+) and gain over a baseline (offset_profile.csv/.png)."""
     from pipeline.eval.analysis import format_rows, run_offset_profile
 
     try:
-        click.echo(format_rows(run_offset_profile(list(summaries), out=out, baseline=baseline, labels=list(labels) or None)))
+        click.echo(format_rows(run_offset_profile(list(summaries), out=out, baseline=baseline, labels=list(labels) or None,
+                                                  allow_mixed=allow_mixed, overwrite=overwrite)))  # fmt: skip
     except ValueError as error:
         raise click.ClickException(str(error)) from None
 
@@ -229,12 +249,13 @@ def eval_offsets(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], 
 @eval_cli.command("cost")
 @_summaries_args
 @click.option("--reference", required=True, help="Method C the training times are relative to (e.g. the best erase schedule).")
-def eval_cost(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], reference: str):
+def eval_cost(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], reference: str, allow_mixed: bool, overwrite: bool):
     """Training cost: MAT against training time / C, alone and with the stage-1 time of the arrays each method reads (training_cost.csv/.png)."""
     from pipeline.eval.analysis import format_rows, run_training_cost
 
     try:
-        click.echo(format_rows(run_training_cost(list(summaries), out=out, reference=reference, labels=list(labels) or None)))
+        click.echo(format_rows(run_training_cost(list(summaries), out=out, reference=reference, labels=list(labels) or None,
+                                                 allow_mixed=allow_mixed, overwrite=overwrite)))  # fmt: skip
     except ValueError as error:
         raise click.ClickException(str(error)) from None
 
@@ -252,6 +273,7 @@ def eval_cost(summaries: tuple[str, ...], out: str, labels: tuple[str, ...], ref
 @click.option("--max-new-tokens", default=128, show_default=True, help="Length of each greedy response.")
 @click.option("--max-prompts", default=None, type=int, help="Use only N prompts, taken evenly across the groups.")
 @threads_option
+@_output_flags
 def eval_hard(threads: int | None, **kwargs):
     """Where drafting is hard: one drafted block per offset of greedy responses; gains grouped by an independent drafter's acceptance."""
     from pipeline.eval.analysis import format_rows, run_hard_offsets
@@ -271,9 +293,9 @@ def eval_hard(threads: int | None, **kwargs):
 @click.option("--max-new-tokens", default=128, show_default=True, help="Length of each greedy response.")
 @click.option("--max-prompts", default=None, type=int, help="Use only N prompts, taken evenly across the groups.")
 @threads_option
-def eval_replay(
-    target: str, prompts: str, drafters: tuple[str, ...], out: str, max_new_tokens: int, max_prompts: int | None, threads: int | None
-):
+@click.option("--overwrite", is_flag=True, help="Replace a drafter's earlier output computed from other inputs (without it: refused; the same inputs: kept).")
+def eval_replay(target: str, prompts: str, drafters: tuple[str, ...], out: str, max_new_tokens: int, max_prompts: int | None,
+                threads: int | None, overwrite: bool):  # fmt: skip
     """Greedy (T = 0) MAT of many drafters at one target decode per prompt: the exact rounds of greedy speculative decoding, replayed."""
     from pathlib import Path
 
@@ -288,7 +310,7 @@ def eval_replay(
         names[name] = path
     try:
         summaries = run_replay(target=target, drafters=names, prompts=prompts, out=out, max_new_tokens=max_new_tokens,
-                               max_prompts=max_prompts)  # fmt: skip
+                               max_prompts=max_prompts, overwrite=overwrite)  # fmt: skip
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     for name, summary in summaries.items():

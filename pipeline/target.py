@@ -122,10 +122,29 @@ def load_target(target_dir: str | Path, *, device: str = "cpu", dtype: torch.dty
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto_class = AutoModelForImageTextToText if is_vision_target(target_dir) else AutoModelForCausalLM
-    model = auto_class.from_pretrained(str(target_dir), dtype=dtype, attn_implementation="sdpa")
+    try:
+        model = auto_class.from_pretrained(str(target_dir), dtype=dtype, attn_implementation="sdpa")
+    except Exception:
+        check_target_weights(target_dir)  # a damaged weights file: one line naming it
+        raise
     if getattr(model.config.get_text_config(), "use_sliding_window", False):
         raise ValueError(f"{target_dir}: sliding-window targets are not supported")
     return model.to(device).eval()
+
+
+def check_target_weights(target_dir: str | Path) -> None:
+    """ValueError naming the first *.safetensors file of `target_dir` that does not open or read
+    whole (truncated, overwritten): transformers reports it as a traceback from deep inside."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(target_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as error:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ValueError(f"{path}: damaged weights file ({reason}); copy the target again") from None
 
 
 def load_tokenizer(target_dir: str | Path):

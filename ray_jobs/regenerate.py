@@ -52,7 +52,7 @@ class RegenerateWorker:
         if not self.problem:
             try:  # a failing load is this node's one line, not a worker death retried MAX_ATTEMPTS times
                 self.writer = PartWriter(config)
-            except (OSError, ValueError) as error:
+            except Exception as error:  # any failure to start (a damaged file, a library's error): its own first line
                 self.problem = worker_problem(error, node=node, paths=(config.out, config.corpus))
 
     def write(self, spec: PartSpec) -> tuple[dict, str]:
@@ -93,14 +93,15 @@ def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=pr
     placements = plan_pool(compute, workers_per_node=compute.workers_per_node)
     check_capacity(compute, len(placements))
     driver.check_out_is_ours(config)  # a mistyped --out (a cache, a corpus) is refused before any actor is stopped
-    stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
-    wait_for_resources(compute, len(placements), log=log)
-    run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
-    try:
-        return driver.regenerate_corpus(config, run_parts=run_parts, log=log)
-    finally:
-        remove_local_copies()  # the driver's node-local copies of a store corpus (its workers remove theirs)
-        remove_pins()
+    with driver.regenerate_lock(config):  # a second run on this --out refuses here, before it stops the first one's actors
+        stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
+        wait_for_resources(compute, len(placements), log=log)
+        run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
+        try:
+            return driver.regenerate_unlocked(config, run_parts=run_parts, log=log)
+        finally:
+            remove_local_copies()  # the driver's node-local copies of a store corpus (its workers remove theirs)
+            remove_pins()
 
 
 def run_parts_on_ray(

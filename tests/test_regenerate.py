@@ -389,3 +389,51 @@ def test_a_part_reads_the_corpus_from_its_own_first_row(short_corpus, tmp_path):
     head = path.read_bytes()[: seeks[2][0]]
     path.write_bytes(b"\n" * len(head) + path.read_bytes()[len(head) :])  # rows 0-3 blanked: only a seek still finds rows 4-5
     assert [repr(row) for row in corpus_rows(str(path), start=4, stop=6, seek=seeks[2])] == whole[4:6]
+
+
+def test_manifest_counts_are_checked_against_the_parts(greedy_run, toy_target, short_corpus, tmp_path):
+    """docs/failure-modes.md: a manifest whose per-part counts were edited does not resume as intact
+    (the part is written again, the totals add up), and a finished one is refused by its readers."""
+    import shutil
+
+    out, _ = greedy_run
+    edited = shutil.copytree(out, tmp_path / "edited")
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["parts"][0]["written"] += 7
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    logs = []
+    final = regenerate_corpus(config(toy_target, short_corpus, edited), log=logs.append)
+    assert any(line.startswith("part-00000.jsonl: not kept (written 9 in the manifest, 2 in the part") for line in logs), logs
+    assert final["totals"]["written"] == 5 and summary_line(final).startswith(f"{edited}: 5 rows in = 5 written")
+    assert parts(edited) == parts(out)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["parts"][1]["lines"] += 1
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"part-00001.jsonl: holds 2 lines, its manifest says 3 \(edited or damaged\)"):
+        list(iter_corpus_rows(edited))
+
+
+def test_an_assistant_turn_with_tool_calls_is_refused_or_counted(toy_target, short_corpus, tmp_path):
+    call = [{"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]
+    with_calls = {"messages": [{"role": "user", "content": "where is the river ?"},
+                               {"role": "assistant", "content": "let me look .", "tool_calls": call}]}  # fmt: skip
+    corpus = write_jsonl(tmp_path / "tools.jsonl", [short_corpus.read_text().splitlines()[0], with_calls])
+    with pytest.raises(ValueError, match=rf"^{corpus}:2: assistant message 1 carries 'tool_calls'"):
+        regenerate_corpus(config(toy_target, corpus, tmp_path / "stop"), log=lambda m: None)
+    manifest = regenerate_corpus(config(toy_target, corpus, tmp_path / "skip", skip_bad_rows=True), log=lambda m: None)
+    assert "1 written + 0 failed + 1 skipped (assistant_tool_calls 1)" in summary_line(manifest)
+    assert [row["source_row"] for row in rows_of(tmp_path / "skip")] == [0]
+
+
+def test_a_target_with_damaged_weights_is_named_not_a_worker_death(ray_address, toy_target, short_corpus, tmp_path):
+    import shutil
+
+    from ray_jobs.cli import cache_cli
+
+    target = shutil.copytree(toy_target, tmp_path / "target")
+    for weights in target.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:1000])
+    args = ["regenerate", "--target", str(target), "--corpus", str(short_corpus), "--out", str(tmp_path / "out"), "--no-progress"]
+    result = CliRunner().invoke(cache_cli, args)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "model.safetensors: damaged weights file" in result.output and "worker died" not in result.output

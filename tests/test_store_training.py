@@ -310,7 +310,7 @@ def test_two_ranks_stream_from_the_store_into_a_store_run_as_from_disk(caches, s
 def test_metrics_hold_this_runs_steps_once_on_a_rerun_and_after_a_crash_past_the_checkpoint(caches, local_run, tmp_path):  # noqa: F811
     run = tmp_path / "run"
     train(_map_config(caches["zarr-bf16"], run, max_steps=3))
-    train(_map_config(caches["zarr-bf16"], run, save_every=1, max_steps=3))  # a new run into the same --out
+    train(_map_config(caches["zarr-bf16"], run, save_every=1, max_steps=3, overwrite=True))  # a new run into the same --out
     assert [r["step"] for r in _metrics((run / "metrics.jsonl").read_bytes())] == [1, 2, 3]
     with open(run / "metrics.jsonl", "a") as f:  # steps logged after the last checkpoint, then a torn line
         f.write(json.dumps({"step": 4, "loss": 0.0}) + "\n" + '{"step": 5, "lo')

@@ -585,3 +585,29 @@ def test_num_workers_defaults_to_the_cores_each_rank_of_the_node_may_use(monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
     assert default_num_workers() == 0  # one core per rank: it reads in the training process
     assert LoaderConfig(num_workers=3).num_workers == 3
+
+
+def test_out_holding_another_run_is_refused_unless_resume_or_overwrite(cache, tmp_path):
+    """docs/failure-modes.md, "Outputs": an earlier run is never replaced without a word, a resume
+    must come from the same cache, a second process on one --out refuses, a user's file is kept."""
+    from pipeline.outputs import RECORD_FILE, output_lock
+
+    run = tmp_path / "run"
+    train(_config(cache, run, method="alr", max_steps=2))
+    assert json.loads((run / "train_config.json").read_text())["cache"] == str(cache.resolve())  # read from anywhere
+    weights = (run / "drafter" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"holds an earlier training run \(method 'alr', --cache .*\); pass --resume"):
+        train(_config(cache, run, method="kd", max_steps=2))
+    assert (run / "drafter" / "model.safetensors").read_bytes() == weights
+    record = json.loads((run / RECORD_FILE).read_text())
+    (run / RECORD_FILE).write_text(json.dumps({**record, "inputs": {**record["inputs"], "target_hash": "sha256:other"}}))
+    with pytest.raises(ValueError, match=r"--resume of a run trained from another cache \(target_hash: 'sha256:other' -> "):
+        train(_config(cache, run, method="alr", max_steps=2, resume=True))
+    with output_lock(run, command="another alrira-train"), pytest.raises(ValueError, match=r"in use by another alrira-train \(pid"):
+        train(_config(cache, run, method="kd", max_steps=2, overwrite=True))
+    train(_config(cache, run, method="kd", max_steps=2, overwrite=True))
+    assert json.loads((run / "train_config.json").read_text())["method"] == "kd"
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files alrira-train did not write \(notes.txt\)"):
+        train(_config(cache, run, method="kd", max_steps=2, overwrite=True))
+    assert (run / "notes.txt").read_text() == "mine"

@@ -31,7 +31,11 @@ from pipeline.demo.world import World, WorldConfig, build_world
 from pipeline.eval.evaluate import EvalConfig, run_eval
 from pipeline.precision import native_bf16_matmul
 from pipeline.train.config import TrainConfig
+from pipeline.outputs import LOCK_FILE, RECORD_FILE, output_lock
+from pipeline.config import to_flags
+from pipeline.train.checkpoints import check_resume_settings
 from pipeline.train.loop import train
+from storage.location import resolve
 from storage.manifest import load_manifest
 
 DEMO_METHODS = ("dflash", "kd", "erase", "alr", "alr_ira")
@@ -105,7 +109,12 @@ def train_method(config: TrainConfig, *, log) -> dict:
     """Train (or reuse a finished run); the run's summary.json."""
     run = Path(config.out)
     if (run / "summary.json").is_file() and (run / "drafter" / "config.json").is_file():
-        log(f"train {config.objective.method}: reusing {run}")
+        # Only a run of these settings (the world and so the cache are checked when they are reused).
+        saved = json.loads((run / "train_config.json").read_text())
+        # A setting left to the cache (None: --rollout-depth) was recorded resolved from this same cache.
+        current = {k: saved.get(k) if v is None else v for k, v in to_flags(config).items()}
+        check_resume_settings(saved, current, run=resolve(run))
+        log(f"train {config.objective.method}: reusing {run} (same settings)")
         return json.loads((run / "summary.json").read_text())
     optim = config.optim
     log(f"train {config.objective.method}: {optim.epochs} epochs, batch {optim.batch_size}, lr {optim.lr}, seed {config.seed}")
@@ -116,9 +125,8 @@ def train_method(config: TrainConfig, *, log) -> dict:
 
 
 def evaluate_method(*, world: World, drafter: Path, out: Path, temperature: float, seed: int, sizes: DemoSizes, log) -> dict:
-    """Speculative decoding of the held-out prompts (or the saved summary of an earlier run)."""
-    if (out / "summary.json").is_file():
-        return json.loads((out / "summary.json").read_text())
+    """Speculative decoding of the held-out prompts (an earlier run's summary when its recorded
+    inputs are the same: run_eval keeps it)."""
     summary = run_eval(
         EvalConfig(
             target=str(world.target), drafter=str(drafter), prompts=str(world.prompts), out=str(out),
@@ -208,7 +216,21 @@ def plot_taus(
     return True
 
 
+DEMO_COMMAND = "python -m pipeline.demo"
+DEMO_NAMES = ("world", "cache", "runs", "evals", RESULTS_FILE, PLOT_FILE)  # what the demo writes in --out
+
+
 def run_demo(*, out: Path, seed: int, quick: bool, temperatures: list[float], methods: tuple[str, ...] = DEMO_METHODS) -> dict:
+    """The demo in --out, held under its lock (a second demo on the same --out refuses) and only in
+    a directory that holds nothing but the demo's own names (pipeline/outputs.py)."""
+    with output_lock(out, command=DEMO_COMMAND):
+        foreign = sorted(n for n in os.listdir(out) if n not in DEMO_NAMES and n not in (LOCK_FILE, RECORD_FILE))
+        if foreign:
+            raise ValueError(f"--out {out}: holds files the demo did not write ({', '.join(foreign[:3])}); use another --out")
+        return _run_demo(out=out, seed=seed, quick=quick, temperatures=temperatures, methods=methods)
+
+
+def _run_demo(*, out: Path, seed: int, quick: bool, temperatures: list[float], methods: tuple[str, ...]) -> dict:
     started = time.time()
 
     def log(message: str) -> None:
@@ -283,5 +305,8 @@ def main(out: str, quick: bool, seed: int, temperatures: str, threads: int):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    run_demo(out=Path(out), seed=seed, quick=quick, temperatures=temps)
+    try:
+        run_demo(out=Path(out), seed=seed, quick=quick, temperatures=temps)
+    except ValueError as error:  # bad input (--out in use, another world's directory): one line
+        raise click.ClickException(str(error)) from None
 

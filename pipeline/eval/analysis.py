@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from drafter.masks import SHARED_OWNER, visibility_mask
-from pipeline.eval.compare import load_replicate
+from pipeline.eval.compare import analysis_inputs, analysis_output, load_replicate, load_replicates
 from pipeline.eval.evaluate import ROUND_COLUMNS, write_csv_rows
 from pipeline.eval.plots import legend, plot_figure
+from pipeline.outputs import check_out_path, claim_output, differences, owns
 
 OFFSET_BUCKETS = ((0, 15), (16, 63), (64, 127), (128, None))  # SPEC'd buckets of a round's start offset
 
@@ -46,12 +47,24 @@ def _gain(ours: float | None, theirs: float | None) -> float | None:
     return 100.0 * (ours / theirs - 1.0) if ours and theirs else None
 
 
-def _labelled(paths: list[str], labels: list[str] | None) -> list[tuple[str, Path]]:
-    """(method, summary.json path) of each evaluation: `labels` in order, else the drafter's run."""
-    if labels is not None and len(labels) != len(paths):
-        raise ValueError(f"--label was given {len(labels)} times for {len(paths)} summaries")
-    replicates = [load_replicate(p, method=labels[i] if labels else None) for i, p in enumerate(paths)]
+def _labelled(paths: list[str], labels: list[str] | None, *, allow_mixed: bool = False) -> list[tuple[str, Path]]:
+    """(method, summary.json path) of each evaluation: `labels` in order, else the drafter's run;
+    replicates of a method must be poolable (compare.check_replicates)."""
+    replicates, _ = load_replicates(paths, labels=labels, allow_mixed=allow_mixed)
     return [(r.method, r.path) for r in replicates]
+
+
+def _claimed_table(rows: list[dict], *, paths: list[str], labels: list[str] | None, out: str, command: str, names: tuple[str, ...],
+                   extra_files: tuple[str, ...] = (), allow_mixed: bool, overwrite: bool, plot, **settings) -> None:  # fmt: skip
+    """Write `rows` to OUT/names[0] and plot(path) to OUT/names[1], in a claimed --out recording the
+    inputs (pipeline/outputs.py); rows pooled under --allow-mixed-replicates say what differed."""
+    replicates, mixed = load_replicates(paths, labels=labels, allow_mixed=allow_mixed)
+    for row in rows if mixed else []:
+        row["mixed_replicates"] = "; ".join(mixed.get(row["method"], [])) or None
+    inputs = analysis_inputs(replicates, extra_files=extra_files, allow_mixed_replicates=allow_mixed, **settings)
+    with analysis_output(out, command=command, inputs=inputs, names=names, overwrite=overwrite) as output:
+        _write_table(rows, output.path / names[0])
+        plot(output.path / names[1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,12 +93,12 @@ def bucket_mat(rounds: list[dict]) -> dict[str, float | None]:
     return {name: (total / n if n else None) for name, (total, n) in sums.items()}
 
 
-def offset_profile(paths: list[str], *, baseline: str | None, labels: list[str] | None = None) -> list[dict]:
+def offset_profile(paths: list[str], *, baseline: str | None, labels: list[str] | None = None, allow_mixed: bool = False) -> list[dict]:
     """One row per (method, bucket): replicates, rounds, MAT mean and sd over replicates, gain of the
     mean over the baseline's in percent."""
     per_method: dict[str, list[dict]] = {}
     rounds_of: dict[str, dict[str, int]] = {}
-    for method, path in _labelled(paths, labels):
+    for method, path in _labelled(paths, labels, allow_mixed=allow_mixed):
         rounds = read_rounds(path)
         per_method.setdefault(method, []).append(bucket_mat(rounds))
         counts = rounds_of.setdefault(method, {})
@@ -128,10 +141,14 @@ def plot_offset_profile(rows: list[dict], path: Path, *, baseline: str | None) -
     return plot_figure(path, draw, size=(6.0, 3.5))
 
 
-def run_offset_profile(paths: list[str], *, out: str, baseline: str | None, labels: list[str] | None = None) -> list[dict]:
-    rows = offset_profile(paths, baseline=baseline, labels=labels)
-    _write_table(rows, Path(out) / "offset_profile.csv")
-    plot_offset_profile(rows, Path(out) / "offset_profile.png", baseline=baseline)
+def run_offset_profile(paths: list[str], *, out: str, baseline: str | None, labels: list[str] | None = None,
+                       allow_mixed: bool = False, overwrite: bool = False) -> list[dict]:  # fmt: skip
+    rows = offset_profile(paths, baseline=baseline, labels=labels, allow_mixed=allow_mixed)
+    _claimed_table(
+        rows, paths=paths, labels=labels, out=out, command="alrira-eval offsets", names=("offset_profile.csv", "offset_profile.png"),
+        extra_files=("rounds.csv",), allow_mixed=allow_mixed, overwrite=overwrite, baseline=baseline,
+        plot=lambda path: plot_offset_profile(rows, path, baseline=baseline),
+    )  # fmt: skip
     return rows
 
 
@@ -151,24 +168,47 @@ def stage1_seconds(cache_dir: Path, *, arrays: frozenset[str]) -> float | None:
 
 
 def training_run(summary_path: Path) -> tuple[dict, dict]:
-    """(train_config.json, the training summary.json) of the run whose drafter an evaluation used."""
+    """(train_config.json, the training summary.json) of the run whose drafter an evaluation used;
+    the config's --cache as a path that exists from here (recorded_cache)."""
     drafter = Path(json.loads(summary_path.read_text())["drafter"])
     run = drafter.parent
     config_path, summary = run / "train_config.json", run / "summary.json"
     if not config_path.is_file() or not summary.is_file():
         raise ValueError(f"{summary_path}: its drafter {drafter} has no training run beside it (train_config.json, summary.json)")
-    return json.loads(config_path.read_text()), json.loads(summary.read_text())
+    config = json.loads(config_path.read_text())
+    config["cache"] = str(recorded_cache(config, config_path=config_path))
+    return config, json.loads(summary.read_text())
 
 
-def training_cost(paths: list[str], *, reference: str, labels: list[str] | None = None) -> list[dict]:
+def recorded_cache(config: dict, *, config_path: Path) -> Path:
+    """The cache a run's train_config.json names. Runs record it resolved; an older run's relative
+    path was relative to where it was started, tried from here and then from the run's folder and
+    the folders above it; none holding a manifest is one line naming the file."""
+    cache = Path(str(config.get("cache", "")))
+    if cache.is_absolute() or (cache / "manifest.json").is_file():
+        if not (cache / "manifest.json").is_file():
+            raise ValueError(f"{config_path}: its --cache {cache} holds no manifest.json (moved or deleted?)")
+        return cache
+    for folder in config_path.resolve().parents:
+        if (folder / cache / "manifest.json").is_file():
+            return folder / cache
+    raise ValueError(
+        f"{config_path}: its --cache {cache} is relative to the directory the run was started in, and no manifest.json is "
+        "found from here or from the run's folders; run from that directory"
+    )
+
+
+def training_cost(paths: list[str], *, reference: str, labels: list[str] | None = None, allow_mixed: bool = False) -> list[dict]:
     """One row per method: MAT (mean over replicates), training seconds, and both relative to the
     reference method's mean: training alone (`train_over_c`) and training + the stage-1 time of the
     arrays it reads (`with_stage1_over_c`)."""
     from pipeline.train.methods import RECIPES
 
     per_method: dict[str, list[tuple[float | None, float, float | None]]] = {}
-    for method, path in _labelled(paths, labels):
+    for method, path in _labelled(paths, labels, allow_mixed=allow_mixed):
         config, summary = training_run(path)
+        if config.get("method") not in RECIPES:
+            raise ValueError(f"{path}: its drafter's train_config.json names method {config.get('method')!r}, none of {', '.join(RECIPES)}")
         recipe = RECIPES[config["method"]]
         stage1 = stage1_seconds(Path(config["cache"]), arrays=recipe.arrays)
         mat = load_replicate(path).tau["geomean"]
@@ -187,7 +227,7 @@ def training_cost(paths: list[str], *, reference: str, labels: list[str] | None 
     for method, reps in per_method.items():
         mat, train_s, total = means(method)
         rows.append({
-            "method": method, "replicates": len(reps), "mat": mat, "train_s": train_s, "train_over_c": train_s / ref_train,
+            "method": method, "replicates": len(reps), "mat": mat, "train_s": train_s, "train_over_c": train_s / ref_train if ref_train else None,
             "train_plus_stage1_s": total, "with_stage1_over_c": total / ref_total if total and ref_total else None,
         })  # fmt: skip
     return rows
@@ -207,10 +247,14 @@ def plot_training_cost(rows: list[dict], path: Path, *, reference: str) -> bool:
     return plot_figure(path, draw, size=(6.0, 4.0))
 
 
-def run_training_cost(paths: list[str], *, out: str, reference: str, labels: list[str] | None = None) -> list[dict]:
-    rows = training_cost(paths, reference=reference, labels=labels)
-    _write_table(rows, Path(out) / "training_cost.csv")
-    plot_training_cost(rows, Path(out) / "training_cost.png", reference=reference)
+def run_training_cost(paths: list[str], *, out: str, reference: str, labels: list[str] | None = None,
+                      allow_mixed: bool = False, overwrite: bool = False) -> list[dict]:  # fmt: skip
+    rows = training_cost(paths, reference=reference, labels=labels, allow_mixed=allow_mixed)
+    _claimed_table(
+        rows, paths=paths, labels=labels, out=out, command="alrira-eval cost", names=("training_cost.csv", "training_cost.png"),
+        allow_mixed=allow_mixed, overwrite=overwrite, reference=reference,
+        plot=lambda path: plot_training_cost(rows, path, reference=reference),
+    )  # fmt: skip
     return rows
 
 
@@ -350,18 +394,73 @@ def hard_offsets(*, target_dir: str, prompts: str, drafters: dict[str, str], max
     return raw
 
 
+HARD_FILES = ("hard_offsets_raw.csv", "hard_offsets.csv", "hard_offsets.png")
+# Training settings a seed control may differ in from the baseline's run: its seed, where it went, how it ran.
+CONTROL_MAY_DIFFER = frozenset({"seed", "out", "resume", "progress", "num_workers", "prefetch", "save_every", "log_every",
+                                "local_cache_gib", "local_cache_dir", "prefetch_shards", "attention"})  # fmt: skip
+
+
+def check_control(control: str, baseline: str, *, allow_mixed: bool) -> list[str]:
+    """The seed control must be the baseline's recipe with another seed (their runs' train_config.json,
+    where both have one): anything else differing is refused unless `allow_mixed` (then returned)."""
+    configs = [Path(path).resolve().parent / "train_config.json" for path in (baseline, control)]
+    if not all(path.is_file() for path in configs):
+        return []
+    base, other = (json.loads(path.read_text()) for path in configs)
+    changed = [c for c in differences(base, other) if c.split(":")[0] not in CONTROL_MAY_DIFFER]
+    if base.get("seed") == other.get("seed"):
+        changed.append(f"seed: both {base.get('seed')!r} (a control needs another seed)")
+    if changed and not allow_mixed:
+        raise ValueError(f"--control {control}: not the --baseline's recipe with another seed ({'; '.join(changed)}); "
+                         "pass --allow-mixed-replicates to use it anyway (recorded in the output)")  # fmt: skip
+    return changed
+
+
 def run_hard_offsets(*, target: str, prompts: str, drafter: str, baseline: str, independent: str, control: str | None,
-                     out: str, max_new_tokens: int, max_prompts: int | None) -> list[dict]:  # fmt: skip
-    """hard_offsets_raw.csv, hard_offsets.csv and hard_offsets.png in `out`; the table's rows."""
+                     out: str, max_new_tokens: int, max_prompts: int | None, allow_mixed: bool = False,
+                     overwrite: bool = False) -> list[dict]:  # fmt: skip
+    """hard_offsets_raw.csv, hard_offsets.csv and hard_offsets.png in `out`; the table's rows. An
+    earlier output of the same inputs is kept (its rows read back), of other inputs refused unless
+    `overwrite` (pipeline/outputs.py)."""
+    from drafter.checkpoint import drafter_hash
+    from pipeline.eval.evaluate import replay_inputs
+
     drafters = {"independent": independent, "drafter": drafter, "baseline": baseline} | ({"control": control} if control else {})
-    raw = hard_offsets(target_dir=target, prompts=prompts, drafters=drafters, max_new_tokens=max_new_tokens, max_prompts=max_prompts)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv_rows(out_dir / "hard_offsets_raw.csv", raw, columns=tuple(c for c in HARD_RAW_COLUMNS if c in raw[0]))
-    rows = hard_offset_table(raw, roles=[r for r in ("independent", "drafter", "baseline", "control") if r in drafters])
-    _write_table(rows, out_dir / "hard_offsets.csv")
-    plot_hard_offsets(rows, out_dir / "hard_offsets.png")
+    mixed = check_control(control, baseline, allow_mixed=allow_mixed) if control else []
+    check_out_path(out)
+    inputs = replay_inputs(target=target, prompts=prompts, max_new_tokens=max_new_tokens, max_prompts=max_prompts) | {
+        "mode": "hard_offsets", "drafters": {role: drafter_hash(path) for role, path in drafters.items()},
+        "control_mixed": mixed or None,
+    }  # fmt: skip
+    with claim_output(out, command="alrira-eval hard", inputs=inputs, own=owns(*HARD_FILES), overwrite=overwrite) as output:
+        if output.kept:
+            return read_table(output.path / "hard_offsets.csv")
+        raw = hard_offsets(target_dir=target, prompts=prompts, drafters=drafters, max_new_tokens=max_new_tokens, max_prompts=max_prompts)
+        write_csv_rows(output.path / "hard_offsets_raw.csv", raw, columns=tuple(c for c in HARD_RAW_COLUMNS if c in raw[0]))
+        rows = hard_offset_table(raw, roles=[r for r in ("independent", "drafter", "baseline", "control") if r in drafters])
+        _write_table(rows, output.path / "hard_offsets.csv")
+        plot_hard_offsets(rows, output.path / "hard_offsets.png")
+        output.finish()
     return rows
+
+
+def read_table(path: Path) -> list[dict]:
+    """The rows of a table an analysis wrote (numbers back as numbers, empty cells as None)."""
+
+    def value(text: str):
+        if text == "":
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def format_rows(rows: list[dict]) -> str:

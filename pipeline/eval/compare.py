@@ -8,6 +8,7 @@ then their geometric means across groups, and the gain over a baseline method in
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import statistics
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from pipeline.eval.evaluate import geometric_mean
 from pipeline.eval.plots import legend, plot_figure
+from pipeline.outputs import claim_output, differences, log_line, owns
 
 
 @dataclass(kw_only=True)
@@ -24,6 +26,56 @@ class Replicate:
     path: Path
     tau: dict[str, float]  # per group, plus "geomean"
     speedup: dict[str, float]
+    conditions: dict  # what must be equal to pool it with another replicate (replicate_conditions)
+    drafter: str | None  # the drafter's hash (or path, for a summary without one)
+
+
+# Recorded settings two replicates of a method share: all but the drafter (its training seed).
+POOLED_KEYS = ("mode", "target_hash", "prompts_sha256", "max_prompts", "temperature", "max_new_tokens", "dtype", "device",
+               "verify", "vision_input")  # fmt: skip
+
+
+def replicate_conditions(summary: dict) -> dict:
+    """What a summary's numbers were computed under, besides the drafter: its recorded inputs
+    (pipeline/outputs.py), else (a summary written before inputs were recorded) its own fields,
+    paths in place of hashes. The sampling seed counts at T > 0 only."""
+    inputs = summary.get("inputs")
+    if not isinstance(inputs, dict):
+        inputs = {"mode": summary.get("mode", "decode"), "target_hash": summary.get("target"),
+                  "prompts_sha256": summary.get("prompts"), **{k: summary.get(k) for k in POOLED_KEYS[3:]}}  # fmt: skip
+    conditions = {key: inputs.get(key) for key in POOLED_KEYS}
+    if conditions["temperature"]:
+        conditions["seed"] = inputs.get("seed")
+    return conditions
+
+
+def check_replicates(replicates: list[Replicate], *, allow_mixed: bool, log=None) -> dict[str, list[str]]:
+    """Refuse (one line naming the difference) to pool replicates of a method that differ in more
+    than the drafter, or that are the same drafter twice; with `allow_mixed`, pool them and return
+    {method: differences} for the output to record."""
+    mixed: dict[str, list[str]] = {}
+    first: dict[str, Replicate] = {}
+    drafters: dict[tuple[str, str], Path] = {}
+    for replicate in replicates:
+        if replicate.drafter is not None:
+            seen = drafters.get((replicate.method, replicate.drafter))
+            if seen is not None:
+                raise ValueError(f"{replicate.method}: {seen} and {replicate.path} evaluated the same drafter; "
+                                 "one drafter is not two replicates")  # fmt: skip
+            drafters[(replicate.method, replicate.drafter)] = replicate.path
+        base = first.setdefault(replicate.method, replicate)
+        changed = differences(base.conditions, replicate.conditions)
+        if not changed:
+            continue
+        if not allow_mixed:
+            raise ValueError(
+                f"{replicate.method}: {base.path} and {replicate.path} cannot be pooled as replicates ({'; '.join(changed)}); "
+                "give them different --label names, or pass --allow-mixed-replicates to pool them anyway (recorded in the output)"
+            )
+        mixed.setdefault(replicate.method, []).extend(c for c in changed if c not in mixed.get(replicate.method, []))
+        if log:
+            log(f"--allow-mixed-replicates: pooling {replicate.path} into {replicate.method} although {'; '.join(changed)}")
+    return mixed
 
 
 def method_of(summary_path: Path, summary: dict) -> str:
@@ -47,7 +99,11 @@ def load_replicate(path: str | Path, *, method: str | None = None) -> Replicate:
     tau = {name: g["tau"] for name, g in groups.items()}
     speedup = {name: g["speedup"] for name, g in groups.items()}
     tau["geomean"], speedup["geomean"] = geometric_mean(list(tau.values())), geometric_mean(list(speedup.values()))
-    return Replicate(method=method or method_of(path, summary), path=path, tau=tau, speedup=speedup)
+    inputs = summary.get("inputs") if isinstance(summary.get("inputs"), dict) else {}
+    return Replicate(
+        method=method or method_of(path, summary), path=path, tau=tau, speedup=speedup, conditions=replicate_conditions(summary),
+        drafter=inputs.get("drafter_hash") or summary.get("drafter"),
+    )  # fmt: skip
 
 
 def _mean_sd(values: list[float | None]) -> tuple[float | None, float | None]:
@@ -130,16 +186,49 @@ def plot_gains(rows: list[dict], path: Path, *, baseline: str) -> bool:
     return plot_figure(path, draw, size=(max(4.0, 1.2 * len(columns) * max(1, len(others))), 3.5))
 
 
-def run_compare(summaries: list[str], *, out: str, baseline: str | None, labels: list[str] | None = None) -> str:
-    """Load, compare, write OUT/compare.csv (+ compare_gain.png with a baseline); return the table."""
+def load_replicates(summaries: list[str], *, labels: list[str] | None, allow_mixed: bool) -> tuple[list[Replicate], dict]:
+    """The summaries as replicates (method from `labels` in order, else the drafter's run), checked
+    poolable (check_replicates); and the mixed pools allowed."""
     if labels is not None and len(labels) != len(summaries):
         raise ValueError(f"--label was given {len(labels)} times for {len(summaries)} summaries")
     replicates = [load_replicate(s, method=labels[i] if labels else None) for i, s in enumerate(summaries)]
+    return replicates, check_replicates(replicates, allow_mixed=allow_mixed, log=log_line)
+
+
+def analysis_inputs(replicates: list[Replicate], *, extra_files: tuple[str, ...] = (), **settings) -> dict:
+    """The recorded inputs of an analysis output: each summary (and the files beside it that it
+    reads) by content, the methods, and its settings."""
+    from pipeline.cache_build.corpus import file_sha256
+
+    files = {}
+    for r in replicates:
+        for name in ("summary.json", *extra_files):
+            path = r.path.parent / name
+            files[str(path.resolve())] = file_sha256(path) if path.is_file() else None
+    return {"files": files, "methods": [r.method for r in replicates], **settings}
+
+
+@contextlib.contextmanager
+def analysis_output(out: str, *, command: str, inputs: dict, names: tuple[str, ...], overwrite: bool):
+    """The claimed --out of `compare`, `offsets` or `cost` (pipeline/outputs.py): recomputed when the
+    inputs are the same, refused when they differ unless --overwrite."""
+    with claim_output(out, command=command, inputs=inputs, own=owns(*names), overwrite=overwrite, keep=False) as output:
+        yield output
+        output.finish()
+
+
+def run_compare(summaries: list[str], *, out: str, baseline: str | None, labels: list[str] | None = None,
+                allow_mixed: bool = False, overwrite: bool = False) -> str:  # fmt: skip
+    """Load, compare, write OUT/compare.csv (+ compare_gain.png with a baseline); return the table."""
+    replicates, mixed = load_replicates(summaries, labels=labels, allow_mixed=allow_mixed)
     rows = compare(replicates, baseline=baseline)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out_dir / "compare.csv")
-    if baseline is not None:
-        plot_gains(rows, out_dir / "compare_gain.png", baseline=baseline)
+    for row in rows if mixed else []:  # pooled under --allow-mixed-replicates: the CSV says what differed
+        row["mixed_replicates"] = "; ".join(mixed.get(row["method"], [])) or None
+    inputs = analysis_inputs(replicates, baseline=baseline, allow_mixed_replicates=allow_mixed)
+    with analysis_output(out, command="alrira-eval compare", inputs=inputs, names=("compare.csv", "compare_gain.png"),
+                         overwrite=overwrite) as output:  # fmt: skip
+        write_csv(rows, output.path / "compare.csv")
+        if baseline is not None:
+            plot_gains(rows, output.path / "compare_gain.png", baseline=baseline)
     return format_table(rows)
 

@@ -36,6 +36,7 @@ from pipeline.eval.ar_baseline import ar_baseline_file, read_ar_baseline, write_
 from pipeline.eval.plots import legend, plot_figure
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.tree import tree_speculative_decode
+from pipeline.outputs import check_out_path, claim_output, log_line, owns
 from pipeline.target import load_target, load_tokenizer, stop_token_ids
 from pipeline.vision import (
     SequenceImage,
@@ -99,6 +100,10 @@ class EvalConfig:
         default=True,
     )
     progress: bool = opt("Show a progress bar.", default=True)
+    overwrite: bool = opt(
+        "Replace an earlier output in --out computed from other inputs (without it: refused; with the same inputs it is kept).",
+        default=False,
+    )
 
     def __post_init__(self):
         for name in ("target", "drafter", "prompts", "out"):
@@ -302,6 +307,20 @@ def _read_rows(csv_path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+def provenance_line(csv_path: str | os.PathLike) -> str | None:
+    """What a results.csv was computed from, by the recorded inputs of the summary.json beside it
+    (None for a CSV without one): what `alrira-eval score` prints above its table."""
+    summary_path = Path(csv_path).parent / "summary.json"
+    try:
+        inputs = json.loads(summary_path.read_text()).get("inputs")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(inputs, dict):
+        return None
+    shown = ("mode", "target_hash", "drafter_hash", "prompts_sha256", "temperature", "max_new_tokens", "max_prompts", "dtype")
+    return f"{csv_path}: " + ", ".join(f"{key} {str(inputs.get(key))[:19]}" for key in shown if key in inputs)
+
+
 def score_table(csv_path: str | os.PathLike, *, group: str = "benchmark") -> str:
     """A printable table of a results.csv: per group prompts, tau, speedup; then the geometric means."""
     rows = _read_rows(csv_path)
@@ -451,10 +470,63 @@ def eval_prompts(config: EvalConfig, tokenizer) -> list[EvalPrompt]:
     )
 
 
-def run_eval(config: EvalConfig) -> dict:
-    """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return the summary."""
+EVAL_FILES = ("results.csv", "summary.json", "accept_hist.json", "accept_hist.png", "rounds.csv")
+
+
+def eval_inputs(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -> dict:
+    """What the numbers of a run depend on (pipeline/outputs.py): the target, drafter and prompts by
+    content, and every setting that changes a number; `mode` tells real decoding from replay."""
+    from dataclasses import asdict
+
+    from drafter.checkpoint import drafter_hash
+    from pipeline.cache_build.corpus import file_sha256
+    from pipeline.target import target_hash
+
+    return {
+        "mode": "decode", "target_hash": target_hash(config.target), "drafter_hash": drafter_hash(config.drafter),
+        "prompts_sha256": file_sha256(config.prompts), "max_prompts": config.max_prompts, "temperature": config.temperature,
+        "max_new_tokens": config.max_new_tokens, "seed": config.seed, "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type, "verify": _verify_name(config), "vision_input": asdict(config.vision_input),
+    }  # fmt: skip
+
+
+def replay_inputs(*, target: str, prompts: str, max_new_tokens: int, max_prompts: int | None) -> dict:
+    """What every drafter's replay numbers depend on besides the drafter (pipeline/outputs.py);
+    the keys `alrira-eval run` records, so `compare` can tell replay from decoding."""
+    from pipeline.cache_build.corpus import file_sha256
+    from pipeline.target import target_hash
+
+    return {
+        "mode": "greedy_replay", "target_hash": target_hash(target), "prompts_sha256": file_sha256(prompts),
+        "max_prompts": max_prompts, "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
+        "device": "cpu", "verify": "chain",
+    }  # fmt: skip
+
+
+def _verify_name(config: EvalConfig) -> str:
+    return "chain" if config.tree_budget is None else f"tree (budget {config.tree_budget}, branch {config.tree_branch})"
+
+
+def run_eval(config: EvalConfig, *, log=log_line) -> dict:
+    """Evaluate the drafter on every prompt; write results.csv, summary.json, accept_hist.*; return
+    the summary. --out is claimed first (pipeline/outputs.py): an earlier output of the same inputs
+    is kept (its summary returned), one of other inputs refused unless --overwrite."""
     device = _resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    check_out_path(config.out)
+    inputs = eval_inputs(config, device=device, dtype=dtype)
+    with claim_output(config.out, command="alrira-eval run", inputs=inputs, own=owns(*EVAL_FILES), overwrite=config.overwrite,
+                      log=log) as output:  # fmt: skip
+        if output.kept:
+            return json.loads((output.path / "summary.json").read_text())
+        summary = _run_eval(config, device=device, dtype=dtype)
+        summary["inputs"] = inputs
+        _write_json(output.path / "summary.json", summary)
+        output.finish()
+    return summary
+
+
+def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -> dict:
     target, tokenizer, drafter, stops = load_models(config, device, dtype)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     draft_config = drafter.config
@@ -552,7 +624,7 @@ def _summary(config: EvalConfig, rows: list[dict], *, num_groups: int, mismatche
         "dtype": dtype_name,
         "device": str(device),
         "block_size": block_size,
-        "verify": "chain" if config.tree_budget is None else f"tree (budget {config.tree_budget}, branch {config.tree_branch})",
+        "verify": _verify_name(config),
         "num_prompts": len(rows),
         "num_groups": num_groups,
         "committed_tokens": sum(r["committed"] for r in rows),

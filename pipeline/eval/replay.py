@@ -27,6 +27,8 @@ import torch
 
 from pipeline.eval.analysis import block_drafts
 from pipeline.eval.evaluate import (
+    EVAL_FILES,
+    replay_inputs,
     ROUND_COLUMNS,
     EvalPrompt,
     _write_rows_and_histogram,
@@ -37,6 +39,7 @@ from pipeline.eval.evaluate import (
     write_csv_rows,
 )
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode
+from pipeline.outputs import LOCK_FILE, check_out_path, log_line, output_lock, owns, prepare_output, read_record
 
 
 def match_lengths(drafts: torch.Tensor, *, response: list[int]) -> list[int]:
@@ -103,53 +106,90 @@ def replay_result_row(prompt: EvalPrompt, *, ar: DecodeResult, accepted: list[in
     }  # fmt: skip
 
 
+REPLAY_COMMAND = "alrira-eval replay"
+
+
+def check_replay_root(out_root: Path, names: list[str]) -> None:
+    """OUT holds only replay outputs (one folder per drafter) and folders of the drafters named now
+    (each then checked as an output of its own): anything else is the user's, and refused."""
+    if not out_root.is_dir():
+        return
+    foreign = []
+    for entry in sorted(out_root.iterdir()):
+        if entry.name == LOCK_FILE or (entry.is_dir() and entry.name in names):
+            continue
+        if not (entry.is_dir() and (read_record(entry) or {}).get("command") == REPLAY_COMMAND):
+            foreign.append(entry.name)
+    if foreign:
+        raise ValueError(f"--out {out_root}: holds files {REPLAY_COMMAND} did not write ({', '.join(foreign[:3])}); "
+                         "move them or use another --out")  # fmt: skip
+
+
 def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str, max_new_tokens: int,
-               max_prompts: int | None = None, log=None) -> dict[str, dict]:  # fmt: skip
+               max_prompts: int | None = None, overwrite: bool = False, log=None) -> dict[str, dict]:  # fmt: skip
     """Greedy replay of every drafter on every prompt; OUT/<name>/{results.csv, rounds.csv,
-    summary.json, accept_hist.*} per drafter. A drafter whose summary.json exists is kept (resume).
+    summary.json, accept_hist.*} per drafter. A drafter whose complete output has the same
+    recorded inputs is kept; one of other inputs is refused unless `overwrite` (pipeline/outputs.py).
     Returns each drafter's summary."""
+    from drafter.checkpoint import drafter_hash
+
+    out_root = check_out_path(out)
+    common = replay_inputs(target=target, prompts=prompts, max_new_tokens=max_new_tokens, max_prompts=max_prompts)
+    with output_lock(out_root, command=REPLAY_COMMAND):
+        check_replay_root(out_root, list(drafters))
+        outputs = {
+            name: prepare_output(out_root / name, command=REPLAY_COMMAND, inputs=common | {"drafter_hash": drafter_hash(path)},
+                                 own=owns(*EVAL_FILES), overwrite=overwrite, log=log or log_line)  # fmt: skip
+            for name, path in drafters.items()
+        }
+        todo = {name: drafters[name] for name, output in outputs.items() if not output.kept}
+        if todo:
+            _replay(target=target, todo=todo, prompts=prompts, outputs=outputs, max_new_tokens=max_new_tokens,
+                    max_prompts=max_prompts, log=log)  # fmt: skip
+    return {name: json.loads((out_root / name / "summary.json").read_text()) for name in drafters}
+
+
+def _replay(*, target: str, todo: dict[str, str], prompts: str, outputs: dict, max_new_tokens: int, max_prompts: int | None,
+            log) -> None:  # fmt: skip
+    """Replay the drafters of `todo` and write each one's claimed output."""
     from drafter.checkpoint import load_drafter
     from pipeline.eval.evaluate import check_drafter_fits
 
     device = torch.device("cpu")
-    out_root = Path(out)
-    todo = {name: path for name, path in drafters.items() if not (out_root / name / "summary.json").is_file()}
     models = {}
-    if todo:
-        target_model, tokenizer, stops = load_target_and_stops(target, device=device, dtype=torch.float32)
-        for name, path in todo.items():
-            models[name] = load_drafter(path, dtype=torch.float32, device=device).eval()
-            try:
-                check_drafter_fits(target_model, models[name])
-            except ValueError as error:
-                raise ValueError(f"--drafter {path}: {error}") from None
-        embed_tokens, lm_head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
-        rows = {name: [] for name in todo}
-        rounds = {name: [] for name in todo}
-        accepted_by_group = {name: {} for name in todo}
-        for prompt in load_prompts(prompts, tokenizer, max_prompts=max_prompts):
-            ar, hidden_states = greedy_response(target_model, prompt, max_new_tokens=max_new_tokens, stops=stops)
-            for name, model in models.items():
-                accepted = replay_prompt(model, embed_tokens=embed_tokens, lm_head=lm_head, prompt=prompt, ar=ar,
-                                         hidden_states=hidden_states)  # fmt: skip
-                rows[name].append(replay_result_row(prompt, ar=ar, accepted=accepted))
-                rounds[name].extend(round_rows(prompt, accepted))
-                accepted_by_group[name].setdefault(prompt.benchmark, []).extend(accepted)
-            if log:
-                log(f"replay: prompt {prompt.prompt_id} ({prompt.benchmark}), {len(ar.tokens)} tokens, {len(models)} drafters")
+    target_model, tokenizer, stops = load_target_and_stops(target, device=device, dtype=torch.float32)
+    for name, path in todo.items():
+        models[name] = load_drafter(path, dtype=torch.float32, device=device).eval()
+        try:
+            check_drafter_fits(target_model, models[name])
+        except ValueError as error:
+            raise ValueError(f"--drafter {path}: {error}") from None
+    embed_tokens, lm_head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
+    rows = {name: [] for name in todo}
+    rounds = {name: [] for name in todo}
+    accepted_by_group = {name: {} for name in todo}
+    for prompt in load_prompts(prompts, tokenizer, max_prompts=max_prompts):
+        ar, hidden_states = greedy_response(target_model, prompt, max_new_tokens=max_new_tokens, stops=stops)
         for name, model in models.items():
-            folder = out_root / name
-            plotted = _write_rows_and_histogram(folder, rows[name], accepted_by_group[name], num_draft=model.config.block_size - 1)
-            write_csv_rows(folder / "rounds.csv", rounds[name], columns=ROUND_COLUMNS)
-            summary = {
-                "mode": "greedy_replay", "target": str(Path(target).resolve()), "drafter": str(Path(todo[name]).resolve()),
-                "prompts": str(prompts), "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
-                "device": "cpu", "block_size": model.config.block_size, "verify": "chain", "num_prompts": len(rows[name]),
-                "num_groups": len(accepted_by_group[name]), "committed_tokens": sum(r["committed"] for r in rows[name]),
-                "rounds": sum(r["rounds"] for r in rows[name]), **summarize(rows[name]), "lossless_mismatches": None,
-                "lossless_exact": None, "lossless_note": "greedy replay: the committed tokens are the target's greedy tokens",
-                "accept_hist_png": plotted,
-            }  # fmt: skip
-            (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return {name: json.loads((out_root / name / "summary.json").read_text()) for name in drafters}
-
+            accepted = replay_prompt(model, embed_tokens=embed_tokens, lm_head=lm_head, prompt=prompt, ar=ar,
+                                     hidden_states=hidden_states)  # fmt: skip
+            rows[name].append(replay_result_row(prompt, ar=ar, accepted=accepted))
+            rounds[name].extend(round_rows(prompt, accepted))
+            accepted_by_group[name].setdefault(prompt.benchmark, []).extend(accepted)
+        if log:
+            log(f"replay: prompt {prompt.prompt_id} ({prompt.benchmark}), {len(ar.tokens)} tokens, {len(models)} drafters")
+    for name, model in models.items():
+        output = outputs[name]
+        plotted = _write_rows_and_histogram(output.path, rows[name], accepted_by_group[name], num_draft=model.config.block_size - 1)
+        write_csv_rows(output.path / "rounds.csv", rounds[name], columns=ROUND_COLUMNS)
+        summary = {
+            "mode": "greedy_replay", "target": str(Path(target).resolve()), "drafter": str(Path(todo[name]).resolve()),
+            "prompts": str(Path(prompts).resolve()), "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
+            "device": "cpu", "block_size": model.config.block_size, "verify": "chain", "num_prompts": len(rows[name]),
+            "num_groups": len(accepted_by_group[name]), "committed_tokens": sum(r["committed"] for r in rows[name]),
+            "rounds": sum(r["rounds"] for r in rows[name]), **summarize(rows[name]), "lossless_mismatches": None,
+            "lossless_exact": None, "lossless_note": "greedy replay: the committed tokens are the target's greedy tokens",
+            "accept_hist_png": plotted, "inputs": output.inputs,
+        }  # fmt: skip
+        (output.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        output.finish()

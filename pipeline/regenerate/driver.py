@@ -10,6 +10,7 @@ written + failed + skipped = input.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -22,12 +23,16 @@ from pipeline.corpus_source import default_image_root, file_sha256, local_corpus
 from pipeline.chat import (
     REGENERATED_KIND,
     REGENERATED_MANIFEST,
+    CorpusError,
     checked_regenerated_parts,
     is_jsonl_file,
     iter_corpus_rows,
     jsonl_row_seeks,
+    normalize_row,
 )
 from pipeline.config import flag_name, is_required, leaf_fields
+from pipeline.outputs import LOCK_FILE, output_lock
+from pipeline.outputs import differences as recorded_differences
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
@@ -77,20 +82,13 @@ def image_root(config: RegenerateConfig) -> str | None:
     return str(Path(config.vision_input.image_root or default_image_root(config.corpus)).resolve())
 
 
-def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def differences(old: dict, new: dict) -> list[str]:
     """'name: old -> new' for every provenance entry that differs (nested settings flattened). A
     setting an older output's manifest does not name (one added since) counts as its default then:
     only a non-default value is a difference."""
-    found = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            found += differences(a, b, prefix=f"{prefix}{key}.")
-        elif key not in old and prefix == "settings." and b == SETTING_DEFAULTS.get(key, object()):
-            continue
-        elif a != b:
-            found.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return found
+    return recorded_differences(
+        old, new, skip=lambda name, value: name.startswith("settings.") and value == SETTING_DEFAULTS.get(name.removeprefix("settings."), object())
+    )
 
 
 def read_manifest(out) -> dict | None:
@@ -137,7 +135,7 @@ def check_out_is_ours(config: RegenerateConfig) -> tuple[list[str], dict | None]
     any earlier run's actors on --out are stopped (ray_jobs/regenerate.py)."""
     refuse_out_over_corpus(config)
     location = resolve(config.out)
-    names = location.names() if location.is_dir() else []
+    names = [n for n in (location.names() if location.is_dir() else []) if n != LOCK_FILE]  # the lock: regenerate_lock's
     previous = read_manifest(config.out)
     foreign = [name for name in names if not OWN_FILE.match(name)]
     if previous is None and names:
@@ -169,11 +167,32 @@ def check_out(config: RegenerateConfig, new: dict) -> dict | None:
     return None
 
 
-def part_is_intact(out, record: dict) -> bool:
+def part_problem(out, record: dict, spec: PartSpec) -> str | None:
+    """Why an earlier run's part cannot be kept, or None: missing, its bytes not the recorded
+    checksum, or the manifest's counts not those of the part itself (a manifest edited by hand
+    would otherwise resume as intact and print wrong totals): its row range, its lines, its
+    assistant turns, and written + failed + skipped = the rows of its range."""
     location = resolve(out)
     if not location.is_file(record["name"]):
-        return False
-    return "sha256:" + hashlib.sha256(location.read_bytes(record["name"])).hexdigest() == record["sha256"]
+        return "missing"
+    data = location.read_bytes(record["name"])
+    if "sha256:" + hashlib.sha256(data).hexdigest() != record["sha256"]:
+        return "its bytes differ from the recorded checksum"
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    turns = 0
+    for line in lines:
+        try:
+            messages = normalize_row(json.loads(line), where=record["name"]).messages
+        except (ValueError, CorpusError):
+            return "a line is not a chat row"
+        turns += sum(m["role"] == "assistant" for m in messages)
+    found = {"rows": [spec.start, spec.stop], "lines": len(lines), "written": len(lines), "turns": turns,
+             "rows accounted": spec.stop - spec.start, "failed_rows": sum(record["failed"].values())}  # fmt: skip
+    recorded = {"rows": record.get("rows"), "lines": record["lines"], "written": record["written"], "turns": record["turns"],
+                "rows accounted": record["written"] + sum(record["failed"].values()) + sum(record["skipped"].values()),
+                "failed_rows": len(record.get("failed_rows") or [])}  # fmt: skip
+    changed = [f"{key} {recorded[key]} in the manifest, {found[key]} in the part" for key in found if recorded[key] != found[key]]
+    return "; ".join(changed) or None
 
 
 def totals(manifest: dict) -> dict:
@@ -220,8 +239,27 @@ def run_parts_in_process(config: RegenerateConfig, pending: list[PartSpec], publ
         writer.close()
 
 
+@contextlib.contextmanager
+def regenerate_lock(config: RegenerateConfig):
+    """Hold --out's lock (pid and host, pipeline/outputs.py) for the run, so a second regeneration
+    of the same local --out refuses instead of stopping the first one's workers. On an object store
+    the manifest alone says whose output it is."""
+    if is_url(config.out):
+        yield
+        return
+    refuse_out_over_corpus(config)
+    with output_lock(config.out, command="alrira-cache regenerate"):
+        yield
+
+
 def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
-    """Regenerate (or resume) `config.corpus` into `config.out`; returns the final manifest."""
+    """Regenerate (or resume) `config.corpus` into `config.out` under its lock; the final manifest."""
+    with regenerate_lock(config):
+        return regenerate_unlocked(config, run_parts=run_parts, log=log)
+
+
+def regenerate_unlocked(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
+    """`regenerate_corpus` for a caller that holds the lock already (ray_jobs/regenerate.py)."""
     if config.compute.backend == "vllm" and is_vision_target(config.target):
         from pipeline.cache_build.vllm_runner import check_vllm_target
 
@@ -237,9 +275,17 @@ def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_par
         PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows), seek=seek)
         for i, (start, seek) in enumerate(zip(starts, seeks, strict=True))
     ]
-    kept = [r for r in (previous or {}).get("parts", []) if r["index"] < len(specs) and part_is_intact(config.out, r)]
+    kept, redo = [], []
+    for record in (previous or {}).get("parts", []):
+        problem = part_problem(config.out, record, specs[record["index"]]) if record["index"] < len(specs) else "outside the plan"
+        if problem is None:
+            kept.append(record)
+        else:
+            redo.append(f"{record['name']}: not kept ({problem}); writing it again")
     if previous is not None:
         log(f"{config.out}: resuming, {len(kept)}/{len(specs)} part(s) already written and intact")
+    for line in redo:
+        log(line)
     manifest = {
         "kind": REGENERATED_KIND, "format_version": FORMAT_VERSION, "out": str(config.out), "provenance": new,
         "num_parts": len(specs), "parts": kept,

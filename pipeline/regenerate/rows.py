@@ -58,6 +58,7 @@ def prepare_row(
     raw: object, *, source_row: int, where: str, tokenizer, vision: VisionInputs | None, system_prompt: str | None
 ) -> RowRegeneration:
     """A corpus row ready for its first turn; CorpusError (the build's one-line errors) for a bad row."""
+    refuse_tool_calls(raw, where=where)
     chat = normalize_row(raw, where=where)
     if chat.image is not None and vision is None:
         raise CorpusError(f"{where}: row has an image ({chat.image}) but the target is text-only", "image_for_text_target")
@@ -74,6 +75,29 @@ def prepare_row(
     if chat.image is not None:
         row.image = image_record(chat, vision=vision, where=where)
     return row
+
+
+TOOL_CALL_KEYS = ("tool_calls", "function_call")
+
+
+def refuse_tool_calls(raw: object, *, where: str) -> None:
+    """CorpusError "assistant_tool_calls" for a row with an assistant turn that carries tool calls:
+    its text would be rewritten while the calls stay as the original model made them, no longer
+    matching it, so such rows are not regenerated (counted as skipped under --skip-bad-rows;
+    docs/failure-modes.md)."""
+    if not isinstance(raw, dict):
+        return
+    for key in ("messages", "conversations"):
+        for i, message in enumerate(raw.get(key) or []):
+            if not isinstance(message, dict) or message.get("role", message.get("from")) not in ("assistant", "gpt"):
+                continue
+            calls = next((k for k in TOOL_CALL_KEYS if message.get(k)), None)
+            if calls:
+                raise CorpusError(
+                    f"{where}: assistant message {i} carries {calls!r}; regeneration would rewrite its text but keep the "
+                    "original calls, so the row is not regenerated (--skip-bad-rows counts and drops such rows)",
+                    "assistant_tool_calls",
+                )
 
 
 def next_request(row: RowRegeneration, *, tokenizer, vision: VisionInputs | None, seed: int, max_new_tokens: int, max_context: int) -> TurnRequest:

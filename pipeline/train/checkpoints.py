@@ -13,15 +13,18 @@ to a partial checkpoint (docs/design.md, "Caches on object stores").
 
 from __future__ import annotations
 
+import json
 import pickle
+import re
 import tempfile
 from pathlib import Path
 
 import torch
 
+from pipeline.outputs import LOCK_FILE, RECORD_FILE, differences, read_record, remove_names, write_record
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import first_line
-from storage.location import Location
+from storage.location import Location, is_url
 from storage.paths import unsafe_name_reason
 
 STATE_FILE = "state.pt"
@@ -30,7 +33,7 @@ LATEST_FILE = "latest"
 # Settings a resumed run may change: they alter neither the objective nor the data of a step.
 # (--attention picks a kernel, not the math: flex and sdpa agree to 1e-5.)
 RESUMABLE_CHANGES = frozenset(
-    {"epochs", "max_steps", "save_every", "resume", "progress", "num_workers", "prefetch", "out", "attention",
+    {"epochs", "max_steps", "save_every", "resume", "overwrite", "progress", "num_workers", "prefetch", "out", "attention",
      "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every"}
 )  # fmt: skip
 # Settings added after checkpoints were first written: the value an older checkpoint's run had.
@@ -128,9 +131,17 @@ def load_latest_checkpoint(run: Location, *, log=print) -> dict | None:
     raise ValueError(f"{run.join('checkpoints')}: no readable checkpoint to resume from ({problems[0]})")
 
 
+def _resolved_cache(settings: dict) -> dict:
+    """Runs record --cache resolved; an older run's relative one is compared resolved from here."""
+    cache = settings.get("cache")
+    if isinstance(cache, str) and cache and not is_url(cache):
+        return {**settings, "cache": str(Path(cache).resolve())}
+    return settings
+
+
 def check_resume_settings(saved: dict, current: dict, *, run: Location) -> None:
     """Refuse a resume whose settings change the objective or the data (one line naming them)."""
-    saved = {**ADDED_SETTINGS, **saved}
+    saved, current = {**ADDED_SETTINGS, **_resolved_cache(saved)}, _resolved_cache(current)
     resumable = resumable_changes(saved["loader"]) & resumable_changes(current.get("loader", "map"))
     changed = [
         name for name in sorted(set(saved) | set(current))
@@ -150,3 +161,68 @@ def check_data_position(state: dict, expected: dict, *, run: Location) -> None:
             f"{run}: the checkpoint at step {state['step']} stopped at data position {stored}, resuming would "
             f"continue from {expected} (did the cache change?); use a new --out"
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# --out: whose run it is (pipeline/outputs.py)
+
+TRAIN_COMMAND = "alrira-train"
+RUN_NAMES = re.compile(
+    r"^\.?(train_config\.json|summary\.json|metrics\.jsonl|checkpoints|drafter|tensorboard)(\..*\.tmp|\.tmp.*)?$"
+    r"|^events\.out\.tfevents\..+$"
+)  # what a run writes at its top level (and the temp names of storage.atomic's writes of them)
+
+
+def run_inputs(manifest, *, cache: str) -> dict:
+    """What a run's drafter depends on besides its flags (checked on --resume): the cache by place
+    and by what it was built from."""
+    settings = manifest.settings
+    return {"cache": cache, "target_hash": settings.target_hash, "corpus_hash": settings.corpus_hash, "cache_seed": settings.seed}
+
+
+def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log=print) -> None:
+    """Check --out before a run writes to it (rank 0): names a run does not write are refused; an
+    earlier run is refused unless --resume (then it must come from the same cache) or --overwrite
+    (then the run's own names are removed, nothing else). The run records `inputs` (.alrira-output.json)."""
+    names = run.names()
+    foreign = [n for n in names if not RUN_NAMES.match(n) and n not in (RECORD_FILE, LOCK_FILE)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"--out {run}: holds files alrira-train did not write ({shown}); move them or use another --out")
+    earlier = "train_config.json" in names or "checkpoints" in names
+    record = _read_run_record(run)
+    if earlier and not (resume or overwrite):
+        saved = json.loads(run.read_bytes("train_config.json")) if "train_config.json" in names else {}
+        raise ValueError(
+            f"--out {run}: holds an earlier training run (method {saved.get('method')!r}, --cache {saved.get('cache')}); "
+            "pass --resume to continue it, --overwrite to replace it, or use another --out"
+        )
+    if earlier and resume and record is not None:
+        changed = differences(record["inputs"], inputs)
+        if changed:
+            raise ValueError(f"--out {run}: --resume of a run trained from another cache ({'; '.join(changed)}); use a new --out")
+    if earlier and overwrite:
+        if not run.is_local:
+            raise ValueError(f"--out {run}: --overwrite removes a run only on a local disk; use a new prefix")
+        log(f"--out {run}: --overwrite: removing the earlier run ({', '.join(n for n in names if n != LOCK_FILE)})")
+        remove_names(run.local_path, [n for n in names if n != LOCK_FILE])
+    record = {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False}
+    if run.is_local:
+        run.make_dirs()
+        write_record(run.local_path, record)
+    else:  # one PUT: a store run holds the same files as a local one
+        run.write_bytes(RECORD_FILE, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _read_run_record(run: Location) -> dict | None:
+    if run.is_local:
+        return read_record(run.local_path)
+    if not run.is_file(RECORD_FILE):
+        return None
+    try:
+        record = json.loads(run.read_bytes(RECORD_FILE))
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("inputs"), dict):
+        raise ValueError(f"{run.join(RECORD_FILE)}: damaged record of the run's inputs; use a new --out")
+    return record

@@ -131,11 +131,14 @@ class LoaderConfig:
 class CheckpointConfig:
     save_every: int = opt("Checkpoint every N steps (0: only at the end of each epoch).", default=0)
     resume: bool = opt("Continue from the latest checkpoint in --out.", default=False)
+    overwrite: bool = opt("Replace an earlier training run in --out (without it or --resume: refused).", default=False)
     save_dtype: str = opt("dtype of the exported drafter weights: bfloat16 or float32.", default="bfloat16")
 
     def __post_init__(self):
         if self.save_every < 0:
             raise ValueError("--save-every must be >= 0")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out, --overwrite replaces it: give one of them")
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"--save-dtype must be bfloat16 or float32, got {self.save_dtype!r}")
 

@@ -47,7 +47,15 @@ from pipeline.train.batching import (
     decode_feature_bits,
     steps_per_epoch,
 )
-from pipeline.train.checkpoints import check_data_position, check_resume_settings, load_latest_checkpoint, save_checkpoint
+from pipeline.outputs import output_lock
+from pipeline.train.checkpoints import (
+    check_data_position,
+    check_resume_settings,
+    claim_run,
+    load_latest_checkpoint,
+    run_inputs,
+    save_checkpoint,
+)
 from pipeline.train.config import TrainConfig
 from pipeline.train.methods import check_cache_serves
 from pipeline.train.preflight import check_cache_complete, check_run_dir
@@ -60,7 +68,7 @@ from pipeline.train.streaming import (
 from pipeline.train.objectives import topk_tail_loss
 from storage.atomic import atomic_write_text, remove_path_tolerant
 from storage.local_cache import sweep_orphans
-from storage.location import Location, resolve
+from storage.location import Location, is_url, resolve
 from storage.manifest import load_target_head
 from storage.reader import available_arrays, open_cache
 
@@ -300,6 +308,9 @@ def setup(config: TrainConfig) -> TrainState:
     attention = "flex" if optim.attention == "flex" or (optim.attention == "auto" and device.type == "cuda") else "sdpa"
     if attention == "flex" and device.type != "cuda":
         raise ValueError(f"--attention flex needs a CUDA device (PyTorch has no flex-attention backward on {device.type}); use sdpa or auto")
+    if rank == 0:  # after every refusal above: a refused run leaves nothing in --out
+        claim_run(run, inputs=run_inputs(manifest, cache=config.cache), resume=config.checkpoint.resume,
+                  overwrite=config.checkpoint.overwrite, log=log)  # fmt: skip
 
     batches = _batches(
         config, reader, objective, plan=plan, epoch_steps=epoch_steps, start_step=start_step, rank=rank,
@@ -456,6 +467,20 @@ def _next_batch(s: TrainState) -> TrainBatch:
 
 
 def train(config: TrainConfig) -> dict:
+    """Train a drafter into --out. A local --cache is recorded resolved (train_config.json is read
+    from other directories: `alrira-eval cost`); rank 0 holds --out's lock (pipeline/outputs.py)
+    for the whole run, so a second process on the same --out refuses."""
+    if not is_url(config.cache):
+        config = replace(config, cache=str(Path(config.cache).resolve()))
+    if int(os.environ.get("RANK", "0")) != 0 or is_url(config.out):
+        return _train(config)
+    if resolve(config.cache).is_file("manifest.json"):  # before the lock: never a lock file in a cache
+        check_run_dir(resolve(config.out), cache=resolve(config.cache))
+    with output_lock(config.out, command="alrira-train"):
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> dict:
     s = setup(config)
     settings = s.settings
     if s.rank == 0:  # first: what marks --out as a run (pipeline/train/preflight.py) for the other ranks' checks

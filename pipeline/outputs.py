@@ -1,0 +1,245 @@
+"""Output directories: who wrote them, from which inputs, and who is writing them now
+(docs/failure-modes.md, "Outputs").
+
+Every command that writes an --out (`alrira-train`, `alrira-eval run | replay | hard | offsets |
+cost | compare`, `python -m pipeline.demo`) claims it here before it writes anything:
+
+- `.alrira-lock` holds the writing process's pid, host and command, created with O_EXCL: a second
+  process on the same --out refuses in one line naming the holder. A lock whose pid is gone on
+  this host is stale and taken over; one from another host is left to the user (its path is named).
+- `.alrira-output.json` records the command and its inputs (hashes of the target, the drafter and
+  the prompts file, and every setting that changes a number), and whether the output is complete.
+  A rerun with equal inputs keeps a complete output ("kept (same inputs)"); other inputs are refused
+  in one line naming what differs, or recomputed under --overwrite.
+- A directory holding names the command does not write is refused, --overwrite or not, and
+  --overwrite removes only the command's own names: nothing of the user's is touched.
+
+`alrira-cache build` and `regenerate` keep their own claims (storage/ownership.py, the regeneration
+manifest); they share `differences` and `check_out_path` from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+RECORD_FILE = ".alrira-output.json"
+LOCK_FILE = ".alrira-lock"
+
+
+def log_line(line: str) -> None:
+    """Where the commands' one-line notes go by default: stderr, beside the progress bars."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def differences(old: dict, new: dict, prefix: str = "", *, skip: Callable[[str, object], bool] | None = None) -> list[str]:
+    """'name: old -> new' for every entry that differs (nested dicts flattened to a.b); `skip(name,
+    new value)` True leaves out an entry the old record lacks (a setting added since)."""
+    found = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += differences(a, b, prefix=f"{prefix}{key}.", skip=skip)
+        elif key not in old and skip is not None and skip(f"{prefix}{key}", b):
+            continue
+        elif a != b:
+            found.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return found
+
+
+def check_out_path(out: str | os.PathLike, *, flag: str = "--out") -> Path:
+    """One-line ValueError when `out`, or a folder above it, exists and is not a directory (an --out
+    that names a file inside another output, which mkdir reports as a bare [Errno 17])."""
+    out = Path(out)
+    for place in (out, *out.parents):
+        if place.exists() or place.is_symlink():
+            if place.is_dir():
+                return out
+            if place == out:
+                raise ValueError(f"{flag} {out}: is a file, not a directory; give the output its own directory")
+            raise ValueError(f"{flag} {out}: {place} is a file, not a directory; give the output its own directory")
+    return out
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+# ----------------------------------------------------------------------------------------------
+# The lock
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_lock(path: Path) -> dict:
+    with contextlib.suppress(OSError, ValueError):
+        holder = json.loads(path.read_text())
+        if isinstance(holder, dict):
+            return holder
+    return {}
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") -> Iterator[Path]:
+    """Hold OUT/.alrira-lock while the block runs; ValueError naming the holder when another live
+    process holds it. A directory this call created is removed again if it is left empty."""
+    out = check_out_path(out, flag=flag)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            pid, host = holder.get("pid"), holder.get("host")
+            if host == me["host"] and isinstance(pid, int) and not _alive(pid):
+                with contextlib.suppress(FileNotFoundError):  # stale: its process is gone; take it over
+                    os.replace(path, out / f"{LOCK_FILE}.stale-{uuid.uuid4().hex[:8]}")
+                for stale in out.glob(f"{LOCK_FILE}.stale-*"):
+                    stale.unlink(missing_ok=True)
+                continue
+            raise ValueError(
+                f"{flag} {out}: in use by {holder.get('command', 'another command')} (pid {pid} on {host}, since "
+                f"{holder.get('started')}); wait for it to finish, or if that process is gone, remove {path}"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me) + "\n")
+        break
+    else:
+        raise ValueError(f"{flag} {out}: could not take {path} (another process keeps taking it)")
+    try:
+        yield path
+    finally:
+        if _read_lock(path).get("pid") == me["pid"]:
+            path.unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if empty: the command wrote nothing
+
+
+# ----------------------------------------------------------------------------------------------
+# The record of the inputs
+
+
+def read_record(out: str | os.PathLike) -> dict | None:
+    path = Path(out) / RECORD_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: unreadable record of the output's inputs ({error}); move the output or use another --out") from None
+    if not isinstance(record, dict) or not isinstance(record.get("inputs"), dict) or not isinstance(record.get("command"), str):
+        raise ValueError(f"{path}: damaged record of the output's inputs; move the output or use another --out")
+    return record
+
+
+def write_record(out: str | os.PathLike, record: dict) -> None:
+    path = Path(out) / RECORD_FILE
+    tmp = path.with_name(f"{RECORD_FILE}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass(kw_only=True)
+class Output:
+    """A claimed --out: `kept` when a complete earlier output has the same inputs (nothing to do)."""
+
+    path: Path
+    command: str
+    inputs: dict
+    kept: bool
+
+    def finish(self, **extra) -> None:
+        """Mark the output complete (last, after every file it holds is written)."""
+        write_record(self.path, {"command": self.command, "inputs": self.inputs, "complete": True, **extra})
+
+
+def remove_names(out: Path, names: list[str]) -> None:
+    for name in names:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def prepare_output(
+    out: str | os.PathLike, *, command: str, inputs: dict, own: Callable[[str], bool], overwrite: bool, log=log_line,
+    flag: str = "--out", keep: bool = True,
+) -> Output:  # fmt: skip
+    """Check --out (held under `output_lock`) for this command and these inputs; see the module
+    docstring. `own(name)` says whether a top-level name is one this command writes. `keep` False
+    (a command that recomputes in seconds, like `compare`): a complete output of the same inputs is
+    recomputed (to the same files) instead of kept."""
+    out = check_out_path(out, flag=flag)
+    names = sorted(os.listdir(out)) if out.is_dir() else []
+    names = [n for n in names if n not in (RECORD_FILE, LOCK_FILE) and not n.startswith(f"{RECORD_FILE}.")]
+    foreign = [n for n in names if not own(n)]
+    if foreign:
+        raise ValueError(f"{flag} {out}: holds files {command} did not write ({_shown(foreign)}); move them or use another {flag}")
+    record = read_record(out)
+    if record is not None and record["command"] != command:
+        raise ValueError(f"{flag} {out}: an output of `{record['command']}`, not of `{command}`; use another {flag}")
+    if record is None and names:
+        if not overwrite:
+            raise ValueError(
+                f"{flag} {out}: holds {_shown(names)} with no record of the inputs they were computed from; "
+                "pass --overwrite to replace them, or use another " + flag
+            )
+        log(f"{flag} {out}: --overwrite: replacing {_shown(names)}")
+        remove_names(out, names)
+    elif record is not None and (names or record.get("complete")):  # (a claim that wrote nothing is no output)
+        changed = differences(record["inputs"], inputs)
+        if not changed and record.get("complete"):
+            if not overwrite and keep:
+                log(f"{out}: kept (same inputs)")
+                return Output(path=out, command=command, inputs=inputs, kept=True)
+            if overwrite:
+                log(f"{flag} {out}: --overwrite: recomputing (same inputs)")
+        elif changed and not overwrite:
+            raise ValueError(
+                f"{flag} {out}: an earlier `{command}` computed it from other inputs ({'; '.join(changed)}); "
+                f"pass --overwrite to replace it, or use another {flag}"
+            )
+        elif changed:
+            log(f"{flag} {out}: --overwrite: replacing an output of other inputs ({'; '.join(changed)})")
+        remove_names(out, names)  # ours: an unfinished run of the same inputs, or replaced under --overwrite
+    out.mkdir(parents=True, exist_ok=True)
+    write_record(out, {"command": command, "inputs": inputs, "complete": False})
+    return Output(path=out, command=command, inputs=inputs, kept=False)
+
+
+@contextlib.contextmanager
+def claim_output(
+    out: str | os.PathLike, *, command: str, inputs: dict, own: Callable[[str], bool], overwrite: bool, log=log_line,
+    flag: str = "--out", keep: bool = True,
+) -> Iterator[Output]:  # fmt: skip
+    """`prepare_output` under `output_lock`: the block writes the output and calls `finish()`."""
+    with output_lock(out, command=command, flag=flag):
+        yield prepare_output(out, command=command, inputs=inputs, own=own, overwrite=overwrite, log=log, flag=flag, keep=keep)
+
+
+def owns(*names: str) -> Callable[[str], bool]:
+    """`own` for a command whose top-level names are fixed."""
+    fixed = frozenset(names)
+    return lambda name: name in fixed
