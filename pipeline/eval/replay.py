@@ -104,14 +104,14 @@ def replay_result_row(prompt: EvalPrompt, *, ar: DecodeResult, accepted: list[in
 
 
 def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str, max_new_tokens: int,
-               max_prompts: int | None = None, log=None) -> dict[str, dict]:  # fmt: skip
+               max_prompts: int | None = None, log=None, device: str = "cpu") -> dict[str, dict]:  # fmt: skip
     """Greedy replay of every drafter on every prompt; OUT/<name>/{results.csv, rounds.csv,
     summary.json, accept_hist.*} per drafter. A drafter whose summary.json exists is kept (resume).
     Returns each drafter's summary."""
     from drafter.checkpoint import load_drafter
     from pipeline.eval.evaluate import check_drafter_fits
 
-    device = torch.device("cpu")
+    device = torch.device(device)  # float32 on any device: replay scores the drafters, not a dtype
     out_root = Path(out)
     todo = {name: path for name, path in drafters.items() if not (out_root / name / "summary.json").is_file()}
     models = {}
@@ -144,7 +144,7 @@ def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str,
             summary = {
                 "mode": "greedy_replay", "target": str(Path(target).resolve()), "drafter": str(Path(todo[name]).resolve()),
                 "prompts": str(prompts), "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
-                "device": "cpu", "block_size": model.config.block_size, "verify": "chain", "num_prompts": len(rows[name]),
+                "device": str(device), "block_size": model.config.block_size, "verify": "chain", "num_prompts": len(rows[name]),
                 "num_groups": len(accepted_by_group[name]), "committed_tokens": sum(r["committed"] for r in rows[name]),
                 "rounds": sum(r["rounds"] for r in rows[name]), **summarize(rows[name]), "lossless_mismatches": None,
                 "lossless_exact": None, "lossless_note": "greedy replay: the committed tokens are the target's greedy tokens",
