@@ -144,7 +144,7 @@ section() {  # section NAME LIMIT_S COMMAND...: runs it, records "ok", "FAILED (
 PAPER_OUT="${PAPER_OUT:-$([[ ${#SMOKE[@]} -eq 0 ]] && echo /tmp/alrira-gpu-paper || echo "$WORK/paper")}"  # kept while warm: a rerun resumes
 PROFILE=$([[ ${#SMOKE[@]} -eq 0 ]] && echo gpu || echo gpu-smoke)
 # Limits (s): the device calls of docs/benchmarks.md fit 10 minutes each.
-declare -A LIMIT=([tests]=150 [attention]=90 [step]=150 [paper]=540 [loader]=120 [stage1]=180)
+declare -A LIMIT=([tests]=120 [attention]=90 [step]=150 [paper]=510 [loader]=120 [stage1]=180)
 
 for name in ${ALL_SECTIONS//,/ }; do
     [[ ",$SECTIONS," == *",$name,"* ]] || continue

@@ -139,14 +139,14 @@ def _quick_sizes() -> PaperSizes:
 
 
 def _gpu_sizes() -> PaperSizes:
-    """One H200, about 8 minutes (docs/benchmarks.md, "GPU check", the estimate): the head on ~20x
-    the CPU run's data and sequence-steps (greedy + 4 sampled answers to every chatterbot prompt the
-    corpus does not take, ~1,900 prompts -> ~9,500 sequences; 3,000 steps of 32 = 20 x 600 x 8), a
-    larger off-policy corpus, the main five arms with 3 seeds, T = 0 replay and T = 1 decoding. One
+    """One H200, about 7-8 minutes (docs/benchmarks.md, "GPU check", the estimate). The corpus, the
+    arms' recipe and the evaluation prompts are the CPU run's; the head has ~20x its data and
+    sequence-steps: greedy + 8 sampled answers to each of the 883 chatterbot prompts the corpus does
+    not take (7,947 sequences vs 400), 12 epochs of batch 32 (~2,980 steps, 20 x 600 steps of 8).
+    The main five arms with 3 seeds; T = 0 by replay, T = 1 decoding on 8 prompts of 32 tokens. One
     lane: one process holds the GPU and compiles the flex kernels once for every training."""
     return PaperSizes(
-        corpus_prompts=480, head_prompts=None, head_samples=4, head_epochs=10, head_batch_size=32, max_steps=None,
-        eval_per_category=4, eval_max_new_tokens=96, decode_per_category=1, decode_max_new_tokens=48, hard_prompts=4,
+        head_prompts=None, head_samples=8, head_epochs=12, head_batch_size=32, decode_max_new_tokens=32,
         arms=MAIN_ARMS, lanes=1, device="cuda", install=False, batch_tokens=65536, num_workers=4,
     )  # fmt: skip
 
@@ -176,6 +176,24 @@ class Paths:
 
     def cache(self, name: str) -> Path:
         return self.out / "caches" / name
+
+
+def code_paths(sizes: PaperSizes) -> dict:
+    """Which device paths this profile takes, from the settings the phases are given: stage 1 and
+    regeneration on `device_and_dtype` (on CUDA: device-side finite checks and pinned copies in the
+    shard builder), the trainer's auto precision and attention (bf16 autocast and compiled flex
+    attention on CUDA, pinned loader batches; pipeline/train/loop.py `setup`), replay and decoding."""
+    import torch
+
+    from pipeline.cache_build.config import WorkerConfig
+
+    cuda = sizes.device.startswith("cuda") and torch.cuda.is_available()
+    target_device, target_dtype = WorkerConfig(gpus_per_worker=1 if cuda else 0, target_dtype="float32").device_and_dtype()
+    return {
+        "target": f"{target_device} {str(target_dtype).removeprefix('torch.')} (regeneration, stage 1)",
+        "training": "cuda: bf16 autocast, compiled flex attention, pinned batches" if cuda else "cpu: fp32, sdpa",
+        "evaluation": f"{sizes.device} float32 (replay and decoding)",
+    }
 
 
 def check_device(sizes: PaperSizes) -> None:
@@ -461,6 +479,8 @@ def run_paper(*, out: Path, profile: str = "full", cache_dir: Path = real.DEFAUL
     started = time.time()
     sizes = sizes or PaperSizes.make(profile)
     check_device(sizes)
+    paths_taken = code_paths(sizes)
+    log("code paths: " + "; ".join(f"{k} {v}" for k, v in paths_taken.items()))
     out.mkdir(parents=True, exist_ok=True)
     phase_s: dict[str, float] = {}
 
@@ -488,7 +508,7 @@ def run_paper(*, out: Path, profile: str = "full", cache_dir: Path = real.DEFAUL
     analyses = timed("analyses", lambda: run_analyses(paths, sizes, runs=runs, head=head))
     report = {
         "profile": profile, "quick": profile == "quick", "sizes": asdict(sizes), "target": str(paths.target), "out": str(out),
-        "head_prompts": len(paths.files["head_source"].read_text().splitlines()),
+        "head_prompts": len(paths.files["head_source"].read_text().splitlines()), "code_paths": paths_taken,
         "corpus_greedy_agreement": agreement, "regenerated": regenerated,
         "train_s": {f"{a}-s{s}": v for (a, s), v in trained.items()},
         "evals": {f"{name}-T0": {"dir": str(out / "evals" / "replay-T0" / name), "tau": e["tau_geomean"], "speedup": None,
