@@ -68,8 +68,8 @@ def test_gpu_check_cpu_smoke_runs_every_section_and_writes_out(tmp_path):
     report = json.loads((out / "paper.json").read_text())
     assert report["profile"] == "gpu-smoke" and report["sizes"]["install"] is False and report["sizes"]["head_samples"] == 1
     assert {k.rsplit("-s", 1)[0] for k in report["evals"]} == {"head", "dflash", "kd", "erase", "alr", "alr_ira"}
-    assert set(report["decoded"]) == {f"{a}-s0-T{t}" for a in ("dflash", "alr_ira") for t in (0, 1)}
-    assert report["decode_checks"]["lossless_mismatches"] == 0 and report["decode_checks"]["replay_equal"] == 2
+    assert set(report["decoded"]) == {"alr_ira-s0-T0", "alr_ira-s0-T1"}
+    assert report["decode_checks"] == {"lossless_evals": 1, "lossless_mismatches": 0, "replay_equal": 1}
     # The head read its greedy and its sampled answers: twice the head prompts, in one corpus.
     with tarfile.open(out / "paper_results.tgz") as tar:
         names = tar.getnames()

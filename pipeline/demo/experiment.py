@@ -158,7 +158,7 @@ def _gpu_smoke_sizes() -> PaperSizes:
         _gpu_sizes(), corpus_prompts=3, head_prompts=3, head_samples=1, head_epochs=1, head_batch_size=2, batch_size=2,
         max_steps=1, epochs=1, anchors=16, min_supervised_tokens=16, regen_max_new_tokens=24, eval_per_category=1,
         eval_categories=1, eval_max_new_tokens=20, decode_max_new_tokens=8, hard_prompts=1, seeds=(0,), device="cpu",
-        batch_tokens=8192, num_workers=0, decode_arms=("dflash", "alr_ira"),
+        batch_tokens=8192, num_workers=0, decode_arms=("alr_ira",),
     )  # fmt: skip
 
 
