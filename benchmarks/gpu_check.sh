@@ -33,10 +33,8 @@ done
 for s in ${SECTIONS//,/ }; do
     [[ ",$ALL_SECTIONS," == *",$s,"* ]] || { echo "gpu_check.sh: unknown section $s (sections: $ALL_SECTIONS)" >&2; exit 2; }
 done
-if [[ -n "${OUT:-}" ]]; then  # everything printed also goes to $OUT/gpu_check.log
-    mkdir -p "$OUT"
-    exec > >(tee -a "$OUT/gpu_check.log") 2>&1
-fi
+
+run_all() {
 PYTHON="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"
 export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -193,3 +191,11 @@ print(f"$OUT: gpu_check.log {' '.join(kept)}")
 PY
 fi
 exit $failed
+}
+
+if [[ -n "${OUT:-}" ]]; then  # everything printed also goes to $OUT/gpu_check.log, whole before this returns
+    mkdir -p "$OUT"
+    run_all 2>&1 | tee "$OUT/gpu_check.log"
+    exit "${PIPESTATUS[0]}"
+fi
+run_all
