@@ -143,6 +143,9 @@ PAPER_OUT="${PAPER_OUT:-$([[ ${#SMOKE[@]} -eq 0 ]] && echo /tmp/alrira-gpu-paper
 PROFILE=$([[ ${#SMOKE[@]} -eq 0 ]] && echo gpu || echo gpu-smoke)
 # Limits (s): the device calls of docs/benchmarks.md fit 10 minutes each.
 declare -A LIMIT=([tests]=120 [attention]=90 [step]=150 [paper]=510 [loader]=120 [stage1]=180)
+if [[ ${#SMOKE[@]} -gt 0 ]]; then  # toy sizes on a shared CPU: the limits guard hangs, not a budget
+    for k in "${!LIMIT[@]}"; do LIMIT[$k]=$((LIMIT[$k] * 4)); done
+fi
 
 for name in ${ALL_SECTIONS//,/ }; do
     [[ ",$SECTIONS," == *",$name,"* ]] || continue
@@ -152,7 +155,12 @@ for name in ${ALL_SECTIONS//,/ }; do
     elif [[ $name == tests && ${#SMOKE[@]} -gt 0 ]]; then
         record tests "skipped (--cpu-smoke)" 0
     elif [[ $name == tests ]]; then
-        section tests "${LIMIT[tests]}" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_drafter.py tests/test_train.py \
+        files=(tests/test_drafter.py tests/test_train.py)
+        if ! "$PYTHON" -c "import ray, moto" 2>/dev/null; then  # the lent H200 has neither, and ray's wheel is over a call's 64 MiB
+            files=(tests/test_drafter.py)
+            echo "tests: tests/test_train.py left out: its cache fixture needs ray and moto (not installed); attention, step and paper run those paths"
+        fi
+        section tests "${LIMIT[tests]}" "$PYTHON" -m pytest -q -p no:cacheprovider "${files[@]}" \
             -k "flex or cuda or bf16 or attention or host_sync" --durations=10
     elif [[ $name == paper ]]; then
         section paper "${LIMIT[paper]}" "$PYTHON" benchmarks/paper.py --profile "$PROFILE" --out "$PAPER_OUT" --cache-dir "$PAPER_OUT/models"

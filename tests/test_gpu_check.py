@@ -40,7 +40,7 @@ def _gpu_check(*args: str, out: Path | None = None) -> subprocess.CompletedProce
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OUT", "ALRIRA_GGUF")}
     env |= {"PYTHON": sys.executable} | ({"OUT": str(out)} if out else {})
     return subprocess.run(["bash", "benchmarks/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900, check=False)  # fmt: skip
+                          timeout=3600, check=False)  # fmt: skip
 
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in REAL), reason="the real extra is not installed (.ci/install)")
