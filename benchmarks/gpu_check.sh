@@ -34,29 +34,8 @@ for s in ${SECTIONS//,/ }; do
     [[ ",$ALL_SECTIONS," == *",$s,"* ]] || { echo "gpu_check.sh: unknown section $s (sections: $ALL_SECTIONS)" >&2; exit 2; }
 done
 
-run_all() {
-PYTHON="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"
-export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-# What the machine lacks, from the carry folders (benchmarks/gpu_carry.py): wheels into SITE, the
-# GGUF's parts into STASH (both last while the machine is warm, for the next call).
-SITE="${ALRIRA_CARRY_SITE:-/tmp/alrira-site}" STASH="${ALRIRA_CARRY_STASH:-/tmp/alrira-stash}"
-for dir in "${CARRY[@]}"; do
-    "$PYTHON" benchmarks/gpu_carry.py unpack "$dir" --site "$SITE" --stash "$STASH" || { echo "carry $dir: FAILED"; exit 2; }
-done
-[[ -d "$SITE" ]] && export PYTHONPATH="$PYTHONPATH:$SITE"
-GGUF="$STASH/SmolLM2-135M-Instruct.Q4_1.gguf"
-[[ -z "${ALRIRA_GGUF:-}" && -f "$GGUF" ]] && export ALRIRA_GGUF="$GGUF"
-
-# Needs, one line each, checked by one interpreter (each import of torch costs seconds).
-if ! command -v "$PYTHON" >/dev/null 2>&1; then
-    echo "need python: MISSING, no interpreter at $PYTHON (make the venv or set PYTHON=...)"
-    exit 2
-fi
-WORK="$(mktemp -d -t alrira-gpu-check-XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
-CUDA_NEEDED=$([[ ${#SMOKE[@]} -eq 0 ]] && echo 1 || echo 0) SECTIONS="$SECTIONS" "$PYTHON" - "$WORK/unmet" <<'PY'
+check_needs() {  # check_needs UNMET_FILE: one line per need; a section's own unmet need goes to the file
+CUDA_NEEDED=$([[ ${#SMOKE[@]} -eq 0 ]] && echo 1 || echo 0) SECTIONS="$SECTIONS" "$PYTHON" - "$1" <<'PY'
 import importlib.util, os, sys
 
 def need(name, check, section=None):
@@ -116,6 +95,54 @@ if "paper" in picked:
 results = [need(name, check, section) for name, check, section in checks]  # every line, even after a miss
 sys.exit(0 if all(results) else 1)
 PY
+}
+
+collect_out() {  # collect_out WORK PAPER_OUT OUT: at most 8 files come back from $OUT: the log and these
+"$PYTHON" - "$@" <<'PY'
+import json, sys, tarfile
+from pathlib import Path
+work, paper, out = map(Path, sys.argv[1:])
+sections = {p.stem: json.loads(p.read_text()) for p in sorted(work.glob("*.json"))}
+(out / "sections.json").write_text(json.dumps(sections, indent=1) + "\n")
+kept = ["sections.json"]
+for name in ("paper.json", "real_model.md"):
+    if (paper / name).is_file():
+        (out / name).write_bytes((paper / name).read_bytes())
+        kept.append(name)
+if paper.is_dir():  # the run's small files: summaries, results, analyses (no caches, drafters or models)
+    with tarfile.open(out / "paper_results.tgz", "w:gz") as tar:
+        for path in sorted(paper.rglob("*")):
+            if path.is_file() and path.suffix in (".json", ".csv", ".png", ".jsonl", ".md") and path.stat().st_size < 2 << 20 \
+                    and not {"models", "caches", "corpora", "drafter"} & set(path.relative_to(paper).parts):
+                tar.add(path, arcname=str(path.relative_to(paper)))
+    kept.append("paper_results.tgz")
+print(f"$OUT: gpu_check.log {' '.join(kept)}")
+PY
+}
+
+run_all() {
+PYTHON="${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}"
+export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# What the machine lacks, from the carry folders (benchmarks/gpu_carry.py): wheels into SITE, the
+# GGUF's parts into STASH (both last while the machine is warm, for the next call).
+SITE="${ALRIRA_CARRY_SITE:-/tmp/alrira-site}" STASH="${ALRIRA_CARRY_STASH:-/tmp/alrira-stash}"
+for dir in "${CARRY[@]}"; do
+    "$PYTHON" benchmarks/gpu_carry.py unpack "$dir" --site "$SITE" --stash "$STASH" || { echo "carry $dir: FAILED"; exit 2; }
+done
+[[ -d "$SITE" ]] && export PYTHONPATH="$PYTHONPATH:$SITE"
+GGUF="$STASH/SmolLM2-135M-Instruct.Q4_1.gguf"
+[[ -z "${ALRIRA_GGUF:-}" && -f "$GGUF" ]] && export ALRIRA_GGUF="$GGUF"
+
+# Needs, one line each, checked by one interpreter (each import of torch costs seconds).
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "need python: MISSING, no interpreter at $PYTHON (make the venv or set PYTHON=...)"
+    exit 2
+fi
+WORK="$(mktemp -d -t alrira-gpu-check-XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+check_needs "$WORK/unmet"
 if [[ $? -ne 0 ]]; then
     echo "gpu_check.sh: install what is MISSING above; nothing was run" >&2
     exit 2
@@ -177,26 +204,7 @@ for i in "${!names[@]}"; do
     [[ ${statuses[$i]} == ok || ${statuses[$i]} == "skipped (--cpu-smoke)" ]] || failed=1
 done
 if [[ -n "${OUT:-}" ]]; then  # at most 8 files come back from $OUT: the log and these
-    "$PYTHON" - "$WORK" "$PAPER_OUT" "$OUT" <<'PY' || failed=1
-import json, sys, tarfile
-from pathlib import Path
-work, paper, out = map(Path, sys.argv[1:])
-sections = {p.stem: json.loads(p.read_text()) for p in sorted(work.glob("*.json"))}
-(out / "sections.json").write_text(json.dumps(sections, indent=1) + "\n")
-kept = ["sections.json"]
-for name in ("paper.json", "real_model.md"):
-    if (paper / name).is_file():
-        (out / name).write_bytes((paper / name).read_bytes())
-        kept.append(name)
-if paper.is_dir():  # the run's small files: summaries, results, analyses (no caches, drafters or models)
-    with tarfile.open(out / "paper_results.tgz", "w:gz") as tar:
-        for path in sorted(paper.rglob("*")):
-            if path.is_file() and path.suffix in (".json", ".csv", ".png", ".jsonl", ".md") and path.stat().st_size < 2 << 20 \
-                    and not {"models", "caches", "corpora", "drafter"} & set(path.relative_to(paper).parts):
-                tar.add(path, arcname=str(path.relative_to(paper)))
-    kept.append("paper_results.tgz")
-print(f"$OUT: gpu_check.log {' '.join(kept)}")
-PY
+    collect_out "$WORK" "$PAPER_OUT" "$OUT" || failed=1
 fi
 exit $failed
 }
