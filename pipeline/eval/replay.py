@@ -126,7 +126,7 @@ def check_replay_root(out_root: Path, names: list[str]) -> None:
 
 
 def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str, max_new_tokens: int,
-               max_prompts: int | None = None, overwrite: bool = False, log=None) -> dict[str, dict]:  # fmt: skip
+               max_prompts: int | None = None, overwrite: bool = False, log=None, device: str = "cpu") -> dict[str, dict]:  # fmt: skip
     """Greedy replay of every drafter on every prompt; OUT/<name>/{results.csv, rounds.csv,
     summary.json, accept_hist.*} per drafter. A drafter whose complete output has the same
     recorded inputs is kept; one of other inputs is refused unless `overwrite` (pipeline/outputs.py).
@@ -145,17 +145,17 @@ def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str,
         todo = {name: drafters[name] for name, output in outputs.items() if not output.kept}
         if todo:
             _replay(target=target, todo=todo, prompts=prompts, outputs=outputs, max_new_tokens=max_new_tokens,
-                    max_prompts=max_prompts, log=log)  # fmt: skip
+                    max_prompts=max_prompts, log=log, device=device)  # fmt: skip
     return {name: json.loads((out_root / name / "summary.json").read_text()) for name in drafters}
 
 
 def _replay(*, target: str, todo: dict[str, str], prompts: str, outputs: dict, max_new_tokens: int, max_prompts: int | None,
-            log) -> None:  # fmt: skip
+            log, device: str) -> None:  # fmt: skip
     """Replay the drafters of `todo` and write each one's claimed output."""
     from drafter.checkpoint import load_drafter
     from pipeline.eval.evaluate import check_drafter_fits
 
-    device = torch.device("cpu")
+    device = torch.device(device)  # float32 on any device: replay scores the drafters, not a dtype
     models = {}
     target_model, tokenizer, stops = load_target_and_stops(target, device=device, dtype=torch.float32)
     for name, path in todo.items():
@@ -185,7 +185,7 @@ def _replay(*, target: str, todo: dict[str, str], prompts: str, outputs: dict, m
         summary = {
             "mode": "greedy_replay", "target": str(Path(target).resolve()), "drafter": str(Path(todo[name]).resolve()),
             "prompts": str(Path(prompts).resolve()), "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
-            "device": "cpu", "block_size": model.config.block_size, "verify": "chain", "num_prompts": len(rows[name]),
+            "device": str(device), "block_size": model.config.block_size, "verify": "chain", "num_prompts": len(rows[name]),
             "num_groups": len(accepted_by_group[name]), "committed_tokens": sum(r["committed"] for r in rows[name]),
             "rounds": sum(r["rounds"] for r in rows[name]), **summarize(rows[name]), "lossless_mismatches": None,
             "lossless_exact": None, "lossless_note": "greedy replay: the committed tokens are the target's greedy tokens",
