@@ -130,6 +130,14 @@ class BatchBoard:
         return reports
 
 
+def progress_board():
+    """A BatchBoard on the driver's own node: a worker node lost mid-build must not take the
+    driver's progress reports with it (its next take() raised ActorUnavailableError, a traceback;
+    docs/failure-modes.md, "a Ray node is lost mid-build")."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return BatchBoard.options(namespace=ACTOR_NAMESPACE, scheduling_strategy=here).remote()
+
+
 def target_problem(target: str, *, driver_target_hash: str, node: str) -> str | None:
     """Why `node` cannot compute with its copy of `target`, or None: every node needs the driver's
     target at the same path (docs/cluster.md, "The target on every node")."""
@@ -329,7 +337,7 @@ def run_shards_on_ray(
     connect_ray(compute.ray_address)
     placements = (placements or plan_pool(compute, workers_per_node=None))[: len(pending)]
     _wait_for_resources(compute, len(placements), log=log)
-    board = BatchBoard.options(namespace=ACTOR_NAMESPACE).remote()
+    board = progress_board()
     new_worker = actor_factory(
         CacheWorker, out=config.out, compute=compute, placements=placements, args=(config, target_hash(config.target), board)
     )

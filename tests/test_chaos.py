@@ -1,0 +1,89 @@
+"""The chaos harness in CI (benchmarks/chaos.py, issue 30): rounds of random combined faults per
+stage (a seeded draw: the failing round's replay command is in the message), each ending exactly
+as a clean run; and the regression tests of the failures the harness found (docs/failure-modes.md,
+"Chaos").
+
+One world for the module: the toy target and corpus, the harness's own 2-raylet Ray cluster and S3
+server on 127.0.0.1, a small tmpfs, and one clean reference per stage. No wall-clock bound decides
+anything: a round fails on what it ended with, or on a hang past the harness's cap.
+
+ALRIRA_CHAOS_ROUNDS sets the rounds per stage (default 2: what fits this suite's budget on two
+shared cores, docs/benchmarks.md "Chaos"), ALRIRA_CHAOS_SEED the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import chaos
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = int(os.environ.get("ALRIRA_CHAOS_ROUNDS", "2"))
+SEED = int(os.environ.get("ALRIRA_CHAOS_SEED", "30"))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chaos")
+    world = chaos.make_world(root / "world", log=print)
+    try:
+        (world.root / "logs").mkdir()
+        chaos.start_store(world)
+        chaos.start_cluster(world)
+        chaos.mount_disk(world)
+        chaos.make_references(world, list(chaos.STAGES))
+        yield world
+    finally:
+        chaos.close_world(world)
+
+
+@pytest.mark.parametrize("stage", chaos.STAGES)
+def test_rounds_of_random_faults_end_as_clean_runs(world, stage):
+    lines = []
+    for index in range(ROUNDS):
+        result = chaos.play_round(world, stage, index, SEED)
+        lines.append(chaos.report_line(result, SEED))
+        print(lines[-1])
+    assert not [line for line in lines if ": FAILED: " in line], "\n".join(lines)
+
+
+def test_a_raylet_killed_mid_build_is_survived(world):
+    """Regression: the build's progress board could live on the lost node; the driver's next
+    take() raised ActorUnavailableError and the user saw a traceback."""
+    result = chaos.play_round(world, "build", 1000, SEED, only=["kill_raylet"])
+    assert not result.error, chaos.report_line(result, SEED)
+
+
+BOARD_SCRIPT = """
+import json, sys, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=sys.argv[1], logging_level="ERROR")
+here = ray.get_runtime_context().get_node_id()
+# Every CPU of the driver's node taken: a board placed by load alone would go to the other node.
+@ray.remote(num_cpus=2)
+class Hog:
+    def ready(self):
+        return True
+hog = Hog.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+ray.get(hog.ready.remote())
+from ray_jobs.build import progress_board
+boards = [progress_board() for _ in range(4)]
+ray.get([b.take.remote() for b in boards])
+nodes = [ray._private.state.actors(b._actor_id.hex())["Address"]["NodeID"] for b in boards]
+print(json.dumps({"here": here, "boards": nodes}))
+"""
+
+
+def test_the_progress_board_lives_on_the_drivers_node(world):
+    """Regression (the root cause of the one above): the board is pinned to the driver's node, even
+    when that node's CPUs are all taken."""
+    proc = subprocess.run([sys.executable, "-c", BOARD_SCRIPT, world.address], env=world.env, capture_output=True, text=True, timeout=chaos.RUN_CAP_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert placed["boards"] == [placed["here"]] * 4, placed
