@@ -87,6 +87,7 @@ class World:
     disk: Path | None = None  # the small tmpfs (None: mounting refused here)
     references: dict[str, Path | str] = field(default_factory=dict)
     store_paused_until: float = 0.0
+    live: set[int] = field(default_factory=set)  # process groups of runs still going (killed on close)
     log: callable = print
 
 
@@ -189,23 +190,28 @@ def mount_disk(world: World, size: str = "24m") -> None:
         world.log(f"chaos: no tmpfs ({mounted.stderr.strip()}): disk_full is not drawn")
 
 
-def make_world(root: Path, log) -> World:
+def make_world(root: Path, log, *, target: Path | None = None, corpus: Path | None = None) -> World:
+    """The work dir with its environment, and the toy target and corpus (made here unless given:
+    the CI variant reuses its test session's)."""
     from pipeline.demo.toy import make_toy_target, toy_chat_rows
     from tests.conftest import write_jsonl
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     tmp = root / "tmp"
-    tmp.mkdir()
+    tmp.mkdir(parents=True)
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT),
                TMPDIR=str(tmp), XDG_CACHE_HOME=str(root / "xdg"), ALRIRA_STORE_TIMEOUT_S=str(STORE_TIMEOUT_S),
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
-    target = make_toy_target(root / "target", seed=0, peaked=True)
-    corpus = write_jsonl(root / "chat.jsonl", toy_chat_rows(8, seed=1, response_words=(30, 60)))
+    target = target or make_toy_target(root / "target", seed=0, peaked=True)
+    corpus = corpus or write_jsonl(root / "chat.jsonl", toy_chat_rows(8, seed=1, response_words=(30, 60)))
     world = World(root=root, env=env, target=target, corpus=corpus, log=log)
     return world
 
 
 def close_world(world: World) -> None:
+    for pgid in list(world.live):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
     for name in list(world.sessions):
         _kill_session(world, name)
     if world.store is not None:
@@ -271,9 +277,13 @@ def run_clean(world: World, variant: str, out: str) -> None:
         raise RuntimeError(f"the clean {variant} run failed: {proc.stderr[-3000:]}")
 
 
-def make_references(world: World, stages: list[str]) -> dict[str, float]:
-    """One clean run per variant the stages need (training needs the stage-1 cache); seconds each."""
+def make_references(world: World, stages: list[str], *, build: Path | None = None) -> dict[str, float]:
+    """One clean run per variant the stages need (training needs the stage-1 cache), but for a
+    clean build given as `build` (the same settings); seconds each."""
     needed = ["build"] + [v for s in stages if s != "build" for v in VARIANTS[s]]
+    if build is not None:
+        world.references["build"] = build
+        needed.remove("build")
     seconds = {}
     for variant in needed:
         out = world.root / "references" / variant
@@ -430,6 +440,7 @@ class Round:
     seconds: float = 0.0
     recovery_s: float = 0.0  # from the end of the faulted run to the rerun that finished the stage
     error: str = ""
+    first_error: str = ""  # the faulted run's `Error: ` line, if it printed one
 
 
 def draw(world: World, stage: str, index: int, seed: int, only: list[str] | None = None) -> tuple[random.Random, str, list[str], int, float]:
@@ -476,6 +487,7 @@ def faulted_run(world: World, variant: str, argv: list[str], out: str, plan: tup
     rng, _, faults, units, delay = plan
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(argv, env=world.env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+        world.live.add(proc.pid)
         started = time.monotonic()
         while proc.poll() is None and progress(world, variant, out) < units and time.monotonic() - started < RUN_CAP_S:
             time.sleep(0.05)
@@ -483,8 +495,15 @@ def faulted_run(world: World, variant: str, argv: list[str], out: str, plan: tup
             time.sleep(delay)
         for fault in faults:
             if fault in DURING:
-                result.faults[fault] = DURING[fault](world, proc, rng)
+                hit = DURING[fault](world, proc, rng)
+                # No target yet (actors still starting, DataLoader workers between epochs): the
+                # moment is the first one after the drawn one where there is.
+                while hit.startswith("missed (no") and proc.poll() is None and time.monotonic() - started < RUN_CAP_S:
+                    time.sleep(0.05)
+                    hit = DURING[fault](world, proc, rng)
+                result.faults[fault] = hit
         _wait_exit(proc, "the faulted run")
+        world.live.discard(proc.pid)
         log.seek(0)
         return proc.returncode, log.read(), proc.pid
 
@@ -527,12 +546,16 @@ def play_round(world: World, stage: str, index: int, seed: int, only: list[str] 
         pgids.append(pgid)
         ended = time.monotonic()
         check_printed(printed, rc, 1, killed="kill_driver" in faults)
+        result.first_error = next((line for line in printed.splitlines() if line.startswith("Error: ")), "")
         repair(world, faults)
         for fault in faults:
             if fault in BETWEEN:
                 result.faults[fault] = BETWEEN[fault](world, result.variant, out, rng)
         result.faults.update({f: "" for f in faults if f not in result.faults})
-        while result.attempts < MAX_ATTEMPTS:
+        check_flip_found(world, result, out)
+        damaged = any(result.faults[f] and not result.faults[f].startswith("missed") for f in BETWEEN if f in result.faults)
+        while (rc != 0 or damaged) and result.attempts < MAX_ATTEMPTS:  # the user's reruns
+            damaged = False
             result.attempts += 1
             rc, printed, pgid = rerun(world, argv)
             pgids.append(pgid)
@@ -556,17 +579,31 @@ def play_round(world: World, stage: str, index: int, seed: int, only: list[str] 
 
 def rerun(world: World, argv: list[str]) -> tuple[int, str, int]:
     proc = subprocess.Popen(argv, env=world.env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    world.live.add(proc.pid)
     try:
         printed, _ = proc.communicate(timeout=RUN_CAP_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise RoundFailed(f"a rerun hung: still running after {RUN_CAP_S:.0f} s") from None
+    world.live.discard(proc.pid)
     return proc.returncode, printed, proc.pid
 
 
 # --------------------------------------------------------------------------------------------
 # Checks.
+
+
+def check_flip_found(world: World, result: Round, out: str) -> None:
+    """A bit flipped in a published shard is found by `alrira-cache verify`, naming the shard,
+    before the rerun rebuilds it (the trainer's per-chunk CRC check is tests/test_object_store.py's)."""
+    hit = result.faults.get("flip_bit", "")
+    if not result.variant.startswith("build") or not hit.startswith("shards/"):
+        return
+    shard = hit.split("/")[1]
+    verify = subprocess.run([sys.executable, "-m", "ray_jobs", "verify", out], env=world.env, capture_output=True, text=True, timeout=RUN_CAP_S)
+    if verify.returncode == 0 or shard not in verify.stdout + verify.stderr:
+        raise RoundFailed(f"verify did not report the flipped bit in {shard}: exit {verify.returncode}, {verify.stdout[-500:]} {verify.stderr[-500:]}")
 
 
 def check_outputs(world: World, variant: str, out: str) -> None:
