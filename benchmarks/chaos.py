@@ -194,7 +194,6 @@ def make_world(root: Path, log, *, target: Path | None = None, corpus: Path | No
     """The work dir with its environment, and the toy target and corpus (made here unless given:
     the CI variant reuses its test session's)."""
     from pipeline.demo.toy import make_toy_target, toy_chat_rows
-    from tests.conftest import write_jsonl
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     tmp = root / "tmp"
@@ -203,7 +202,9 @@ def make_world(root: Path, log, *, target: Path | None = None, corpus: Path | No
                TMPDIR=str(tmp), XDG_CACHE_HOME=str(root / "xdg"), ALRIRA_STORE_TIMEOUT_S=str(STORE_TIMEOUT_S),
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
     target = target or make_toy_target(root / "target", seed=0, peaked=True)
-    corpus = corpus or write_jsonl(root / "chat.jsonl", toy_chat_rows(8, seed=1, response_words=(30, 60)))
+    if corpus is None:
+        corpus = root / "chat.jsonl"
+        corpus.write_text("".join(json.dumps(row) + "\n" for row in toy_chat_rows(8, seed=1, response_words=(30, 60))))
     world = World(root=root, env=env, target=target, corpus=corpus, log=log)
     return world
 

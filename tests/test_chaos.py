@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from benchmarks import chaos
 
@@ -98,3 +99,43 @@ def test_the_progress_board_lives_on_the_drivers_node(world):
     assert proc.returncode == 0, proc.stderr[-3000:]
     placed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert placed["boards"] == [placed["here"]] * 4, placed
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs (the tests run as root); skipped where mounting is not permitted."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+class _Net(torch.nn.Linear):
+    """A module with the drafter's one extra attribute save_checkpoint reads (its HF config)."""
+
+    class config:  # noqa: N801 (an attribute, as on DFlashDrafter)
+        @staticmethod
+        def to_hf_dict() -> dict:
+            return {"architectures": ["Test"]}
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_not_a_traceback(full_disk):
+    """Regression: torch.save's zip writer turned ENOSPC into `RuntimeError: ... unexpected pos` /
+    `basic_ios::clear: iostream error`, which alrira-train showed as a traceback (chaos, seed 30,
+    train round 0). Now the one-line ValueError the CLI prints; nothing half-written is left."""
+    from pipeline.train.checkpoints import save_checkpoint
+    from storage.location import resolve
+
+    model = _Net(1024, 512)  # 2 MiB of weights, more than the disk
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError) as failed:
+        save_checkpoint(resolve(str(full_disk / "run")), step=3, model=model, optimizer=optimizer, settings={})
+    line = str(failed.value)
+    assert line.startswith(str(full_disk / "run" / "checkpoints" / "step-00000003")) and "\n" not in line, line
+    assert "No space left on device" in line and "rerun the same command with --resume" in line, line
+    assert list((full_disk / "run" / "checkpoints").iterdir()) == []  # the temp directory went too
