@@ -30,6 +30,7 @@ import functools
 import os
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
 from pipeline.cache_build import driver
@@ -119,6 +120,14 @@ class BatchBoard:
         return reports
 
 
+def progress_board():
+    """A BatchBoard on the driver's own node: a worker node lost mid-build must not take the
+    driver's progress reports with it (its next take() raised ActorUnavailableError, a traceback;
+    docs/failure-modes.md, "a Ray node is lost mid-build")."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return BatchBoard.options(namespace=ACTOR_NAMESPACE, scheduling_strategy=here).remote()
+
+
 def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -> Manifest:
     """Build or resume the cache described by `config` on a Ray cluster; returns the final manifest.
     --workers-per-node pins that many actors to every node instead of --workers (plan_pool)."""
@@ -153,7 +162,7 @@ def run_shards_on_ray(
     connect_ray(compute.ray_address)
     placements = (placements or plan_pool(compute, workers_per_node=None))[: len(pending)]
     wait_for_resources(compute, len(placements), log=log)
-    board = BatchBoard.options(namespace=ACTOR_NAMESPACE).remote()
+    board = progress_board()
     new_worker = actor_factory(
         CacheWorker, out=config.out, compute=compute, placements=placements, args=(config, target_hash(config.target), board)
     )

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from storage.manifest import load_manifest
 from storage.reader import open_cache
 from storage.verify import verify_cache
 from tests.conftest import write_jsonl
+from tests.waits import HANG_CAP_S, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -175,16 +175,14 @@ def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_co
         [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    deadline = time.time() + 180
-    manifest_path = out / "manifest.json"
-    while time.time() < deadline:
-        if manifest_path.exists() and len(json.loads(manifest_path.read_text())["shards"]) >= 2:
-            break
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:  # wait on the event (two shards published), not on a clock: the start may take minutes
+        two_listed = wait_for(lambda: _listed(out) >= 2, what="the build publishing 2 shards", ended=lambda: proc.poll() is not None)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert two_listed, f"the build ended (exit {proc.returncode}) with {_listed(out)} shard(s) listed, before it could be killed at 2"
     killed = load_manifest(out)
-    assert 2 <= len(killed.shards) < killed.num_shards_planned, "build finished before it could be killed"
+    assert len(killed.shards) < killed.num_shards_planned, "the build finished every shard before it could be killed"
 
     result = CliRunner().invoke(cache_cli, _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1"))
     assert result.exit_code == 0, result.output
@@ -214,16 +212,36 @@ def _build_and_interrupt(config: CacheBuildConfig, interrupt) -> tuple[int | Non
 
     thread = threading.Thread(target=run)
     thread.start()
-    manifest_path, interrupted_at = Path(config.out) / "manifest.json", None
-    deadline = time.time() + 180
-    while time.time() < deadline and interrupted_at is None and thread.is_alive():
-        if manifest_path.exists():
-            listed = len(json.loads(manifest_path.read_text())["shards"])
-            if listed >= 1 and interrupt():
-                interrupted_at = listed
-        time.sleep(0.02)
-    thread.join(timeout=300)
+    def interrupted() -> int | None:
+        listed = _listed(Path(config.out))
+        return listed if listed >= 1 and interrupt() else None
+
+    try:
+        interrupted_at = wait_for(interrupted, what="a shard published, then interrupt()", ended=lambda: not thread.is_alive())
+    finally:
+        wait_for(lambda: not thread.is_alive(), what="the interrupted build ending")
     return interrupted_at, errors
+
+
+def _own_ray_processes(title: str) -> list[int]:
+    """Pids of the Ray worker processes titled `title`* of the session's own cluster (the raylet is
+    this process's child): never another user's processes on a shared machine."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(child.cmdline()).startswith(title):
+                found.append(child.pid)
+        except psutil.Error:  # exited meanwhile
+            continue
+    return found
+
+
+def _listed(out: Path) -> int:
+    """How many shards the manifest in `out` lists (0 before it exists; it is replaced atomically)."""
+    manifest_path = out / "manifest.json"
+    return len(json.loads(manifest_path.read_text())["shards"]) if manifest_path.exists() else 0
 
 
 def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, toy_target, toy_corpus, shard1_reference, tmp_path):
@@ -231,9 +249,9 @@ def test_worker_killed_mid_build_is_replaced_and_the_shard_redone(ray_address, t
     reference = shard1_reference
 
     def kill_a_worker() -> bool:
-        pids = subprocess.run(["pgrep", "-f", "ray::CacheWorker"], capture_output=True, text=True).stdout.split()
+        pids = _own_ray_processes("ray::CacheWorker")
         if pids:
-            os.kill(int(pids[0]), signal.SIGKILL)
+            os.kill(pids[0], signal.SIGKILL)
         return bool(pids)
 
     out = tmp_path / "killed-worker"
@@ -351,7 +369,7 @@ def test_workers_beyond_the_cluster_are_refused_in_one_line(ray_address, toy_tar
     args = _cli_args(toy_target, toy_corpus, out, ray_address, "--workers", "3")
     proc = subprocess.run(
         [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_CAP_S,
     )  # fmt: skip
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]

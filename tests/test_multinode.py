@@ -34,12 +34,13 @@ import pytest
 from storage.manifest import load_manifest
 from storage.verify import verify_cache
 from tests.test_cache_build import SMALL, _build_here, _config
+from tests.waits import HANG_CAP_S
 
 RAY = str(Path(sys.executable).parent / "ray")
 HEAD_MARKER, NODE_MARKER = "alrira_test_head", "alrira_test_node"  # custom resources telling the nodes apart
 NODE_CPUS = 2  # logical CPUs per node: room for 2 workers on either, so only pinning puts one on each
-START_TIMEOUT_S = 120  # `ray start` on 2 busy cores takes ~10 s
-BUILD_TIMEOUT_S = 240
+START_TIMEOUT_S = HANG_CAP_S  # `ray start` on 2 busy cores takes ~10 s; the cap is against hangs only
+BUILD_TIMEOUT_S = HANG_CAP_S
 SHARD_LINE = re.compile(r"^(shard-\d+\.\w+): \d+ sequences, \d+ tokens, node (\S+)/([0-9a-f]{8})$", re.M)
 # The node list as the cluster's GCS sees it: [[node id, [resource names]], ...] of alive nodes.
 NODES_SCRIPT = (
@@ -112,7 +113,7 @@ def _ray_start(args: list[str], *, temp_dir: Path, sessions: list[int]) -> None:
         raise RuntimeError(f"{' '.join(command)} failed:\n{output[-3000:]}")
 
 
-def _alive_nodes(address: str, *, count: int, timeout: float = 90) -> dict[str, list[str]]:
+def _alive_nodes(address: str, *, count: int, timeout: float = HANG_CAP_S) -> dict[str, list[str]]:
     """Node id -> resource names, once `count` nodes are alive (a raylet registers after its start)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -22,6 +22,7 @@ from pipeline.target import load_target, load_tokenizer
 from pipeline.vision import VisionInputConfig
 from storage.location import resolve
 from tests.conftest import write_jsonl
+from tests.waits import HANG_CAP_S
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
@@ -339,7 +340,7 @@ def test_regenerate_on_a_builds_out_leaves_its_actors_alone(ray_address, toy_tar
         args = ["regenerate", "--target", str(toy_target), "--corpus", str(short_corpus), "--out", str(cache), "--no-progress"]
         result = CliRunner().invoke(cache_cli, args)
         assert result.output.startswith(f"Error: {cache}: not empty and not a regeneration output"), result.output
-        assert ray.get(live.ping.remote(), timeout=30) == 1
+        assert ray.get(live.ping.remote(), timeout=HANG_CAP_S) == 1
     finally:
         ray.kill(live)
 

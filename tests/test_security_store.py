@@ -27,6 +27,7 @@ from storage.location import COPY_LISTING_FILE, LOCAL_COPIES_DIR, remove_local_c
 from storage.paths import checked_join
 from storage.wds import WdsShard
 from test_storage import build_cache
+from tests.waits import HANG_CAP_S
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 
@@ -177,16 +178,15 @@ def test_a_frozen_store_endpoint_ends_within_the_timeout_in_one_line(isolated_s3
         isolated_s3.setenv("AWS_ACCESS_KEY_ID", "testing")
         isolated_s3.setenv("AWS_SECRET_ACCESS_KEY", "testing")
         isolated_s3.setenv("ALRIRA_STORE_TIMEOUT_S", "3")
-        started = time.monotonic()
         result = _cli(cache_cli, ["info", "s3://frozen-bucket/cache"])
-        elapsed = time.monotonic() - started
     finally:
         frozen.close()
     assert frozen.held, "the client never connected"
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
     assert "s3://frozen-bucket/cache" in result.output and "no answer within ALRIRA_STORE_TIMEOUT_S=3s" in result.output, result.output
     assert "no cache manifest" not in result.output
-    assert elapsed < 3 + 10, elapsed  # the bound, plus retry backoff and a loaded machine
+    # The message proves the timeout ended it: no wall-clock bound on the code under test (a loaded
+    # machine stretches every step; tests/waits.py).
 
 
 def test_info_and_verify_say_the_real_store_error(isolated_s3, s3_prefix):
@@ -226,10 +226,8 @@ def test_a_ray_address_where_nothing_answers_ends_in_one_line(toy_target, toy_co
             filler.setblocking(False)
             filler.connect_ex(full.getsockname())
             fillers.append(filler)
-        started = time.monotonic()
-        with pytest.raises(ValueError) as refused:
+        with pytest.raises(ValueError) as refused:  # its message proves the 1 s timeout ended it
             probe_ray_address(address, flag="--ray-address", timeout=1.0)
-        assert time.monotonic() - started < 5
     finally:
         for filler in fillers:
             filler.close()
@@ -239,11 +237,9 @@ def test_a_ray_address_where_nothing_answers_ends_in_one_line(toy_target, toy_co
     # The whole command, with $RAY_ADDRESS pointing at a port where nothing listens.
     env = {**os.environ, "RAY_ADDRESS": address, "ALRIRA_RAY_CONNECT_TIMEOUT_S": "2", "PYTHONPATH": os.getcwd()}
     command = [sys.executable, "-m", "ray_jobs", "build", "--target", str(toy_target), "--corpus", str(toy_corpus)]
-    started = time.monotonic()
-    proc = subprocess.run([*command, "--out", str(tmp_path / "c")], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([*command, "--out", str(tmp_path / "c")], env=env, capture_output=True, text=True, timeout=HANG_CAP_S)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"Error: $RAY_ADDRESS {address}: no Ray cluster answers there")
-    assert time.monotonic() - started < 60
     assert not (tmp_path / "c").exists()
 
 
@@ -398,7 +394,7 @@ def test_a_node_without_the_store_credentials_says_so_first(ray_address, toy_tar
     worker = CacheWorker.options(num_cpus=1, runtime_env={"env_vars": no_credentials}).remote(config, target_hash(toy_target))
     try:
         with pytest.raises(ray.exceptions.RayTaskError) as failed:
-            ray.get(worker.build.remote(ShardSpec(index=0, start=0, stop=1, owner=None)), timeout=120)
+            ray.get(worker.build.remote(ShardSpec(index=0, start=0, stop=1, owner=None)), timeout=HANG_CAP_S)
     finally:
         ray.kill(worker, no_restart=True)
     line = str(plain_error(failed.value))

@@ -19,6 +19,7 @@ from storage.format import SHARD_DIR
 from storage.manifest import load_manifest
 from storage.shards import ShardSize, ShardWriter, read_shard_records, shard_checksum, write_shard
 from test_storage import make_record, make_shard_records
+from tests.waits import HANG_CAP_S
 
 SMALL = dict(layers=[0, 2], anchors=6, top_k=4, max_length=128, shard_size=5)
 
@@ -109,13 +110,13 @@ def test_a_shard_writer_refuses_other_than_planned_and_leaves_nothing(tmp_path):
 
 def test_the_builder_writes_a_batch_while_the_next_one_computes(toy_target, toy_corpus, tmp_path, monkeypatch):
     """The first batch's records are not written until the second batch's target pass has started:
-    a serial builder would wait here forever (the wait below fails after 120 s instead)."""
+    a serial builder would wait here forever (the wait below fails after tests/waits.py's cap instead)."""
     second_batch_started = threading.Event()
     append = ShardWriter.append
     batch_threads = []
 
     def slow_append(writer, record):
-        if not second_batch_started.wait(timeout=120):
+        if not second_batch_started.wait(timeout=HANG_CAP_S):
             raise AssertionError("the first batch was written before the second batch started")
         return append(writer, record)
 

@@ -18,6 +18,7 @@ from pipeline.train.loop import train
 from storage.local_cache import READER_PREFIX, CachedObject, LocalCache, read_ahead, sweep_orphans
 from storage.location import resolve
 from test_wds_stream import caches  # noqa: F401 (the module's wds caches: 4 shards of 2 sequences)
+from tests.waits import wait_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,10 +88,7 @@ def test_read_ahead_downloads_the_next_object_while_one_is_read_and_never_holds_
 
 
 def _wait_for_copy(cache: LocalCache, name: str) -> None:
-    deadline = time.monotonic() + 30
-    while not any(p.name.endswith(name) for p in cache.dir.iterdir()):
-        assert time.monotonic() < deadline, f"{name} was not downloaded ahead"
-        time.sleep(0.01)
+    wait_for(lambda: any(p.name.endswith(name) for p in cache.dir.iterdir()), what=f"{name} downloaded ahead", poll_s=0.01)
 
 
 def test_read_ahead_goes_no_further_than_asked_even_with_room(s3_prefix, tmp_path):

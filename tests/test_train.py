@@ -19,6 +19,7 @@ from pipeline.train.methods import METHODS
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import lr_at, train
 from storage.reader import open_cache
+from tests.waits import HANG_CAP_S
 
 GOLDEN = Path(__file__).parent / "golden" / "loss_trace.json"
 
@@ -106,7 +107,7 @@ def test_two_rank_ddp_equals_single_process(cache, tmp_path):
         "--batch-size", "4", "--num-workers", "0", "--no-progress", "--save-dtype", "float32", "--log-every", "1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=HANG_CAP_S)
     assert result.returncode == 0, result.stderr[-3000:]
     for x, y in zip(_losses(single), _losses(ddp), strict=True):
         assert abs(x - y) <= 1e-5 * abs(x)

@@ -24,6 +24,7 @@ from storage.manifest import ShardRecord, save_manifest
 from storage.reader import open_cache
 from storage.shards import shard_bytes, shard_checksum
 from storage.wds import WdsShardWriter
+from tests.waits import HANG_CAP_S
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -268,7 +269,7 @@ def _torchrun(tmp_path: Path, flags: dict, *probe_args: str) -> None:
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
             str(probe), json.dumps(flags), *probe_args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=HANG_CAP_S)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -219,12 +219,13 @@ def build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: bo
         raise ValueError(_os_error_line(error, out)) from None
 
 
-def _os_error_line(error: OSError, out: Location) -> str:
-    """One line for a failing filesystem: the path, the reason, and for a full disk what to do."""
+def _os_error_line(error: OSError, out: Location, *, kind: str = "cache", kept: str = "shards published") -> str:
+    """One line for a failing filesystem: the path, the reason, and for a full disk what to do
+    (regeneration's driver says it of its parts)."""
     line = f"{error.filename or out}: {error.strerror or error}"
     if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        line += f" (cache {out})" if error.filename else ""
-        line += "; the shards published so far are kept: free space and rerun the same command to resume"
+        line += f" ({kind} {out})" if error.filename else ""
+        line += f"; the {kept} so far are kept: free space and rerun the same command to resume"
     return line
 
 

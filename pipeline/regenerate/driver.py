@@ -259,7 +259,18 @@ def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_par
 
 
 def regenerate_unlocked(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
-    """`regenerate_corpus` for a caller that holds the lock already (ray_jobs/regenerate.py)."""
+    """`regenerate_corpus` for a caller that holds the lock already (ray_jobs/regenerate.py). A
+    failing filesystem (a full disk, ...) is a one-line ValueError naming the output and, for a full
+    disk, saying that a rerun resumes (the parts written so far are kept)."""
+    try:
+        return _regenerate_corpus(config, run_parts=run_parts, log=log)
+    except OSError as error:
+        from pipeline.cache_build.driver import _os_error_line
+
+        raise ValueError(_os_error_line(error, config.out, kind="output", kept="parts written")) from None
+
+
+def _regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts, log) -> dict:
     if config.compute.backend == "vllm" and is_vision_target(config.target):
         from pipeline.cache_build.vllm_runner import check_vllm_target
 

@@ -13,6 +13,7 @@ to a partial checkpoint (docs/design.md, "Caches on object stores").
 
 from __future__ import annotations
 
+import errno
 import json
 import pickle
 import re
@@ -64,9 +65,29 @@ def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dic
         "config": settings,
         "data_position": data_position,
     }
-    atomic_write_dir(final, lambda tmp: torch.save(state, tmp / STATE_FILE))
+    try:
+        atomic_write_dir(final, lambda tmp: _save_state(state, tmp / STATE_FILE))
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise ValueError(
+            f"{final}: {error.strerror}; the checkpoints before it are kept: free space and rerun the same command with --resume"
+        ) from None
     atomic_write_text(run.join(f"checkpoints/{LATEST_FILE}"), checkpoint_name(step))
     return str(final)
+
+
+def _save_state(state: dict, path: Path) -> None:
+    """torch.save through a Python file object: torch's zip writer turns a failed write (a full
+    disk, a quota) into a RuntimeError ("unexpected pos", "iostream error") that the CLI would show
+    as a traceback; the OSError it hides is raised instead (found by benchmarks/chaos.py)."""
+    with open(path, "wb") as f:
+        try:
+            torch.save(state, f)
+        except RuntimeError as error:
+            if isinstance(error.__context__, OSError):
+                raise OSError(error.__context__.errno, error.__context__.strerror, str(path)) from None
+            raise
 
 
 class UnsafeCheckpoint(ValueError):

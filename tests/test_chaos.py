@@ -1,0 +1,141 @@
+"""The chaos harness in CI (benchmarks/chaos.py, issue 30): rounds of random combined faults per
+stage (a seeded draw: the failing round's replay command is in the message), each ending exactly
+as a clean run; and the regression tests of the failures the harness found (docs/failure-modes.md,
+"Chaos").
+
+One world for the module: the toy target and corpus, the harness's own 2-raylet Ray cluster and S3
+server on 127.0.0.1, a small tmpfs, and one clean reference per stage. No wall-clock bound decides
+anything: a round fails on what it ended with, or on a hang past the harness's cap.
+
+ALRIRA_CHAOS_ROUNDS sets the rounds per stage (default 1: what fits this suite's budget on two
+shared cores, docs/benchmarks.md "Chaos"), ALRIRA_CHAOS_SEED the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import chaos
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = int(os.environ.get("ALRIRA_CHAOS_ROUNDS", "1"))
+SEED = int(os.environ.get("ALRIRA_CHAOS_SEED", "30"))
+
+
+@pytest.fixture(scope="module")
+def world(toy_target, toy_corpus, shard1_reference, tmp_path_factory):
+    """The session's toy target and corpus, and its clean build at the harness's settings
+    (tests/conftest.py's shard1_reference: tests/test_cache_build.py's SMALL at --shard-size 1)."""
+    root = tmp_path_factory.mktemp("chaos")
+    world = chaos.make_world(root / "world", log=print, target=toy_target, corpus=toy_corpus)
+    try:
+        (world.root / "logs").mkdir()
+        chaos.start_store(world)
+        chaos.start_cluster(world)
+        chaos.mount_disk(world)
+        chaos.make_references(world, list(chaos.STAGES), build=shard1_reference)
+        yield world
+    finally:
+        chaos.close_world(world)
+
+
+@pytest.mark.parametrize("stage", chaos.STAGES)
+def test_rounds_of_random_faults_end_as_clean_runs(world, stage):
+    lines = []
+    for index in range(ROUNDS):
+        result = chaos.play_round(world, stage, index, SEED)
+        lines.append(chaos.report_line(result, SEED))
+        print(lines[-1])
+    assert not [line for line in lines if ": FAILED: " in line], "\n".join(lines)
+
+
+def test_a_raylet_killed_mid_build_is_survived(world):
+    """Regression: the build's progress board could live on the lost node; the driver's next
+    take() raised ActorUnavailableError and the user saw a traceback."""
+    result = chaos.play_round(world, "build", 1000, SEED, only=["kill_raylet"])
+    assert not result.error, chaos.report_line(result, SEED)
+
+
+def test_a_full_disk_during_regeneration_is_one_line_and_the_rerun_resumes(world):
+    """Regression: regeneration said only `Error: [Errno 28] No space left on device`."""
+    result = chaos.play_round(world, "regenerate", 1001, SEED, only=["disk_full"])
+    assert not result.error, chaos.report_line(result, SEED)
+    if result.first_error:  # the run may have ended before the disk filled
+        assert result.first_error.startswith("Error: ") and "regenerate-1001" in result.first_error, result.first_error
+        assert "No space left on device" in result.first_error, result.first_error
+
+
+BOARD_SCRIPT = """
+import json, sys, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=sys.argv[1], logging_level="ERROR")
+here = ray.get_runtime_context().get_node_id()
+# Every CPU of the driver's node taken: a board placed by load alone would go to the other node.
+@ray.remote(num_cpus=2)
+class Hog:
+    def ready(self):
+        return True
+hog = Hog.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+ray.get(hog.ready.remote())
+from ray_jobs.build import progress_board
+boards = [progress_board() for _ in range(4)]
+ray.get([b.take.remote() for b in boards])
+nodes = [ray._private.state.actors(b._actor_id.hex())["Address"]["NodeID"] for b in boards]
+print(json.dumps({"here": here, "boards": nodes}))
+"""
+
+
+def test_the_progress_board_lives_on_the_drivers_node(world):
+    """Regression (the root cause of the one above): the board is pinned to the driver's node, even
+    when that node's CPUs are all taken."""
+    proc = subprocess.run([sys.executable, "-c", BOARD_SCRIPT, world.address], env=world.env, capture_output=True, text=True, timeout=chaos.RUN_CAP_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert placed["boards"] == [placed["here"]] * 4, placed
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs (the tests run as root); skipped where mounting is not permitted."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+class _Net(torch.nn.Linear):
+    """A module with the drafter's one extra attribute save_checkpoint reads (its HF config)."""
+
+    class config:  # noqa: N801 (an attribute, as on DFlashDrafter)
+        @staticmethod
+        def to_hf_dict() -> dict:
+            return {"architectures": ["Test"]}
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_not_a_traceback(full_disk):
+    """Regression: torch.save's zip writer turned ENOSPC into `RuntimeError: ... unexpected pos` /
+    `basic_ios::clear: iostream error`, which alrira-train showed as a traceback (chaos, seed 30,
+    train round 0). Now the one-line ValueError the CLI prints; nothing half-written is left."""
+    from pipeline.train.checkpoints import save_checkpoint
+    from storage.location import resolve
+
+    model = _Net(1024, 512)  # 2 MiB of weights, more than the disk
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError) as failed:
+        save_checkpoint(resolve(str(full_disk / "run")), step=3, model=model, optimizer=optimizer, settings={})
+    line = str(failed.value)
+    assert line.startswith(str(full_disk / "run" / "checkpoints" / "step-00000003")) and "\n" not in line, line
+    assert "No space left on device" in line and "rerun the same command with --resume" in line, line
+    assert list((full_disk / "run" / "checkpoints").iterdir()) == []  # the temp directory went too
