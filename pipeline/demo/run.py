@@ -69,9 +69,10 @@ def _log(message: str, *, started: float) -> None:
     print(f"[{time.time() - started:6.0f}s] {message}", flush=True)
 
 
-def build_demo_cache(world: World, out: Path, sizes: DemoSizes, *, log) -> Path:
+def build_demo_cache(world: World, out: Path, sizes: DemoSizes, *, log, extra_args: tuple[str, ...] = ()) -> Path:
     """Run `alrira-cache build` in a subprocess (only the CLI may import ray_jobs, and Ray's
-    processes end with it). A complete cache is left as it is."""
+    processes end with it). A complete cache is left as it is. `extra_args` go after the demo's
+    own flags, so a repeated flag overrides the demo's value (benchmarks/cache_tau.py)."""
     if (out / "manifest.json").is_file():
         manifest = load_manifest(out)
         if len(manifest.shards) == manifest.num_shards_planned and all(s.status == "complete" for s in manifest.shards):
@@ -80,7 +81,7 @@ def build_demo_cache(world: World, out: Path, sizes: DemoSizes, *, log) -> Path:
     args = [
         "build", "--target", str(world.target), "--corpus", str(world.corpus), "--out", str(out),
         "--draft-layers", "2", "--anchors", str(sizes.anchors), "--shard-size", str(sizes.shard_size),
-        "--workers", str(sizes.workers), "--cpus-per-worker", "1", "--no-progress",
+        "--workers", str(sizes.workers), "--cpus-per-worker", "1", "--no-progress", *extra_args,
     ]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "TOKENIZERS_PARALLELISM": "false"}
 
