@@ -27,11 +27,25 @@ def cache_cli():
 @cache_cli.command("build")
 @config_options(CacheBuildConfig)
 @click.option("--progress/--no-progress", default=True, help="Show progress bars.")
-def cache_build(progress: bool, **kwargs):
+@click.option(
+    "--estimate", is_flag=True,
+    help="Print the bytes the build would write (per corpus token, per sequence, in all, by array group) and exit: "
+    "tokenizes and sizes the anchor pools, no target forward, nothing written.",
+)  # fmt: skip
+def cache_build(progress: bool, estimate: bool, **kwargs):
     """Run the target over a corpus on a Ray cluster and write the cache (resumable)."""
+    config = config_from_flags(CacheBuildConfig, kwargs)
+    if estimate:
+        from pipeline.cache_build.estimate import estimate_build, estimate_lines
+
+        try:
+            lines = estimate_lines(estimate_build(config, progress=progress))
+        except (ValueError, OSError) as error:
+            raise click.ClickException(first_line(error)) from None
+        click.echo("\n".join(lines))
+        return
     from ray_jobs.build import build_cache  # Ray is imported only by the command that needs it
 
-    config = config_from_flags(CacheBuildConfig, kwargs)
     try:
         build_cache(config, progress=progress, log=lambda m: click.echo(m, err=True))
     except (ValueError, OSError) as error:  # bad input or a failing filesystem / cluster: one line, no traceback
@@ -101,16 +115,24 @@ def cache_info(cache: str, as_json: bool):
 def _cache_info(cache: str):
     """What `info` prints, and the opened cache's reader."""
     from pipeline.train.methods import METHODS, required_arrays
-    from storage.reader import available_arrays, cache_stats, open_cache
+    from storage.reader import available_arrays, cache_group_bytes, cache_stats, open_cache
 
     reader = open_cache(cache)
     manifest = reader.manifest
     stats = cache_stats(reader)
     arrays = available_arrays(reader)
     settings = manifest.settings
+    codecs = settings.codecs
+    by_group = cache_group_bytes(reader)
+    layout = f"{codecs['features']} features"
+    if "rollout_features" in settings.contents:
+        layout += f", {codecs['rollout_features']} rollout features"
+        if settings.ira_parents is not None:
+            layout += f" for {settings.ira_parents} anchors per sequence (--ira-parents)"
     return {
         "cache": cache if is_url(cache) else str(Path(cache).resolve()),
-        "format": f"{manifest.format} v{manifest.format_version} ({settings.storage_format}, {settings.feature_codec} features)",
+        "format": f"{manifest.format} v{manifest.format_version} ({settings.storage_format}, {layout})",
+        "profile": settings.profile or "-",
         "target": manifest.target_path,
         "layer_ids": settings.layer_ids,
         "num_slots": settings.num_slots,
@@ -119,6 +141,9 @@ def _cache_info(cache: str):
         "shards": f"{len(manifest.shards)}/{manifest.num_shards_planned} complete",
         **{k: stats[k] for k in ("sequences", "tokens", "anchors", "bytes_on_disk", "bytes_per_token")},
         "compression_ratio_vs_raw_bf16": stats["compression_ratio_vs_raw_bf16"],
+        "bytes_per_token_by_group": {
+            group: round(size / stats["tokens"], 1) if stats["tokens"] else 0.0 for group, size in by_group.items()
+        },
         "corpus": manifest.corpus_stats,
         "trainable_methods": [m for m in METHODS if required_arrays(m) <= arrays],
     }, reader

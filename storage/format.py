@@ -1,4 +1,4 @@
-"""Cache format v1: the contract between stage 1 (cache build) and stage 2 (trainer).
+"""Cache format v2: the contract between stage 1 (cache build) and stage 2 (trainer).
 
 A cache is a directory:
 
@@ -30,8 +30,16 @@ F = n_taps * hidden_size:
     rollout_topk_ids    int32   [A, K, k]   pi[a, 1..K]
     rollout_topk_probs  float32 [A, K, k]
     rollout_tail        float32 [A, K]
-    rollout_features    uint16/uint8 [A, K-2, F]   features of y*[1..K-2]
-    rollout_feature_scales float32 [A, K-2]        (codec "fp8" only)
+    rollout_features    uint16/uint8 [P, K-2, F]   features of y*[1..K-2] of the IRA parents
+    rollout_feature_scales float32 [P, K-2]        (rollout codec "fp8" only)
+
+P = A unless the cache keeps rollout features for only `ira_parents` anchors per sequence: then
+P = min(ira_parents, A) and row i belongs to pool index `ira_parent_rows(A, ira_parents)[i]` (a
+function of A alone, nothing stored). The rollout features may use their own codec
+(`rollout_feature_codec`, default: the corpus features' codec).
+
+Format versions: 2 added `ira_parents` and `rollout_feature_codec`; a cache using neither is laid
+out exactly as version 1 and says version 1, so older readers still open it.
 
 Optional array groups: a cache may leave some out (its manifest's `settings.contents` lists the
 groups it holds; a manifest without the key holds all of them). source_row, input_ids, loss_mask,
@@ -45,7 +53,8 @@ features (+ feature_scales) and anchor_pos are always stored.
 from __future__ import annotations
 
 FORMAT_NAME = "alrira-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest layout this code writes and reads
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 MANIFEST_FILE = "manifest.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
@@ -75,6 +84,8 @@ ANCHOR_ARRAYS = (
     "rollout_features",
 )
 FP8_SCALE_ARRAYS = {"features": "feature_scales", "rollout_features": "rollout_feature_scales"}
+# Arrays whose rows are the IRA parents' (P per sequence, P = A unless `ira_parents` is set).
+PARENT_ARRAYS = ("rollout_features", "rollout_feature_scales")
 
 # dtypes as numpy dtype strings; the feature arrays depend on the codec.
 ARRAY_DTYPES = {
@@ -123,18 +134,60 @@ def check_contents(contents) -> tuple[str, ...]:
     return tuple(sorted(contents))
 
 
-def record_array_names(feature_codec: str, contents=ALL_GROUPS) -> tuple[str, ...]:
-    """Every array name a per-sequence record holds under `feature_codec` in a cache holding the
+def check_codec(codec, *, name: str = "feature_codec") -> str:
+    if codec not in FEATURE_CODECS:
+        raise ValueError(f"{name} must be one of {FEATURE_CODECS}, got {codec!r}")
+    return codec
+
+
+def array_codecs(feature_codec: str, rollout_feature_codec: str | None = None) -> dict[str, str]:
+    """The codec of each feature array: {"features": ..., "rollout_features": ...}; the rollout
+    features' defaults to the corpus features' (every version-1 cache)."""
+    check_codec(feature_codec)
+    rollout = check_codec(rollout_feature_codec or feature_codec, name="rollout_feature_codec")
+    return {"features": feature_codec, "rollout_features": rollout}
+
+
+def record_array_names(feature_codec: str, contents=ALL_GROUPS, rollout_feature_codec: str | None = None) -> tuple[str, ...]:
+    """Every array name a per-sequence record holds under these codecs in a cache holding the
     array groups `contents` (source_row included)."""
-    if feature_codec not in FEATURE_CODECS:
-        raise ValueError(f"feature_codec must be one of {FEATURE_CODECS}, got {feature_codec!r}")
+    codecs = array_codecs(feature_codec, rollout_feature_codec)
     contents = check_contents(contents)
     left_out = {name for group in ALL_GROUPS if group not in contents for name in ARRAY_GROUPS[group]}
     names = ("source_row",) + TOKEN_ARRAYS + ANCHOR_ARRAYS
-    if feature_codec == "fp8":
-        names += tuple(FP8_SCALE_ARRAYS.values())
+    names += tuple(scale for name, scale in FP8_SCALE_ARRAYS.items() if codecs[name] == "fp8")
     left_out |= {scale for name, scale in FP8_SCALE_ARRAYS.items() if name in left_out}
     return tuple(name for name in names if name not in left_out)
+
+
+def check_ira_parents(ira_parents, *, name: str = "ira_parents") -> int | None:
+    """None (every pool anchor keeps its rollout features) or an int >= 1."""
+    if ira_parents is not None and (isinstance(ira_parents, bool) or not isinstance(ira_parents, int) or ira_parents < 1):
+        raise ValueError(f"{name} must be an int >= 1 or unset, got {ira_parents!r}")
+    return ira_parents
+
+
+def num_parents(num_anchors: int, ira_parents: int | None) -> int:
+    """P, the rows of rollout features a sequence with a pool of `num_anchors` stores."""
+    return num_anchors if ira_parents is None else min(int(num_anchors), ira_parents)
+
+
+def ira_parent_rows(num_anchors: int, ira_parents: int | None):
+    """Pool indices (sorted int64 [P]) of the anchors whose rollout features a sequence stores:
+    P evenly spaced rows of its sorted pool (the middle of P equal strata), so the parents spread
+    over the whole sequence like the pool does; all of them when `ira_parents` is None or >= A."""
+    import numpy as np
+
+    count = num_parents(num_anchors, ira_parents)
+    if count == num_anchors:
+        return np.arange(num_anchors, dtype=np.int64)
+    return ((2 * np.arange(count, dtype=np.int64) + 1) * num_anchors) // (2 * count)
+
+
+def format_version_for(*, ira_parents: int | None, feature_codec: str, rollout_feature_codec: str | None) -> int:
+    """The oldest format version that describes a cache with these settings (1: version 1's layout)."""
+    mixed = rollout_feature_codec is not None and rollout_feature_codec != feature_codec
+    return 2 if ira_parents is not None or mixed else 1
 
 
 # K, predicted slots per block. Rollouts have depth K - 1 and store the features of y*[1..K-2];
@@ -163,7 +216,8 @@ SHARD_STATUSES = ("pending", "complete", "failed")
 ZARR_SEQ_OFFSETS = "seq_offsets"  # int64 [n+1], token offsets of each sequence
 ZARR_ANCHOR_OFFSETS = "anchor_offsets"  # int64 [n+1], anchor offsets of each sequence
 ZARR_SOURCE_ROWS = "source_rows"  # int64 [n], the records' source_row
-ZARR_INDEX_ARRAYS = (ZARR_SEQ_OFFSETS, ZARR_ANCHOR_OFFSETS, ZARR_SOURCE_ROWS)
+ZARR_PARENT_OFFSETS = "parent_offsets"  # int64 [n+1], rollout-feature row offsets (caches with ira_parents)
+ZARR_INDEX_ARRAYS = (ZARR_SEQ_OFFSETS, ZARR_ANCHOR_OFFSETS, ZARR_SOURCE_ROWS, ZARR_PARENT_OFFSETS)
 
 # Prefix of a shard being written; it is renamed to its final name once complete.
 PARTIAL_SHARD_PREFIX = ".tmp-"

@@ -21,20 +21,25 @@ from storage.format import (
     ALL_GROUPS,
     FEATURE_CODECS,
     FORMAT_NAME,
-    FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
     MANIFEST_FILE,
     SHARD_COMPLETE,
     SHARD_STATUSES,
     STORAGE_FORMATS,
     TARGET_HEAD_FILE,
+    check_codec,
     check_contents,
+    check_ira_parents,
     check_num_slots,
+    format_version_for,
     shard_name,
 )
 from storage.location import read_safetensors_header, resolve
 
 TARGET_HEAD_KEYS = ("embed_tokens.weight", "lm_head.weight")
-OPTIONAL_SETTINGS = ("system_prompt", "vision")  # CacheSettings keys written only when set
+# CacheSettings keys written only when set (a cache without them reads as before they existed).
+OPTIONAL_SETTINGS = ("system_prompt", "vision", "ira_parents", "rollout_feature_codec", "profile")
+PROFILES = ("compact",)  # named setting combinations (`alrira-cache build --compact`)
 VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 TARGET_HEAD_HASH_KEY = "alrira_target_hash"  # safetensors metadata key of the head file
 
@@ -135,6 +140,13 @@ class CacheSettings:
     # limits, image / vision token ids, the deepstack and drafter-position notes. None (no key):
     # a text cache, as every manifest written before vision-language targets.
     vision: dict[str, Any] | None = None
+    # Format version 2 (docs/cache-format.md). Rollout features kept for only this many pool anchors
+    # per sequence, the ones IRA may draw as parents (storage.format.ira_parent_rows); None: all.
+    ira_parents: int | None = None
+    # Codec of the rollout features; None: feature_codec's (every version-1 cache).
+    rollout_feature_codec: str | None = None
+    # The named combination the build was asked for ("compact"); None: chosen flag by flag.
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         _check_str("target_hash", self.target_hash, nonempty=True)
@@ -163,12 +175,29 @@ class CacheSettings:
         self.contents = list(check_contents(self.contents))
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"backend must be hf or vllm, got {self.backend!r}")
+        check_ira_parents(self.ira_parents)
+        if self.rollout_feature_codec is not None:
+            check_codec(self.rollout_feature_codec, name="rollout_feature_codec")
+        if self.profile is not None and self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {PROFILES} or unset, got {self.profile!r}")
         if self.system_prompt is not None:
             _check_str("system_prompt", self.system_prompt)
         if self.vision is not None:
             _check_dict("vision", self.vision)
             for name in VISION_TOKEN_KEYS:
                 _check_int(f"vision.{name}", self.vision.get(name), minimum=0)
+
+    @property
+    def format_version(self) -> int:
+        """The format version these settings need (storage.format.format_version_for)."""
+        return format_version_for(
+            ira_parents=self.ira_parents, feature_codec=self.feature_codec, rollout_feature_codec=self.rollout_feature_codec
+        )  # fmt: skip
+
+    @property
+    def codecs(self) -> dict[str, str]:
+        """{"features": codec, "rollout_features": codec}."""
+        return {"features": self.feature_codec, "rollout_features": self.rollout_feature_codec or self.feature_codec}
 
     @property
     def modality(self) -> str:
@@ -224,6 +253,9 @@ class ShardRecord:
     # Wall seconds of the target per part of the cache ({"corpus": s, "rollouts": s}, HF backend),
     # for `alrira-eval cost`; None (no key): not measured. Not content: resume and verify ignore it.
     build_seconds: dict[str, float] | None = None
+    # Rows of rollout features (caches with settings.ira_parents: P = min(ira_parents, A) per
+    # sequence); None (no key): one per anchor.
+    parents: int | None = None
 
     def __post_init__(self) -> None:
         _check_str("name", self.name, nonempty=True)
@@ -247,6 +279,8 @@ class ShardRecord:
             isinstance(self.build_seconds, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in self.build_seconds.values())
         ):
             raise ValueError(f"build_seconds must map parts to seconds >= 0, got {self.build_seconds!r}")
+        if self.parents is not None:
+            _check_int("parents", self.parents, minimum=0)
 
     @property
     def is_complete(self) -> bool:
@@ -254,7 +288,7 @@ class ShardRecord:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("node", "object_tags", "build_seconds"):  # absent rather than null: such manifests read as before
+        for optional in ("node", "object_tags", "build_seconds", "parents"):  # absent rather than null: such manifests read as before
             if data[optional] is None:
                 del data[optional]
         return data
@@ -270,7 +304,7 @@ class Manifest:
     """Everything `manifest.json` holds."""
 
     format: str = FORMAT_NAME
-    format_version: int = FORMAT_VERSION
+    format_version: int | None = None  # None: the oldest version describing `settings` (settings.format_version)
     settings: CacheSettings
     target_path: str
     target_config: dict[str, Any]  # the target's HF config.json (drafter configs derive from it)
@@ -288,10 +322,17 @@ class Manifest:
     def __post_init__(self) -> None:
         if self.format != FORMAT_NAME:
             raise ValueError(f"format must be {FORMAT_NAME!r}, got {self.format!r}")
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(f"format_version {self.format_version!r} is not supported (this code reads {FORMAT_VERSION})")
         if not isinstance(self.settings, CacheSettings):
             raise ValueError(f"settings must be a CacheSettings, got {type(self.settings).__name__}")
+        if self.format_version is None:
+            self.format_version = self.settings.format_version
+        if self.format_version not in READABLE_FORMAT_VERSIONS:
+            raise ValueError(f"format_version {self.format_version!r} is not supported (this code reads {READABLE_FORMAT_VERSIONS})")
+        if self.format_version < self.settings.format_version:
+            raise ValueError(
+                f"format_version {self.format_version} cannot hold these settings (ira_parents / rollout_feature_codec "
+                f"need version {self.settings.format_version})"
+            )
         _check_str("target_path", self.target_path)
         _check_dict("target_config", self.target_config)
         _check_int("num_target_layers", self.num_target_layers, minimum=1)
@@ -386,9 +427,10 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
         raise ValueError(f"{path}: corrupt manifest (top level is not a JSON object)")
     if data.get("format") != FORMAT_NAME:
         raise ValueError(f"{path}: not an {FORMAT_NAME} manifest (format is {data.get('format')!r})")
-    if data.get("format_version") != FORMAT_VERSION:
+    if data.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise ValueError(
-            f"{path}: unsupported format_version {data.get('format_version')!r} (this code reads version {FORMAT_VERSION})"
+            f"{path}: unsupported format_version {data.get('format_version')!r} (this code reads versions "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}; a newer alrira wrote it, or it is not a cache)"
         )
     try:
         return Manifest.from_dict(data)

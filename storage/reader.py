@@ -19,10 +19,20 @@ import numpy as np
 
 from storage import codecs
 from storage.errors import first_line
-from storage.format import ALL_GROUPS, CORPUS_DIR, FP8_SCALE_ARRAYS, SHARD_DIR, check_contents, record_array_names
+from storage.format import (
+    ALL_GROUPS,
+    CORPUS_DIR,
+    FP8_SCALE_ARRAYS,
+    SHARD_DIR,
+    array_codecs,
+    check_contents,
+    ira_parent_rows,
+    num_parents,
+    record_array_names,
+)
 from storage.location import Location, resolve
 from storage.manifest import Manifest, ShardRecord, load_manifest
-from storage.shards import ANCHOR_INDEXED_ARRAYS, ZARR_INDEX_ARRAYS, WdsShard, ZarrShard, open_shard, shard_bytes
+from storage.shards import ZARR_INDEX_ARRAYS, WdsShard, ZarrShard, open_shard, shard_bytes
 from storage.zarr_rows import ZarrRows
 
 # The tokenized corpus's sequence -> corpus row map (pipeline/cache_build/corpus.py writes it): what
@@ -30,12 +40,14 @@ from storage.zarr_rows import ZarrRows
 CORPUS_SOURCE_ROWS = f"{CORPUS_DIR}/source_rows.npy"
 
 
-def decode_record(record: dict[str, np.ndarray], *, feature_codec: str) -> dict[str, np.ndarray]:
+def decode_record(
+    record: dict[str, np.ndarray], *, feature_codec: str, rollout_feature_codec: str | None = None
+) -> dict[str, np.ndarray]:  # fmt: skip
     """Record with `features`/`rollout_features` decoded to float32 and the fp8 scales dropped."""
     out = {name: array for name, array in record.items() if name not in FP8_SCALE_ARRAYS.values()}
-    for name, scale_name in FP8_SCALE_ARRAYS.items():
+    for name, codec in array_codecs(feature_codec, rollout_feature_codec).items():
         if name in record:
-            out[name] = codecs.decode_features(record[name], record.get(scale_name), codec=feature_codec)
+            out[name] = codecs.decode_features(record[name], record.get(FP8_SCALE_ARRAYS[name]), codec=codec)
     return out
 
 
@@ -53,6 +65,8 @@ class CacheReader:
         self.manifest = manifest
         self.storage_format = manifest.settings.storage_format
         self.feature_codec = manifest.settings.feature_codec
+        self.rollout_feature_codec = manifest.settings.codecs["rollout_features"]
+        self.ira_parents = manifest.settings.ira_parents  # None: every pool anchor keeps its rollout features
         self._shards: list[ShardRecord] = manifest.complete_shards
         self._position = {shard.index: pos for pos, shard in enumerate(self._shards)}
         self._starts = np.cumsum([0] + [s.sequences for s in self._shards])  # [num_shards + 1]
@@ -158,11 +172,9 @@ class CacheReader:
             return handle.read(local, arrays)
         fast = {n for n in handle.arrays if n not in ZARR_INDEX_ARRAYS and (arrays is None or n in arrays) and rows.layout(n)}
         record = handle.read(local, (set(handle.array_names) if arrays is None else set(arrays)) - fast)
-        t0, t1 = int(handle.seq_offsets[local]), int(handle.seq_offsets[local + 1])
-        a0, a1 = int(handle.anchor_offsets[local]), int(handle.anchor_offsets[local + 1])
         for name in sorted(fast):
             try:
-                record[name] = rows.rows(name, a0, a1) if name in ANCHOR_INDEXED_ARRAYS else rows.rows(name, t0, t1)
+                record[name] = rows.rows(name, *handle.row_range(local, name))
             except Exception as e:  # a failed checksum or a chunk that no longer decodes
                 raise handle._corrupt(name, e) from None
         return record
@@ -174,7 +186,7 @@ class CacheReader:
         if rows is None or not rows.layout(name):
             return handle.read_anchor_rows(local, name, pool_rows)
         try:
-            return rows.pick(name, int(handle.anchor_offsets[local]) + np.asarray(pool_rows, dtype=np.int64))
+            return rows.pick(name, handle.row_range(local, name)[0] + np.asarray(pool_rows, dtype=np.int64))
         except Exception as e:
             raise handle._corrupt(name, e) from None
 
@@ -194,20 +206,30 @@ class CacheReader:
         if arrays is not None:
             arrays = set(arrays) | {FP8_SCALE_ARRAYS[n] for n in arrays if n in FP8_SCALE_ARRAYS}
         record = self._read_shard(self._position[shard_index], local, arrays)
-        return decode_record(record, feature_codec=self.feature_codec) if decode_features else record
+        return self.decode(record) if decode_features else record
 
-    def read_rollout_features(self, index: int, pool_rows, *, decode_features: bool = True) -> np.ndarray:
-        """`rollout_features` of the anchors `pool_rows` (indices into the sequence's pool) only:
-        [len(pool_rows), K-2, F], what an IRA secondary block sees of its parent's rollout."""
-        bits = self._read_anchor_rows(index, "rollout_features", pool_rows)
+    def decode(self, record: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """An encoded record of this cache with its features decoded to float32 (decode_record)."""
+        return decode_record(record, feature_codec=self.feature_codec, rollout_feature_codec=self.rollout_feature_codec)
+
+    def parent_rows(self, num_anchors: int) -> np.ndarray:
+        """Pool indices [P] whose rollout features a sequence with a pool of `num_anchors` stores,
+        in stored order (row i of its rollout_features is pool index parent_rows[i])."""
+        return ira_parent_rows(num_anchors, self.ira_parents)
+
+    def read_rollout_features(self, index: int, rows, *, decode_features: bool = True) -> np.ndarray:
+        """`rollout_features` rows `rows` (stored rows: pool indices unless the cache keeps only some
+        anchors' features, `parent_rows`) only: [len(rows), K-2, F], what an IRA secondary block
+        sees of its parent's rollout."""
+        bits = self._read_anchor_rows(index, "rollout_features", rows)
         if not decode_features:
             return bits
-        scales = self._read_anchor_rows(index, "rollout_feature_scales", pool_rows) if self.feature_codec == "fp8" else None
-        return codecs.decode_features(bits, scales, codec=self.feature_codec)
+        scales = self.read_rollout_feature_scales(index, rows) if self.rollout_feature_codec == "fp8" else None
+        return codecs.decode_features(bits, scales, codec=self.rollout_feature_codec)
 
-    def read_rollout_feature_scales(self, index: int, pool_rows) -> np.ndarray:
-        """fp8 caches: the per-row scales [len(pool_rows), K-2] of those anchors' rollout features."""
-        return self._read_anchor_rows(index, "rollout_feature_scales", pool_rows)
+    def read_rollout_feature_scales(self, index: int, rows) -> np.ndarray:
+        """fp8 rollout features: the per-row scales [len(rows), K-2] of those stored rows."""
+        return self._read_anchor_rows(index, "rollout_feature_scales", rows)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return self.read(index)
@@ -219,7 +241,7 @@ class CacheReader:
         pos = self._position[shard_index]
         for local in range(self._shards[pos].sequences):
             record = self._handle(pos).read(local)
-            yield decode_record(record, feature_codec=self.feature_codec) if decode_features else record
+            yield self.decode(record) if decode_features else record
 
     def close(self) -> None:
         if self._pid == os.getpid():
@@ -242,9 +264,10 @@ def raw_bf16_bytes(
     top_k: int,
     num_slots: int,
     contents=ALL_GROUPS,
+    num_parents: int | None = None,
 ) -> int:
     """Bytes the record arrays of a cache holding `contents` would take uncompressed with
-    features stored as bf16."""
+    features stored as bf16 (rollout features for `num_parents` anchors; None: all of them)."""
     contents = check_contents(contents)
     F, k, K = feature_dim, top_k, num_slots
     per_token = 4 + 1 + 2 * F  # input_ids, loss_mask, features
@@ -253,10 +276,10 @@ def raw_bf16_bytes(
         per_token += 4 * k + 4 * k + 4 + 4
     if "rollouts" in contents:  # rollout_tokens, rollout_topk_ids/probs, rollout_tail
         per_anchor += 4 * (K + 1) + 8 * K * k + 4 * K
-    if "rollout_features" in contents:
-        per_anchor += 2 * (K - 2) * F
+    parents = num_anchors if num_parents is None else num_parents
+    per_parent = 2 * (K - 2) * F if "rollout_features" in contents else 0
     per_sequence = 8  # source_row
-    return num_tokens * per_token + num_anchors * per_anchor + num_sequences * per_sequence
+    return num_tokens * per_token + num_anchors * per_anchor + parents * per_parent + num_sequences * per_sequence
 
 
 def cache_stats(reader: CacheReader) -> dict[str, float | int]:
@@ -271,6 +294,7 @@ def cache_stats(reader: CacheReader) -> dict[str, float | int]:
         top_k=m.settings.top_k,
         num_slots=m.settings.num_slots,
         contents=m.settings.contents,
+        num_parents=None if m.settings.ira_parents is None else sum(s.parents or 0 for s in reader.shards),
     )
     return {
         "sequences": m.num_sequences,
@@ -281,6 +305,51 @@ def cache_stats(reader: CacheReader) -> dict[str, float | int]:
         "bytes_per_token": bytes_on_disk / m.num_tokens if m.num_tokens else 0.0,
         "compression_ratio_vs_raw_bf16": raw / bytes_on_disk if bytes_on_disk else 0.0,
     }
+
+
+# What `info` and `--estimate` report bytes by: each array group and the arrays in it (the small
+# per-sequence index arrays of a Zarr shard and its metadata count as "index").
+BYTE_GROUPS = {
+    "corpus_features": ("features", "feature_scales"),
+    "corpus_tokens": ("input_ids", "loss_mask", "source_row", "anchor_pos"),
+    "corpus_topk": ("corpus_topk_ids", "corpus_topk_probs", "corpus_tail", "corpus_next_prob"),
+    "rollouts": ("rollout_tokens", "rollout_topk_ids", "rollout_topk_probs", "rollout_tail"),
+    "rollout_features": ("rollout_features", "rollout_feature_scales"),
+}
+_GROUP_OF = {name: group for group, names in BYTE_GROUPS.items() for name in names}
+TAR_BLOCK = 512
+
+
+def shard_group_bytes(reader: CacheReader, shard: ShardRecord) -> dict[str, int]:
+    """On-disk bytes of one complete shard by BYTE_GROUPS group ("index": the rest: offsets,
+    metadata, tar end blocks); they sum to the shard's bytes."""
+    location = resolve(reader.shard_path(shard))
+    out = dict.fromkeys([*BYTE_GROUPS, "index"], 0)
+    if reader.storage_format == "zarr":
+        for rel, size in location.files():
+            out[_GROUP_OF.get(rel.split("/", 1)[0], "index")] += size
+        return out
+    total = 0
+    handle = WdsShard(location)
+    try:
+        for _, members in handle.samples:
+            for name, member in members.items():
+                size = TAR_BLOCK + -(-member.size // TAR_BLOCK) * TAR_BLOCK  # header + padded data
+                out[_GROUP_OF.get(name, "index")] += size
+                total += size
+    finally:
+        handle.close()
+    out["index"] += shard_bytes(location) - total
+    return out
+
+
+def cache_group_bytes(reader: CacheReader) -> dict[str, int]:
+    """cache_group_bytes summed over the complete shards."""
+    out = dict.fromkeys([*BYTE_GROUPS, "index"], 0)
+    for shard in reader.shards:
+        for group, size in shard_group_bytes(reader, shard).items():
+            out[group] += size
+    return out
 
 
 def available_arrays(reader: CacheReader) -> set[str]:

@@ -46,7 +46,7 @@ from storage.format import (
     FEATURE_CODECS,
     FEATURE_DTYPES,
     FORMAT_NAME,
-    FORMAT_VERSION,
+    PARENT_ARRAYS,
     PARTIAL_SHARD_PREFIX,
     SHARD_COMPLETE,
     SHARD_DIR,
@@ -55,9 +55,14 @@ from storage.format import (
     ARRAY_DTYPES,
     ZARR_ANCHOR_OFFSETS,
     ZARR_INDEX_ARRAYS,
+    ZARR_PARENT_OFFSETS,
     ZARR_SEQ_OFFSETS,
     ZARR_SOURCE_ROWS,
+    array_codecs,
     check_contents,
+    check_ira_parents,
+    format_version_for,
+    num_parents,
     record_array_names,
     shard_name,
 )
@@ -66,7 +71,7 @@ from storage.errors import CorruptShardError, first_line
 from storage.location import Location, StorePrefix, remove_path, remove_path_tolerant, resolve
 from storage.manifest import ShardRecord
 from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
-from storage.wds import WdsShard, WdsShardWriter, encode_member
+from storage.wds import BLOSC_BLOCK_BYTES, WdsShard, WdsShardWriter, encode_member
 from storage.zarr_rows import ChunkFileEncoder
 
 # Record arrays by the axis they are concatenated along in a Zarr shard (fp8 scales included).
@@ -94,6 +99,10 @@ ZARR_SHARD_BYTES = 16 << 20  # ~16 MiB uncompressed per file
 ANCHOR_ROW_CHUNK_ARRAYS = ("rollout_features", "rollout_feature_scales")
 ZARR_MIN_CHUNK_BYTES = 64 << 10
 ZARR_CLEVEL = 3
+# Blosc compresses a chunk in independent blocks; left to itself it picks small ones (its "auto"),
+# which at real shapes made bf16 features 5% larger than one block per 256 KiB chunk at the same
+# speed (docs/benchmarks.md, "Cache settings" (h)): the tar writer's block size, for both formats.
+ZARR_BLOSC_BLOCK_BYTES = BLOSC_BLOCK_BYTES
 # A tar being written is handed to BackgroundWrites.sync_soon every this many bytes.
 SYNC_EVERY_BYTES = 64 << 20
 
@@ -112,18 +121,24 @@ class RecordDims:
     """Sizes of one record: T tokens, A anchors, F feature dim, k = top_k, K slots.
 
     top_k is None when the record holds no top-k arrays (neither corpus top-k nor rollouts), and
-    num_slots None when it holds no rollouts: nothing in it says what they were."""
+    num_slots None when it holds no rollouts: nothing in it says what they were. num_parents: the
+    rows of rollout features (P; 0 without them)."""
 
     num_tokens: int
     num_anchors: int
     feature_dim: int
     top_k: int | None
     num_slots: int | None
+    num_parents: int = 0
 
 
-def record_shapes(dims: RecordDims, *, feature_codec: str, contents=ALL_GROUPS) -> dict[str, tuple[int, ...]]:
+def record_shapes(
+    dims: RecordDims, *, feature_codec: str, contents=ALL_GROUPS, rollout_feature_codec: str | None = None
+) -> dict[str, tuple[int, ...]]:  # fmt: skip
     """Expected shape of every array of a record with sizes `dims` in a cache holding `contents`."""
     contents = check_contents(contents)
+    codecs = array_codecs(feature_codec, rollout_feature_codec)
+    P = dims.num_parents
     T, A, F, k, K = dims.num_tokens, dims.num_anchors, dims.feature_dim, dims.top_k, dims.num_slots
     shapes = {"source_row": (), "input_ids": (T,), "loss_mask": (T,), "features": (T, F), "anchor_pos": (A,)}
     if "corpus_topk" in contents:
@@ -133,18 +148,18 @@ def record_shapes(dims: RecordDims, *, feature_codec: str, contents=ALL_GROUPS) 
             rollout_tokens=(A, K + 1), rollout_topk_ids=(A, K, k), rollout_topk_probs=(A, K, k), rollout_tail=(A, K)
         )
     if "rollout_features" in contents:
-        shapes["rollout_features"] = (A, K - 2, F)
-    if feature_codec == "fp8":
+        shapes["rollout_features"] = (P, K - 2, F)
+        if codecs["rollout_features"] == "fp8":
+            shapes["rollout_feature_scales"] = (P, K - 2)
+    if codecs["features"] == "fp8":
         shapes["feature_scales"] = (T,)
-        if "rollout_features" in contents:
-            shapes["rollout_feature_scales"] = (A, K - 2)
     return shapes
 
 
-def record_dtype(name: str, *, feature_codec: str) -> np.dtype:
-    """Stored numpy dtype of record array `name` under `feature_codec`."""
+def record_dtype(name: str, *, feature_codec: str, rollout_feature_codec: str | None = None) -> np.dtype:
+    """Stored numpy dtype of record array `name` under these codecs."""
     if name in ("features", "rollout_features"):
-        return np.dtype(FEATURE_DTYPES[feature_codec])
+        return np.dtype(FEATURE_DTYPES[array_codecs(feature_codec, rollout_feature_codec)[name]])
     return np.dtype(ARRAY_DTYPES[name])
 
 
@@ -157,10 +172,12 @@ def _ndim_size(record: dict, name: str, axis: int, ndim: int, where: str) -> int
 
 
 def check_record(
-    record: dict, *, feature_codec: str, where: str, like: RecordDims | None = None, contents=ALL_GROUPS
-) -> RecordDims:
+    record: dict, *, feature_codec: str, where: str, like: RecordDims | None = None, contents=ALL_GROUPS,
+    rollout_feature_codec: str | None = None, ira_parents: int | None = None,
+) -> RecordDims:  # fmt: skip
     """Validate one record's array names, dtypes and shapes against the schema of a cache holding
-    the array groups `contents`; return its dims.
+    the array groups `contents` (rollout features for `ira_parents` anchors per sequence, None: all);
+    return its dims.
 
     `like`: dims whose F, k and K the record must share (records of one shard, or the manifest's);
     a None in either side is not compared. Raises ValueError naming `where` and the offending array.
@@ -168,7 +185,7 @@ def check_record(
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a record must be a dict of arrays, got {type(record).__name__}")
     contents = check_contents(contents)
-    names = set(record_array_names(feature_codec, contents))
+    names = set(record_array_names(feature_codec, contents, rollout_feature_codec))
     schema = f"codec {feature_codec!r}, contents {list(contents)}"
     missing = sorted(names - set(record))
     if missing:
@@ -194,12 +211,14 @@ def check_record(
         top_k = _ndim_size(record, topk_source, 2, 3, where)
     if "rollouts" in contents:
         num_slots = _ndim_size(record, "rollout_tokens", 1, 2, where) - 1
+    num_anchors = _ndim_size(record, "anchor_pos", 0, 1, where)
     dims = RecordDims(
         num_tokens=_ndim_size(record, "input_ids", 0, 1, where),
-        num_anchors=_ndim_size(record, "anchor_pos", 0, 1, where),
+        num_anchors=num_anchors,
         feature_dim=_ndim_size(record, "features", 1, 2, where),
         top_k=top_k,
         num_slots=num_slots,
+        num_parents=num_parents(num_anchors, check_ira_parents(ira_parents)) if "rollout_features" in contents else 0,
     )
     if dims.num_tokens < 1:
         raise ValueError(f"{where}: array input_ids is empty")
@@ -210,11 +229,12 @@ def check_record(
             got, want = getattr(dims, field), getattr(like, field)
             if got is not None and want is not None and got != want:
                 raise ValueError(f"{where}: array {name} implies {field} {got}, expected {want}")
-    for name, shape in record_shapes(dims, feature_codec=feature_codec, contents=contents).items():
+    shapes = record_shapes(dims, feature_codec=feature_codec, contents=contents, rollout_feature_codec=rollout_feature_codec)
+    for name, shape in shapes.items():
         if name == "source_row":
             continue
         arr = record[name]
-        dtype = record_dtype(name, feature_codec=feature_codec)
+        dtype = record_dtype(name, feature_codec=feature_codec, rollout_feature_codec=rollout_feature_codec)
         if not isinstance(arr, np.ndarray):
             raise ValueError(f"{where}: array {name} must be a numpy array, got {type(arr).__name__}")
         if arr.dtype != dtype:
@@ -408,9 +428,14 @@ class ShardSize:
     num_sequences: int
     num_tokens: int
     num_anchors: int
+    num_parents: int | None = None  # rows of rollout features; None: num_anchors (every anchor a parent)
+
+    @property
+    def parent_rows(self) -> int:
+        return self.num_anchors if self.num_parents is None else self.num_parents
 
     @classmethod
-    def of_records(cls, records: list[dict]) -> ShardSize:
+    def of_records(cls, records: list[dict], *, ira_parents: int | None = None) -> ShardSize:
         def rows(record, name: str) -> int:  # a malformed record is reported by ShardWriter.append
             array = record.get(name) if isinstance(record, dict) else None
             return len(array) if isinstance(array, np.ndarray) and array.ndim >= 1 else 0
@@ -419,6 +444,7 @@ class ShardSize:
             num_sequences=len(records),
             num_tokens=sum(rows(r, "input_ids") for r in records),
             num_anchors=sum(rows(r, "anchor_pos") for r in records),
+            num_parents=None if ira_parents is None else sum(num_parents(rows(r, "anchor_pos"), ira_parents) for r in records),
         )
 
 
@@ -462,9 +488,13 @@ class ShardWriter:
         owner: str | None = None,
         chunk_checksums: bool = True,
         num_threads: int = 1,
+        rollout_feature_codec: str | None = None,
+        ira_parents: int | None = None,
     ):
         _check_choice("storage_format", storage_format, STORAGE_FORMATS)
         _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
+        array_codecs(feature_codec, rollout_feature_codec)
+        self.rollout_feature_codec, self.ira_parents = rollout_feature_codec, check_ira_parents(ira_parents)
         if isinstance(shard_index, bool) or not isinstance(shard_index, int) or shard_index < 0:
             raise ValueError(f"shard_index must be an int >= 0, got {shard_index!r}")
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
@@ -493,18 +523,19 @@ class ShardWriter:
             if storage_format == "zarr":
                 self.body = _ZarrBody(
                     self.target, size, feature_codec=feature_codec, chunk_checksums=chunk_checksums,
-                    before_write=before_write, writes=self.writes,
+                    before_write=before_write, writes=self.writes, rollout_feature_codec=rollout_feature_codec,
+                    ira_parents=ira_parents,
                 )  # fmt: skip
             else:
                 self.body = _WdsBody(
                     self.target, feature_codec=feature_codec, contents=self.contents, chunk_checksums=chunk_checksums,
-                    writes=self.writes,
+                    writes=self.writes, rollout_feature_codec=rollout_feature_codec,
                 )  # fmt: skip
         except BaseException:
             self.writes.close()
             self._remove_written()
             raise
-        self.names = [n for n in record_array_names(feature_codec, self.contents) if n != "source_row"]
+        self.names = [n for n in record_array_names(feature_codec, self.contents, rollout_feature_codec) if n != "source_row"]
 
     def append(self, record: dict[str, np.ndarray]) -> None:
         """Add the next record (already encoded, storage.codecs.encode_features)."""
@@ -514,7 +545,8 @@ class ShardWriter:
             raise ValueError(f"{where}: the shard was planned for {i} records")
         dims = check_record(
             record, feature_codec=self.feature_codec, contents=self.contents, where=where,
-            like=self.dims[0] if self.dims else None,
+            like=self.dims[0] if self.dims else None, rollout_feature_codec=self.rollout_feature_codec,
+            ira_parents=self.ira_parents,
         )  # fmt: skip
         source_row = int(record["source_row"])
         if source_row in self.seen_rows:
@@ -531,8 +563,9 @@ class ShardWriter:
             num_sequences=len(self.dims),
             num_tokens=sum(d.num_tokens for d in self.dims),
             num_anchors=sum(d.num_anchors for d in self.dims),
+            num_parents=self.size.num_parents,
         )
-        if got != self.size:
+        if got != self.size or (self.ira_parents is not None and "rollout_features" in self.contents and sum(d.num_parents for d in self.dims) != self.size.parent_rows):
             raise ValueError(f"shard {self.name}: records hold {got}, planned {self.size}")
         self.body.finish(np.array(self.source_rows, dtype=np.int64), self.dims)
         self.writes.wait_synced()  # what the sync thread took is on disk (an error of one raises here)
@@ -562,6 +595,7 @@ class ShardWriter:
             checksum=checksum,
             status=SHARD_COMPLETE,
             object_tags=tags,
+            parents=None if self.ira_parents is None else self.size.parent_rows,
         )
 
     def abort(self) -> None:
@@ -602,15 +636,18 @@ def write_shard(
     owner: str | None = None,
     chunk_checksums: bool = True,
     num_threads: int = 1,
+    rollout_feature_codec: str | None = None,
+    ira_parents: int | None = None,
 ) -> ShardRecord:
     """Write and publish one shard of records already in memory (ShardWriter, for tests and
     benchmarks; the build streams)."""
     if not records:
         raise ValueError(f"shard {shard_name(shard_index, storage_format)}: no records to write")
     with ShardWriter(
-        cache_dir, shard_index=shard_index, size=ShardSize.of_records(records),
+        cache_dir, shard_index=shard_index, size=ShardSize.of_records(records, ira_parents=ira_parents),
         storage_format=storage_format, feature_codec=feature_codec, contents=contents, owner=owner,
-        chunk_checksums=chunk_checksums, num_threads=num_threads,
+        chunk_checksums=chunk_checksums, num_threads=num_threads, rollout_feature_codec=rollout_feature_codec,
+        ira_parents=ira_parents,
     ) as writer:  # fmt: skip
         for record in records:
             writer.append(record)
@@ -723,14 +760,17 @@ class _ZarrBody:
 
     def __init__(
         self, target: Path | StorePrefix, size: ShardSize, *, feature_codec: str, chunk_checksums: bool,
-        writes: BackgroundWrites, before_write=None,
+        writes: BackgroundWrites, before_write=None, rollout_feature_codec: str | None = None, ira_parents: int | None = None,
     ):  # fmt: skip
         self.size, self.feature_codec, self.before_write, self.writes = size, feature_codec, before_write, writes
+        self.rollout_feature_codec, self.ira_parents = rollout_feature_codec, ira_parents
         self.local_dir = None if isinstance(target, StorePrefix) else Path(target)
         self.group = zarr.open_group(store=_zarr_store(target, read_only=False), mode="w-", zarr_format=3)
         # CRC32C after compression: every chunk read is checked, so a flipped byte is an error naming
         # the shard and array instead of a silently different value (docs/benchmarks.md: its cost).
-        self.compressors = [zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle")]
+        self.compressors = [
+            zarr.codecs.BloscCodec(cname="zstd", clevel=ZARR_CLEVEL, shuffle="shuffle", blocksize=ZARR_BLOSC_BLOCK_BYTES)
+        ]
         if chunk_checksums:
             self.compressors.append(zarr.codecs.Crc32cCodec())
         self.columns: dict[str, _ZarrColumn] = {}  # created with the first record (it gives F, k, K)
@@ -753,8 +793,10 @@ class _ZarrBody:
         for name in names:
             rows = record[name]
             num_rows = self.size.num_anchors if name in ANCHOR_INDEXED_ARRAYS else self.size.num_tokens
+            if name in PARENT_ARRAYS:
+                num_rows = self.size.parent_rows
             per_sequence = math.ceil(num_rows / self.size.num_sequences)
-            dtype = record_dtype(name, feature_codec=self.feature_codec)
+            dtype = record_dtype(name, feature_codec=self.feature_codec, rollout_feature_codec=self.rollout_feature_codec)
             self._column(name, num_rows, rows.shape[1:], dtype, per_sequence).append(rows)
 
     def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
@@ -765,25 +807,34 @@ class _ZarrBody:
         anchor_offsets = np.zeros(len(dims) + 1, dtype=np.int64)  # [n+1]
         anchor_offsets[1:] = np.cumsum([d.num_anchors for d in dims])
         index_arrays = {ZARR_SEQ_OFFSETS: seq_offsets, ZARR_ANCHOR_OFFSETS: anchor_offsets, ZARR_SOURCE_ROWS: source_rows}
+        if self.ira_parents is not None:  # rollout-feature rows: P = min(ira_parents, A) per sequence
+            parent_offsets = np.zeros(len(dims) + 1, dtype=np.int64)  # [n+1]
+            parent_offsets[1:] = np.cumsum([num_parents(d.num_anchors, self.ira_parents) for d in dims])
+            index_arrays[ZARR_PARENT_OFFSETS] = parent_offsets
         for name, data in index_arrays.items():
             column = self._column(name, len(data), (), data.dtype)
             column.append(data)
             column.finish()
         self.writes.wait()  # every array's data is on disk (an error of a write raises here)
         d0 = dims[0]
-        self.group.update_attributes(
-            {
-                "format": FORMAT_NAME,
-                "format_version": FORMAT_VERSION,
-                "feature_codec": self.feature_codec,
-                "num_sequences": len(dims),
-                "num_tokens": int(seq_offsets[-1]),
-                "num_anchors": int(anchor_offsets[-1]),
-                "feature_dim": d0.feature_dim,
-                "top_k": d0.top_k,
-                "num_slots": d0.num_slots,
-            }
-        )
+        version = format_version_for(
+            ira_parents=self.ira_parents, feature_codec=self.feature_codec, rollout_feature_codec=self.rollout_feature_codec
+        )  # fmt: skip
+        attributes = {
+            "format": FORMAT_NAME,
+            "format_version": version,
+            "feature_codec": self.feature_codec,
+            "num_sequences": len(dims),
+            "num_tokens": int(seq_offsets[-1]),
+            "num_anchors": int(anchor_offsets[-1]),
+            "feature_dim": d0.feature_dim,
+            "top_k": d0.top_k,
+            "num_slots": d0.num_slots,
+        }
+        if version >= 2:  # absent in a version-1 layout: such a shard is byte for byte as before
+            attributes["rollout_feature_codec"] = self.rollout_feature_codec or self.feature_codec
+            attributes["ira_parents"] = self.ira_parents
+        self.group.update_attributes(attributes)
 
     def checksum(self, final: Path | StorePrefix) -> str:
         """shard_checksum with the chunk files' digests taken as they were written (created here by
@@ -829,14 +880,15 @@ class _WdsBody:
 
     def __init__(
         self, target: Path | StorePrefix, *, feature_codec: str, contents: tuple[str, ...], chunk_checksums: bool,
-        writes: BackgroundWrites,
+        writes: BackgroundWrites, rollout_feature_codec: str | None = None,
     ):  # fmt: skip
         self.on_store = isinstance(target, StorePrefix)
         self.file = target.open("", "wb") if self.on_store else open(target, "xb")
         # A local tar is hashed as it is written (`checksum`): publish need not read it back.
         self.hashed = None if self.on_store else _HashingWriter(self.file)
         self.writer = WdsShardWriter(
-            self.hashed or self.file, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums
+            self.hashed or self.file, feature_codec=feature_codec, contents=contents, chunk_checksums=chunk_checksums,
+            rollout_feature_codec=rollout_feature_codec,
         )  # fmt: skip
         self.writes, self.chunk_checksums, self.target = writes, chunk_checksums, target
         self.unsynced = 0  # bytes written since the last sync_soon
@@ -915,14 +967,16 @@ class ZarrShard:
             raise ValueError(f"{self.path}: cannot open Zarr shard ({type(e).__name__}: {e})") from None
         self.attrs = dict(self.group.attrs)
         self.arrays = {name: array for name, array in self.group.arrays()}
-        missing = [n for n in ZARR_INDEX_ARRAYS if n not in self.arrays]
+        missing = [n for n in ZARR_INDEX_ARRAYS if n not in self.arrays and n != ZARR_PARENT_OFFSETS]
         if missing:
             raise ValueError(f"{self.path}: Zarr shard lacks index array {missing[0]}")
         self.seq_offsets = self.arrays[ZARR_SEQ_OFFSETS][:]  # [n+1]
         self.anchor_offsets = self.arrays[ZARR_ANCHOR_OFFSETS][:]  # [n+1]
         self.source_rows = self.arrays[ZARR_SOURCE_ROWS][:]  # [n]
+        # Rollout-feature rows per sequence: their own offsets when only some anchors keep them.
+        self.parent_offsets = self.arrays[ZARR_PARENT_OFFSETS][:] if ZARR_PARENT_OFFSETS in self.arrays else self.anchor_offsets
         n = len(self.source_rows)
-        if len(self.seq_offsets) != n + 1 or len(self.anchor_offsets) != n + 1:
+        if len(self.seq_offsets) != n + 1 or len(self.anchor_offsets) != n + 1 or len(self.parent_offsets) != n + 1:
             raise ValueError(
                 f"{self.path}: offsets have {len(self.seq_offsets)} / {len(self.anchor_offsets)} entries for {n} sequences"
             )
@@ -936,23 +990,32 @@ class ZarrShard:
         """Record arrays stored (source_row included, index arrays excluded)."""
         return {"source_row"} | (set(self.arrays) - set(ZARR_INDEX_ARRAYS))
 
+    def row_range(self, local: int, name: str) -> tuple[int, int]:
+        """Rows [start, stop) of array `name` holding sequence `local`'s."""
+        offsets = self.seq_offsets
+        if name in PARENT_ARRAYS:
+            offsets = self.parent_offsets
+        elif name in ANCHOR_INDEXED_ARRAYS:
+            offsets = self.anchor_offsets
+        return int(offsets[local]), int(offsets[local + 1])
+
     def read(self, local: int, arrays: set[str] | None = None) -> dict[str, np.ndarray]:
         """Encoded record of sequence `local` of this shard (only `arrays`, when given)."""
-        t0, t1 = int(self.seq_offsets[local]), int(self.seq_offsets[local + 1])
-        a0, a1 = int(self.anchor_offsets[local]), int(self.anchor_offsets[local + 1])
         record = {"source_row": np.asarray(self.source_rows[local], dtype=np.int64)}
         for name, array in self.arrays.items():
             if name in ZARR_INDEX_ARRAYS or (arrays is not None and name not in arrays):
                 continue
             try:
-                record[name] = array[a0:a1] if name in ANCHOR_INDEXED_ARRAYS else array[t0:t1]
+                start, stop = self.row_range(local, name)
+                record[name] = array[start:stop]
             except Exception as e:  # a failed checksum (ValueError) or a chunk that no longer decodes
                 raise self._corrupt(name, e) from None
         return record
 
     def read_anchor_rows(self, local: int, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows `rows` (pool indices) of anchor array `name` of sequence `local`: only their chunks are read."""
-        a0 = int(self.anchor_offsets[local])
+        """Rows `rows` (the sequence's own rows of the array: pool indices, or parent rows for the
+        rollout features) of anchor array `name` of sequence `local`: only their chunks are read."""
+        a0 = self.row_range(local, name)[0]
         array = self.arrays[name]
         try:
             # One slice per row: 3x faster than zarr's orthogonal indexing over one-anchor chunks

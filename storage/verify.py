@@ -15,7 +15,9 @@ from storage.format import (
     FP8_SCALE_ARRAYS,
     SHARD_DIR,
     TARGET_HEAD_FILE,
+    PARENT_ARRAYS,
     ZARR_INDEX_ARRAYS,
+    ZARR_PARENT_OFFSETS,
     MANIFEST_FILE,
     record_array_names,
 )
@@ -115,17 +117,25 @@ def record_value_problems(record: dict[str, np.ndarray], *, vocab_size: int) -> 
 
 def _zarr_structure_problems(shard: ZarrShard, manifest: Manifest, record: ShardRecord) -> list[str]:
     """Flat-array problems of a Zarr shard: offsets, lengths, dtypes, attributes."""
-    codec = manifest.settings.feature_codec
+    settings = manifest.settings
+    codec, rollout_codec = settings.feature_codec, settings.rollout_feature_codec
     problems = []
-    names = set(record_array_names(codec, manifest.settings.contents)) - {"source_row"}
+    names = set(record_array_names(codec, settings.contents, rollout_codec)) - {"source_row"}
     stored = set(shard.arrays) - set(ZARR_INDEX_ARRAYS)
     if stored != names:
         problems.append(f"arrays {sorted(stored ^ names)} missing or unexpected")
     if shard.attrs.get("feature_codec") != codec:
         problems.append(f"attribute feature_codec {shard.attrs.get('feature_codec')!r}, manifest says {codec!r}")
+    if (settings.ira_parents is not None) != (ZARR_PARENT_OFFSETS in shard.arrays):
+        problems.append(f"index array {ZARR_PARENT_OFFSETS} {'missing' if settings.ira_parents else 'unexpected'}")
+    elif settings.ira_parents is not None:
+        expected = np.concatenate([[0], np.cumsum(np.minimum(np.diff(shard.anchor_offsets), settings.ira_parents))])
+        if not np.array_equal(shard.parent_offsets, expected):
+            problems.append(f"{ZARR_PARENT_OFFSETS} do not give min(ira_parents, anchors) rows per sequence")
     for offsets_name, offsets, arrays in (
         ("seq_offsets", shard.seq_offsets, [n for n in stored if n not in ANCHOR_INDEXED_ARRAYS]),
-        ("anchor_offsets", shard.anchor_offsets, [n for n in stored if n in ANCHOR_INDEXED_ARRAYS]),
+        ("anchor_offsets", shard.anchor_offsets, [n for n in stored if n in ANCHOR_INDEXED_ARRAYS and n not in PARENT_ARRAYS]),
+        ("parent_offsets", shard.parent_offsets, [n for n in stored if n in PARENT_ARRAYS]),
     ):
         if offsets.dtype != np.int64 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
             problems.append(f"{offsets_name} must be int64, start at 0 and not decrease")
@@ -134,8 +144,9 @@ def _zarr_structure_problems(shard: ZarrShard, manifest: Manifest, record: Shard
             array = shard.arrays[name]
             if array.shape[0] != offsets[-1]:
                 problems.append(f"{name} has {array.shape[0]} rows, {offsets_name} ends at {offsets[-1]}")
-            if array.dtype != record_dtype(name, feature_codec=codec):
-                problems.append(f"{name} has dtype {array.dtype}, expected {record_dtype(name, feature_codec=codec)}")
+            dtype = record_dtype(name, feature_codec=codec, rollout_feature_codec=rollout_codec)
+            if array.dtype != dtype:
+                problems.append(f"{name} has dtype {array.dtype}, expected {dtype}")
     if shard.seq_offsets[-1] != record.tokens:
         problems.append(f"holds {shard.seq_offsets[-1]} tokens, manifest says {record.tokens}")
     if shard.anchor_offsets[-1] != record.anchors:
@@ -177,7 +188,10 @@ def _shard_problems(cache: Location, manifest: Manifest, record: ShardRecord) ->
             try:
                 seq = shard.read(local)
                 where = f"sequence {local}" + (f" (source row {int(seq['source_row'])})" if "source_row" in seq else "")
-                seq_dims = check_record(seq, feature_codec=codec, contents=settings.contents, where=where, like=dims)
+                seq_dims = check_record(
+                    seq, feature_codec=codec, contents=settings.contents, where=where, like=dims,
+                    rollout_feature_codec=settings.rollout_feature_codec, ira_parents=settings.ira_parents,
+                )  # fmt: skip
             except Exception as e:
                 problems.append(f"sequence {local}: {_one_line(e)}" if not isinstance(e, ValueError) else str(e))
                 continue

@@ -176,9 +176,9 @@ class WdsShardWriter:
 
     def __init__(
         self, file_obj_or_path: str | os.PathLike | BinaryIO, *, feature_codec: str, contents: tuple[str, ...],
-        chunk_checksums: bool = True,
+        chunk_checksums: bool = True, rollout_feature_codec: str | None = None,
     ):  # fmt: skip
-        self.names = sorted(record_array_names(feature_codec, contents))
+        self.names = sorted(record_array_names(feature_codec, contents, rollout_feature_codec))
         self.chunk_checksums = chunk_checksums
         self.num_records = 0
         self._owned = isinstance(file_obj_or_path, (str, os.PathLike))

@@ -12,7 +12,7 @@ import torch
 from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs, effective_system_prompt
 from pipeline.cache_build.rollouts import TargetRunConfig
 from pipeline.config import from_flags, group, opt
-from storage.format import FEATURE_CODECS, STORAGE_FORMATS
+from storage.format import FEATURE_CODECS, STORAGE_FORMATS, check_ira_parents
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = ("hf", "vllm")
@@ -49,12 +49,35 @@ class StorageConfig:
         "Store the target's top-k distributions along the corpus (needed by kd, erase, erase_hard).", default=True
     )
     feature_codec: str = opt("Feature codec: bf16 (lossless bits) or fp8 (e4m3 + per-token scale).", default="bf16")
+    rollout_feature_codec: str | None = opt(
+        "Codec of the rollout features alone (bf16 or fp8; default: --feature-codec's). fp8 here and bf16 corpus "
+        "features: only what IRA secondaries see of their parent's rollout is lossy (docs/cache-format.md).",
+        default=None,
+    )
+    ira_parents: int | None = opt(
+        "Keep rollout features for only this many anchors of each sequence's pool (evenly spaced over it): the "
+        "anchors alr_ira may draw as IRA parents. Rollout tokens and labels stay for the whole pool. alr_ira needs "
+        "at least half its anchors per step (default: every pool anchor).",
+        default=None,
+    )
+    compact: bool = opt(
+        "The recommended small cache (docs/cache-format.md, 'Compact caches'): sets --rollout-feature-codec and "
+        "--ira-parents (give neither with it); recorded in the manifest.",
+        default=False,
+    )
     storage_format: str = opt("Shard format: zarr or wds (WebDataset tar).", flag="format", default="zarr")
     shard_size: int = opt("Sequences per shard.", default=256)
 
     def __post_init__(self):
         if self.feature_codec not in FEATURE_CODECS:
             raise ValueError(f"--feature-codec must be bf16 or fp8, got {self.feature_codec!r}")
+        if self.rollout_feature_codec is not None and self.rollout_feature_codec not in FEATURE_CODECS:
+            raise ValueError(f"--rollout-feature-codec must be bf16 or fp8, got {self.rollout_feature_codec!r}")
+        if self.feature_codec == "fp8" and self.rollout_feature_codec == "bf16":
+            raise ValueError("--rollout-feature-codec bf16 with --feature-codec fp8: rollout features finer than the corpus's are refused")
+        check_ira_parents(self.ira_parents, name="--ira-parents")
+        if self.compact and (self.rollout_feature_codec is not None or self.ira_parents is not None):
+            raise ValueError("--compact sets --rollout-feature-codec and --ira-parents: give neither with it")
         if self.storage_format not in STORAGE_FORMATS:
             raise ValueError(f"--format must be zarr or wds, got {self.storage_format!r}")
         if self.shard_size < 1:
@@ -140,6 +163,23 @@ class CacheBuildConfig:
         return replace(self, run=replace(self.run, layer_ids=list(layer_ids)))
 
     @property
+    def layout(self) -> dict:
+        """The feature layout the cache is written with, --compact resolved: {"feature_codec",
+        "rollout_feature_codec" (None: the features'), "ira_parents" (None: all), "profile"}."""
+        storage = self.storage
+        if storage.compact:
+            return {**compact_layout(self.run.anchors_per_sequence, feature_codec=storage.feature_codec), "profile": "compact"}
+        rollout_codec = storage.rollout_feature_codec
+        if rollout_codec == storage.feature_codec:
+            rollout_codec = None  # the same codec: a version-1 layout
+        ira_parents = storage.ira_parents
+        if ira_parents is not None and ira_parents >= self.run.anchors_per_sequence:
+            ira_parents = None  # every pool anchor: a version-1 layout
+        if "rollout_features" not in self.contents:
+            rollout_codec = ira_parents = None  # nothing to apply them to
+        return {"feature_codec": storage.feature_codec, "rollout_feature_codec": rollout_codec, "ira_parents": ira_parents, "profile": None}
+
+    @property
     def contents(self) -> list[str]:
         """Array groups the cache stores (storage.format.ARRAY_GROUPS), sorted."""
         groups = []
@@ -150,6 +190,17 @@ class CacheBuildConfig:
             if self.storage.rollout_features:  # features of rollout tokens exist only where rollouts run
                 groups.append("rollout_features")
         return sorted(groups)
+
+
+def compact_layout(anchors_per_sequence: int, *, feature_codec: str) -> dict:
+    """What --compact selects (docs/cache-format.md, "Compact caches"): rollout features for half
+    the pool (the parents alr_ira draws when a step takes the whole pool), in fp8; the corpus
+    features keep --feature-codec (bf16 by default: every corpus-only method stays lossless)."""
+    return {
+        "feature_codec": feature_codec,
+        "rollout_feature_codec": "fp8" if feature_codec != "fp8" else None,
+        "ira_parents": max(1, anchors_per_sequence // 2),
+    }
 
 
 def vision_cache_settings(config: CacheBuildConfig) -> dict:

@@ -194,13 +194,13 @@ def cache_settings(config: CacheBuildConfig, *, layer_ids: list[int]) -> CacheSe
         seed=run.seed,
         max_length=corpus.max_length,
         min_supervised_tokens=corpus.min_supervised_tokens,
-        feature_codec=storage.feature_codec,
         storage_format=storage.storage_format,
         shard_size=storage.shard_size,
         corpus_hash=file_sha256(corpus.path),
         skip_bad_rows=corpus.skip_bad_rows,
         contents=config.contents,
         backend=config.compute.backend,
+        **{k: v for k, v in config.layout.items()},  # codecs, --ira-parents, --compact (format version 2 when set)
         **vision_cache_settings(config),  # system prompt and vision settings, when set (docs/vision.md)
     )
 

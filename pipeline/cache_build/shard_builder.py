@@ -23,7 +23,7 @@ from pipeline.cache_build.corpus import corpus_vision_inputs, load_tokenized_cor
 from pipeline.cache_build.rollouts import TargetSequence, anchor_pool_size, run_target_batch
 from pipeline.target import load_target
 from storage.codecs import encode_features, encode_features_tensor
-from storage.format import ALL_GROUPS, CORPUS_DIR, record_array_names
+from storage.format import ALL_GROUPS, CORPUS_DIR, array_codecs, ira_parent_rows, num_parents, record_array_names
 from storage.location import resolve
 from storage.manifest import ShardRecord
 from storage.shards import ShardSize, ShardWriter, set_codec_threads
@@ -61,10 +61,23 @@ def plan_batches(lengths: list[int], *, batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def outputs_to_record(outputs, *, feature_codec: str, contents=ALL_GROUPS) -> dict[str, np.ndarray]:
+def _feature_rows(outputs, name: str, ira_parents: int | None) -> torch.Tensor:
+    """Feature array `name` of one sequence's outputs as stored: the rollout features of the IRA
+    parents only (storage.format.ira_parent_rows) when the cache keeps some."""
+    features = getattr(outputs, name)
+    if name != "rollout_features" or ira_parents is None or num_parents(len(features), ira_parents) == len(features):
+        return features
+    return features[torch.from_numpy(ira_parent_rows(len(features), ira_parents)).to(features.device)]
+
+
+def outputs_to_record(
+    outputs, *, feature_codec: str, contents=ALL_GROUPS, rollout_feature_codec: str | None = None,
+    ira_parents: int | None = None,
+) -> dict[str, np.ndarray]:  # fmt: skip
     """TargetOutputs -> the per-sequence record of storage/format.py (features encoded), holding
-    the arrays of the array groups `contents` only."""
-    names = set(record_array_names(feature_codec, contents))
+    the arrays of the array groups `contents` only, rollout features for `ira_parents` anchors."""
+    names = set(record_array_names(feature_codec, contents, rollout_feature_codec))
+    codecs = array_codecs(feature_codec, rollout_feature_codec)
     record = {"source_row": np.asarray(outputs.source_row, dtype=np.int64)}
     for name in PLAIN_ARRAYS:
         if name in names:
@@ -72,28 +85,32 @@ def outputs_to_record(outputs, *, feature_codec: str, contents=ALL_GROUPS) -> di
     for name, scale_name in FEATURE_ARRAYS:
         if name not in names:
             continue
-        bits, scales = encode_features(getattr(outputs, name), codec=feature_codec)
+        bits, scales = encode_features(_feature_rows(outputs, name, ira_parents), codec=codecs[name])
         record[name] = bits
         if scales is not None:
             record[scale_name] = scales
     return record
 
 
-def outputs_to_records(outputs: list, *, feature_codec: str, contents=ALL_GROUPS) -> list[dict[str, np.ndarray]]:
+def outputs_to_records(
+    outputs: list, *, feature_codec: str, contents=ALL_GROUPS, rollout_feature_codec: str | None = None,
+    ira_parents: int | None = None,
+) -> list[dict[str, np.ndarray]]:  # fmt: skip
     """A batch's TargetOutputs -> its records, as outputs_to_record, with the device doing the work:
     features are checked finite and encoded where they were computed, then every array goes to
     the host at once, on CUDA by non-blocking copies into pinned buffers and one synchronize for
     the batch (docs/design.md, "A cache build")."""
-    names = set(record_array_names(feature_codec, contents))
+    names = set(record_array_names(feature_codec, contents, rollout_feature_codec))
+    codecs = array_codecs(feature_codec, rollout_feature_codec)
     on_device, finite = [], []
     for o in outputs:
         arrays = {name: getattr(o, name) for name in PLAIN_ARRAYS if name in names}
         for name, scale_name in FEATURE_ARRAYS:
             if name in names:
-                features = getattr(o, name)
+                features = _feature_rows(o, name, ira_parents)
                 if features.is_floating_point():
                     finite.append(torch.isfinite(features).all())
-                arrays[name], scales = encode_features_tensor(features, codec=feature_codec)
+                arrays[name], scales = encode_features_tensor(features, codec=codecs[name])
                 if scales is not None:
                     arrays[scale_name] = scales
         on_device.append(arrays)
@@ -203,13 +220,17 @@ class ShardBuilder:
         began = time.perf_counter()
         sequences = [self._sequence(i) for i in range(start, stop)]
         run, storage, contents = self.config.run, self.config.storage, self.config.contents
+        layout = self.config.layout  # codecs and --ira-parents, --compact resolved
+        ira_parents, times = layout["ira_parents"], BuildTimes()
+        pools = [anchor_pool_size(s.loss_mask, num_anchors=run.anchors_per_sequence) for s in sequences]
         size = ShardSize(
             num_sequences=len(sequences),
             num_tokens=sum(len(s.input_ids) for s in sequences),
-            num_anchors=sum(anchor_pool_size(s.loss_mask, num_anchors=run.anchors_per_sequence) for s in sequences),
+            num_anchors=sum(pools),
+            num_parents=None if ira_parents is None else sum(num_parents(a, ira_parents) for a in pools),
         )
         batches = plan_batches([len(s.input_ids) for s in sequences], batch_tokens=self.config.compute.batch_tokens)
-        codec, times = storage.feature_codec, BuildTimes()
+        codecs = {"feature_codec": layout["feature_codec"], "rollout_feature_codec": layout["rollout_feature_codec"]}
 
         def write(records: list[dict]) -> None:
             for record in records:
@@ -219,7 +240,8 @@ class ShardBuilder:
 
         with ShardWriter(
             self.config.out, shard_index=shard_index, size=size, storage_format=storage.storage_format,
-            feature_codec=codec, contents=contents, owner=owner, num_threads=self.config.compute.cpus_per_worker,
+            contents=contents, owner=owner, num_threads=self.config.compute.cpus_per_worker, ira_parents=ira_parents,
+            **codecs,
         ) as writer:  # fmt: skip
             # The pool is left (its write finished) before the writer aborts on an error.
             seconds: dict[str, float] = {}  # target time per part of the cache (docs/design.md, "A cache build")
@@ -229,7 +251,7 @@ class ShardBuilder:
                     for batch in batches:
                         computing = time.perf_counter()
                         outputs = self.run_batch([sequences[i] for i in batch], seconds=seconds)
-                        records = outputs_to_records(outputs, feature_codec=codec, contents=contents)
+                        records = outputs_to_records(outputs, contents=contents, ira_parents=ira_parents, **codecs)
                         del outputs  # the device tensors: the records hold the host copies
                         waiting = time.perf_counter()
                         times.compute_s += waiting - computing

@@ -16,9 +16,9 @@ from torch import Tensor
 
 from drafter.masks import SHARED_OWNER
 from pipeline.train.labels import BlockTargets, ObjectiveConfig, build_block_targets
-from pipeline.train.methods import required_arrays
+from pipeline.train.methods import recipe, required_arrays
 from storage.codecs import FP8_E4M3FN_TABLE
-from storage.format import ANCHOR_ARRAYS, TOKEN_ARRAYS
+from storage.format import ANCHOR_ARRAYS, TOKEN_ARRAYS, ira_parent_rows
 
 # Record arrays the label builder reads (features are handled separately, below).
 _LABEL_ARRAYS = tuple(name for name in TOKEN_ARRAYS + ANCHOR_ARRAYS if name not in ("features", "rollout_features"))
@@ -71,7 +71,9 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         self.arrays = required_arrays(objective.method) - {"rollout_features"}
         # Features travel as their stored bits (bf16: uint16, half of float32; fp8: uint8 plus a
         # float32 scale per row) and are decoded on the training device (decode_feature_bits).
-        self.fp8 = reader.feature_codec == "fp8"
+        self.fp8 = reader.rollout_feature_codec == "fp8"  # the parents' rows come with scales
+        self.ira_parents = reader.ira_parents
+        check_ira_parents_serve(objective, ira_parents=reader.ira_parents, anchors_per_sequence=reader.manifest.settings.anchors_per_sequence)
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -88,20 +90,72 @@ class CacheTrainDataset(torch.utils.data.Dataset):
             return bits, (self.reader.read_rollout_feature_scales(index, parents) if self.fp8 else None)
 
         return example_from_record(
-            record, epoch=epoch, index=index, objective=self.objective, seed=self.seed, parent_rollout_features=parent_rows
+            record, epoch=epoch, index=index, objective=self.objective, seed=self.seed, parent_rollout_features=parent_rows,
+            ira_parents=self.ira_parents,
+        )  # fmt: skip
+
+
+def check_ira_parents_serve(objective: ObjectiveConfig, *, ira_parents: int | None, anchors_per_sequence: int) -> None:
+    """One line refusing alr_ira on a cache that keeps rollout features for fewer anchors per
+    sequence than a step draws parents (floor(m/2) of m anchors; docs/design.md, "The cache contract")."""
+    if ira_parents is None or recipe(objective.method).ira != "secondaries":
+        return
+    per_step = min(objective.anchors_per_step or anchors_per_sequence, anchors_per_sequence)
+    if ira_parents < per_step // 2:
+        raise ValueError(
+            f"--method {objective.method} draws {per_step // 2} IRA parents per sequence ({per_step} anchors per step) "
+            f"but the cache keeps rollout features for {ira_parents} anchors per sequence (built with --ira-parents "
+            f"{ira_parents}): train with --anchors-per-step <= {2 * ira_parents + 1}, or rebuild with more --ira-parents"
         )
+
+
+def _parents_like(rows: np.ndarray, scales: np.ndarray | None, *, like: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Parent rollout-feature rows in the corpus features' representation, so one context tensor
+    holds both: the same codec passes; fp8 rollout rows next to bf16 corpus bits become bf16 bits
+    (x * scale rounded to bf16, an error below fp8's own), next to float32 features float32."""
+    if rows.dtype == like.dtype:
+        return rows, scales
+    if rows.dtype == np.uint8 and like.dtype == np.uint16:
+        # One 256-entry table of bf16(value x scale) per row, then a byte lookup: the same bits as
+        # rounding each float32 product, 3.7x faster (the alr_ira loader's part of a compact cache).
+        tables = torch.from_numpy(FP8_E4M3FN_TABLE[None, :] * scales.reshape(-1, 1)).to(torch.bfloat16)
+        tables = tables.view(torch.uint16).numpy()  # [rows, 256]
+        out = np.empty(rows.shape, dtype=np.uint16)
+        flat_rows, flat_out = rows.reshape(-1, rows.shape[-1]), out.reshape(-1, rows.shape[-1])
+        for r in range(len(flat_rows)):
+            np.take(tables[r], flat_rows[r], out=flat_out[r])
+        return out, None
+    if rows.dtype == np.uint8:
+        values = np.take(FP8_E4M3FN_TABLE, rows)  # (np.take: 1.2x a fancy index here)
+        values *= scales[..., None]
+    else:
+        values = (rows.astype(np.uint32) << 16).view(np.float32)
+    if like.dtype == np.float32:
+        return values, None
+    if like.dtype == np.uint16:
+        return torch.from_numpy(values).to(torch.bfloat16).view(torch.uint16).numpy(), None
+    raise ValueError(f"rollout features ({rows.dtype}) cannot join fp8 corpus features; the cache build refuses that codec pair")
+
+
+def _get(scales: dict, parent: int, length: int) -> np.ndarray | None:
+    return scales[parent][:length] if parent in scales else None
 
 
 def example_from_record(
     record: dict[str, np.ndarray], *, epoch: int, index: int, objective: ObjectiveConfig, seed: int,
-    parent_rollout_features,
+    parent_rollout_features, ira_parents: int | None = None,
 ) -> SequenceExample | ReadFailure:
     """The example of sequence `index` in `epoch` from its record (the method's arrays; features as
-    bf16 bits, fp8 bits with their `feature_scales`, or float32). `parent_rollout_features(pool_rows)`
-    returns (the rollout features of those anchors [len, K-2, F], their fp8 scales [len, K-2] or
-    None): the map loader reads just them, the stream has the whole array. Both loaders build
-    their examples here, so they differ only in which sequences a step sees."""
+    bf16 bits, fp8 bits with their `feature_scales`, or float32). `parent_rollout_features(rows)`
+    returns (the rollout features of those stored rows [len, K-2, F], their fp8 scales [len, K-2]
+    or None): the map loader reads just them, the stream has the whole array. `ira_parents`: the
+    cache's setting (None: every pool anchor keeps its rollout features). Both loaders build their
+    examples here, so they differ only in which sequences a step sees."""
     tensors = {name: torch.from_numpy(np.asarray(record[name])) for name in _LABEL_ARRAYS if name in record}
+    num_pool = len(record["anchor_pos"])
+    stored = ira_parent_rows(num_pool, ira_parents)  # [P] pool index of each stored rollout-feature row
+    if len(stored) < num_pool:  # only some anchors may parent a secondary (docs/design.md, "The cache contract")
+        tensors["ira_parent_rows"] = torch.from_numpy(stored)
     generator = torch.Generator().manual_seed(example_seed(seed=seed, epoch=epoch, index=index))
     targets = build_block_targets(tensors, config=objective, generator=generator)
 
@@ -115,7 +169,7 @@ def example_from_record(
     if secondary:
         parents = sorted({int(targets.private_parent[b]) for b in secondary})
         try:
-            rows, scale_rows = parent_rollout_features(np.asarray(parents))
+            rows, scale_rows = parent_rollout_features(np.searchsorted(stored, np.asarray(parents)))
         except ValueError as error:
             return ReadFailure(message=str(error))
         parent_features = dict(zip(parents, rows))
@@ -123,7 +177,9 @@ def example_from_record(
         anchor_pos = tensors["anchor_pos"].long()
         for block in secondary:
             parent, length = int(targets.private_parent[block]), int(targets.private_len[block])
-            features.append(torch.from_numpy(np.ascontiguousarray(parent_features[parent][:length])))  # [j-1, F]
+            # (a codec other than the corpus's is converted here: only the j-1 rows the block sees)
+            rows, _ = _parents_like(parent_features[parent][:length], _get(parent_scales, parent, length), like=record["features"])
+            features.append(torch.from_numpy(np.ascontiguousarray(rows)))  # [j-1, F]
             if fp8:
                 scales.append(torch.from_numpy(np.ascontiguousarray(parent_scales[parent][:length])))  # [j-1]
             positions.append(anchor_pos[parent] + 1 + torch.arange(length))

@@ -22,6 +22,7 @@ from pipeline.train.objectives import (
     cap_mask,
     depth_mask,
     draw_anchors,
+    draw_ira_from_parents,
     eligible_anchor_positions,
     hard_gate,
     ira_split,
@@ -218,7 +219,7 @@ def _corpus_targets(
 
 def _rollout_targets(
     record: dict[str, Tensor], *, anchor_pos: Tensor, pool_index: Tensor, config: ObjectiveConfig,
-    generator: torch.Generator,
+    generator: torch.Generator, split=None,
 ) -> BlockTargets:
     num_slots = config.num_slots
     num_blocks = anchor_pos.shape[0]
@@ -234,9 +235,9 @@ def _rollout_targets(
     in_seq = base_factors(anchor_pos=anchor_pos, loss_mask=record["loss_mask"], num_slots=num_slots)
     alive = alive_mask(rollout_tokens=rollout_tokens, stop_token_ids=stop_token_ids)  # [N, K + 1]
     depth = depth_mask(num_slots=num_slots, rollout_depth=config.rollout_depth)  # [K + 1]
-    split = cap = gate = None
+    cap = gate = None
     method = recipe(config.method)
-    if method.ira is not None:
+    if method.ira is not None and split is None:
         split = ira_split(num_blocks=num_blocks, num_slots=num_slots, generator=generator)
     if method.ira == "caps":
         cap = cap_mask(slot_control_caps(split=split, num_blocks=num_blocks, num_slots=num_slots), num_slots)
@@ -281,18 +282,29 @@ def build_block_targets(
 ) -> BlockTargets:
     """Draw one sequence's anchors and build its blocks' inputs, labels and slot weights.
 
-    `record` holds the sequence's cache arrays as CPU tensors (see `required_arrays`). Randomness is
-    taken from `generator` in a fixed order (anchor draw, then the IRA split), so a seed fixes the
-    targets bit for bit. A sequence with no anchors gives N = 0 blocks.
+    `record` holds the sequence's cache arrays as CPU tensors (see `required_arrays`), and for a
+    cache that keeps rollout features for only some pool anchors `ira_parent_rows` (their pool
+    indices, fewer than the pool): alr_ira then draws its parents from them (draw_ira_from_parents).
+    Randomness is taken from `generator` in a fixed order (anchor draw, then the IRA split), so a
+    seed fixes the targets bit for bit. A sequence with no anchors gives N = 0 blocks.
     """
+    if config.mask_token_id is None:
+        raise ValueError("the objective is not bound to a cache (ObjectiveConfig.for_cache)")
+    parent_rows = record.get("ira_parent_rows")
+    if parent_rows is not None and recipe(config.method).ira == "secondaries" and config.anchor_source == "pool":
+        candidates = record["anchor_pos"].long()  # [A]
+        drawn, split = draw_ira_from_parents(
+            candidates, parent_rows, num_anchors=config.anchors_per_step, num_slots=config.num_slots, generator=generator
+        )  # fmt: skip
+        return _rollout_targets(
+            record, anchor_pos=candidates[drawn], pool_index=drawn, config=config, generator=generator, split=split
+        )  # fmt: skip
     if config.anchor_source == "pool":
         candidates = record["anchor_pos"].long()  # [A]
     else:
         candidates = eligible_anchor_positions(record["loss_mask"])
     drawn = draw_anchors(candidates, num_anchors=config.anchors_per_step, generator=generator)  # [N]
     anchor_pos = candidates[drawn]  # [N]
-    if config.mask_token_id is None:
-        raise ValueError("the objective is not bound to a cache (ObjectiveConfig.for_cache)")
     if recipe(config.method).label_source == "corpus":
         return _corpus_targets(record, anchor_pos=anchor_pos, config=config)
     return _rollout_targets(

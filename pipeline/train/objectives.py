@@ -163,6 +163,53 @@ def ira_split(*, num_blocks: int, num_slots: int, generator: torch.Generator) ->
     return IraSplit(primaries=primaries, secondaries=secondaries, parents=parents, offsets=offsets)
 
 
+def draw_ira_from_parents(
+    candidates: Tensor, parent_rows: Tensor, *, num_anchors: int | None, num_slots: int, generator: torch.Generator
+) -> tuple[Tensor, IraSplit]:
+    """IRA on a cache that keeps rollout features for only some pool anchors (`parent_rows`, pool
+    indices; docs/design.md, "The cache contract"): (drawn pool indices [m] in position order, the
+    split). Secondaries replace their drawn block wholesale, so IRA's m blocks are its floor(m/2)
+    parents, ceil(m/2) - floor(m/2) further primaries and floor(m/2) secondaries placed off the
+    parents: the parents are drawn from `parent_rows`, the other m - floor(m/2) anchors from the
+    rest of the pool, as many blocks and secondaries as `ira_split` gives. ValueError when the
+    pool keeps fewer parents than floor(m/2) (the trainer refuses such a cache up front).
+
+    Consumes the generator in a fixed order: parents, other anchors, secondaries, pairing, offsets.
+    """
+    num_pool = candidates.shape[0]
+    m = num_pool if num_anchors is None else min(num_anchors, num_pool)
+    num_secondaries = m // 2
+    if parent_rows.shape[0] < num_secondaries:
+        raise ValueError(
+            f"IRA draws {num_secondaries} parents among {m} anchors but this sequence keeps rollout features "
+            f"for {parent_rows.shape[0]} anchors"
+        )
+    device = generator.device
+    parents = parent_rows.long()[torch.randperm(parent_rows.shape[0], generator=generator, device=device)[:num_secondaries]]
+    rest = torch.ones(num_pool, dtype=torch.bool)
+    rest[parents] = False
+    others = torch.nonzero(rest).flatten()
+    others = others[torch.randperm(others.shape[0], generator=generator, device=device)[: m - num_secondaries]]
+    picked = torch.cat([parents, others])
+    order = torch.argsort(candidates[picked], stable=True)
+    drawn = picked[order]  # [m] pool indices in position order
+    is_parent = torch.zeros(num_pool, dtype=torch.bool)
+    is_parent[parents] = True
+    parent_blocks = torch.nonzero(is_parent[drawn]).flatten()  # [floor(m/2)] drawn indices, ascending
+    other_blocks = torch.nonzero(~is_parent[drawn]).flatten()
+    chosen = torch.randperm(other_blocks.shape[0], generator=generator, device=device)[:num_secondaries]
+    secondaries = other_blocks[chosen].sort().values
+    is_secondary = torch.zeros(m, dtype=torch.bool)
+    is_secondary[secondaries] = True
+    pairing = torch.randperm(num_secondaries, generator=generator, device=device)
+    offsets = torch.randint(2, num_slots, (num_secondaries,), generator=generator, device=device)
+    split = IraSplit(
+        primaries=torch.nonzero(~is_secondary).flatten(), secondaries=secondaries, parents=parent_blocks[pairing],
+        offsets=offsets,
+    )  # fmt: skip
+    return drawn, split
+
+
 def _shifted_slot_index(offsets: Tensor, num_columns: int) -> tuple[Tensor, Tensor]:
     """Column i + j of the parent for column i of the secondary, clamped, and whether it exists."""
     index = offsets.long()[:, None] + torch.arange(num_columns, device=offsets.device)

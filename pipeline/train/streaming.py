@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from pipeline.train.batching import ReadFailure, TrainBatch, collate, example_from_record
+from pipeline.train.batching import ReadFailure, TrainBatch, check_ira_parents_serve, collate, example_from_record
 from pipeline.train.labels import ObjectiveConfig
 from pipeline.train.methods import required_arrays
 from storage.errors import first_line
@@ -91,6 +91,10 @@ class StreamPlan:
     grad_accum: int
     shuffle_buffer: int
     read_ahead: ReadAhead | None = None  # a cache on an object store with --local-cache-gib > 0
+    # The cache's --ira-parents (None: every pool anchor keeps its rollout features) and pool size:
+    # what alr_ira may draw as parents (batching.check_ira_parents_serve).
+    ira_parents: int | None = None
+    anchors_per_sequence: int = 0
 
     @property
     def num_streams(self) -> int:
@@ -222,6 +226,7 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, plan: StreamPlan, *, objective: ObjectiveConfig, feature_codec: str):
         self.plan, self.objective, self.feature_codec = plan, objective, feature_codec
+        check_ira_parents_serve(objective, ira_parents=plan.ira_parents, anchors_per_sequence=plan.anchors_per_sequence)
         arrays = set(required_arrays(objective.method))
         self.arrays = arrays | {FP8_SCALE_ARRAYS[n] for n in arrays if n in FP8_SCALE_ARRAYS}
         self.epoch, self.skip_batches = 0, [0] * plan.num_streams
@@ -270,15 +275,18 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
             record = decode_sample(sample, arrays=self.arrays)  # features stay bits: decoded on the device
         except ValueError as error:
             return ReadFailure(message=str(error))
-        rollout_features = record.get("rollout_features")  # [A, K-2, F]: the whole member came with the sample
-        rollout_scales = record.get("rollout_feature_scales")  # [A, K-2], fp8 only
+        rollout_features = record.get("rollout_features")  # [P, K-2, F]: the whole member came with the sample
+        rollout_scales = record.get("rollout_feature_scales")  # [P, K-2], fp8 only
+        # P < A: the cache keeps rollout features for only P of the pool's anchors (--ira-parents P).
+        stored = None if rollout_features is None else len(rollout_features)
+        ira_parents = stored if stored is not None and stored < len(record["anchor_pos"]) else None
 
         def parent_rows(rows):
             return rollout_features[rows], (None if rollout_scales is None else rollout_scales[rows])
 
         return example_from_record(
             record, epoch=self.epoch, index=sample["__index__"], objective=self.objective, seed=self.plan.seed,
-            parent_rollout_features=parent_rows,
+            parent_rollout_features=parent_rows, ira_parents=ira_parents,
         )  # fmt: skip
 
 
@@ -299,7 +307,8 @@ def stream_plan(reader: CacheReader, *, seed: int, rank: int, world_size: int, n
     )
     plan = StreamPlan(
         shards=shards, seed=seed, rank=rank, world_size=world_size, num_workers=num_workers, micro_batch=micro_batch,
-        grad_accum=grad_accum, shuffle_buffer=shuffle_buffer,
+        grad_accum=grad_accum, shuffle_buffer=shuffle_buffer, ira_parents=reader.ira_parents,
+        anchors_per_sequence=reader.manifest.settings.anchors_per_sequence,
     )  # fmt: skip
     local_cache_bytes = int(local_cache_gib * 2**30)
     if not is_url(reader.cache_dir) or local_cache_bytes == 0 or not shards:

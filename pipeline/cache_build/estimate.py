@@ -1,0 +1,134 @@
+"""`alrira-cache build ... --estimate`: the bytes a build would write, before it spends them
+(docs/cache-format.md, "Size"; issue 26).
+
+Tokenizes the corpus and sizes every sequence's anchor pool exactly as the build does (no target
+forward, nothing written), so tokens, anchors and IRA parents are the build's own; the raw bytes
+of every array group follow from them and the settings. What compression will make of them is
+not known before the target runs: each group's raw bytes are divided by the ratio measured for
+it (benchmarks/cache_settings.py at Qwen3-4B shapes, and the toy target's caches in
+tests/test_cache_compact.py): bf16 features compress 1.27-1.41x (toy target, random and
+SmolLM2-135M activations), fp8 features 1.0-1.2x. The projection is within 10% of what the toy
+build writes (tested); a real target's activations may compress differently, which is the
+estimate's one unknown: `alrira-cache info` prints the measured bytes by group once shards exist.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.corpus import corpus_vision_inputs, ingest_corpus
+from pipeline.cache_build.rollouts import anchor_pool_size
+from storage.format import num_parents
+from storage.reader import BYTE_GROUPS
+
+# Assumed compressed / raw ratio divisors per encoded kind (docs/benchmarks.md, "Cache settings").
+COMPRESSION = {"bf16": 1.33, "fp8": 1.1, "labels": 1.2, "tokens": 1.0}
+# Zarr metadata and offsets per shard (measured: ~3 KiB a toy shard); a tar's end blocks.
+INDEX_BYTES_PER_SHARD = {"zarr": 3 << 10, "wds": 1 << 10}
+# A tar member's header and padding (storage/wds.py: one member per array per sequence).
+TAR_MEMBER_BYTES = 512 + 256
+
+
+def raw_group_bytes(
+    *, lengths: np.ndarray, pools: np.ndarray, parents: np.ndarray, feature_dim: int, top_k: int, num_slots: int,
+    contents, codecs: dict[str, str],
+) -> dict[str, int]:  # fmt: skip
+    """Uncompressed bytes by BYTE_GROUPS group of sequences with these token, pool and parent counts."""
+    T, A, P = int(lengths.sum()), int(pools.sum()), int(parents.sum())
+    F, k, K = feature_dim, top_k, num_slots
+    width = {"bf16": 2, "fp8": 1}
+    scale = {"bf16": 0, "fp8": 4}  # a float32 scale per row
+    out = dict.fromkeys([*BYTE_GROUPS, "index"], 0)
+    out["corpus_features"] = T * (F * width[codecs["features"]] + scale[codecs["features"]])
+    out["corpus_tokens"] = T * (4 + 1) + A * 4 + len(lengths) * 8
+    if "corpus_topk" in contents:
+        out["corpus_topk"] = T * (8 * k + 8)
+    if "rollouts" in contents:
+        out["rollouts"] = A * (4 * (K + 1) + 8 * K * k + 4 * K)
+    if "rollout_features" in contents:
+        codec = codecs["rollout_features"]
+        out["rollout_features"] = P * (K - 2) * (F * width[codec] + scale[codec])
+    return out
+
+
+def projected_bytes(raw: dict[str, int], *, codecs: dict[str, str], storage_format: str, num_shards: int,
+                    num_sequences: int) -> dict[str, int]:  # fmt: skip
+    """`raw` divided by each group's expected compression, plus the per-shard index bytes."""
+    ratio = {
+        "corpus_features": COMPRESSION[codecs["features"]],
+        "rollout_features": COMPRESSION[codecs["rollout_features"]],
+        "corpus_topk": COMPRESSION["labels"],
+        "rollouts": COMPRESSION["labels"],
+        "corpus_tokens": COMPRESSION["tokens"],
+        "index": 1.0,
+    }
+    out = {group: int(size / ratio[group]) for group, size in raw.items()}
+    out["index"] = num_shards * INDEX_BYTES_PER_SHARD[storage_format]
+    if storage_format == "wds":
+        members = sum(1 for group in raw if raw[group]) + 2  # roughly: one member per array, scales and source_row
+        out["index"] += num_sequences * members * TAR_MEMBER_BYTES
+    return out
+
+
+def estimate_cache(config: CacheBuildConfig, *, feature_dim: int, progress: bool = False) -> dict:
+    """Tokens, anchors, parents and projected bytes (total and by group) of the build `config`
+    describes (taps resolved: `feature_dim` = taps x hidden size); nothing is written."""
+    from pipeline.target import load_tokenizer
+
+    tokenizer = load_tokenizer(config.target)
+    vision = corpus_vision_inputs(config.target, config.corpus)
+    corpus = ingest_corpus(config.corpus, tokenizer, progress=progress, vision=vision)
+    if len(corpus) == 0:
+        raise ValueError(f"{config.corpus.path}: no sequences left after filtering ({corpus.stats['dropped']})")
+    lengths = np.diff(corpus.offsets)
+    rollouts = "rollouts" in config.contents
+    pools = np.array([
+        anchor_pool_size(corpus.loss_mask[corpus.offsets[i] : corpus.offsets[i + 1]], num_anchors=config.run.anchors_per_sequence)
+        for i in range(len(corpus))
+    ])  # fmt: skip
+    layout = config.layout
+    parents = np.array([num_parents(a, layout["ira_parents"]) for a in pools]) if rollouts else np.zeros_like(pools)
+    codecs = {"features": layout["feature_codec"], "rollout_features": layout["rollout_feature_codec"] or layout["feature_codec"]}
+    raw = raw_group_bytes(
+        lengths=lengths, pools=pools, parents=parents, feature_dim=feature_dim, top_k=config.run.top_k,
+        num_slots=config.run.num_slots, contents=config.contents, codecs=codecs,
+    )  # fmt: skip
+    num_shards = -(-len(corpus) // config.storage.shard_size)
+    projected = projected_bytes(
+        raw, codecs=codecs, storage_format=config.storage.storage_format, num_shards=num_shards, num_sequences=len(corpus)
+    )  # fmt: skip
+    total, tokens = sum(projected.values()), int(lengths.sum())
+    return {
+        "sequences": len(corpus), "tokens": tokens, "anchors": int(pools.sum()), "ira_parents": int(parents.sum()),
+        "shards": num_shards, "feature_dim": feature_dim, "codecs": codecs, "profile": layout["profile"],
+        "raw_bytes": sum(raw.values()), "bytes": total, "bytes_per_token": total / tokens,
+        "bytes_per_sequence": total / len(corpus), "bytes_by_group": projected,
+        "bytes_per_token_by_group": {g: b / tokens for g, b in projected.items()},
+    }  # fmt: skip
+
+
+def estimate_build(config: CacheBuildConfig, *, progress: bool = False) -> dict:
+    """estimate_cache with the taps resolved as the build resolves them."""
+    from pipeline.cache_build.driver import resolve_layer_ids
+    from pipeline.target import read_target_config
+
+    target_config = read_target_config(config.target)
+    layer_ids = resolve_layer_ids(config, num_target_layers=int(target_config["num_hidden_layers"]))
+    return estimate_cache(config, feature_dim=len(layer_ids) * int(target_config["hidden_size"]), progress=progress)
+
+
+def estimate_lines(estimate: dict) -> list[str]:
+    """What `--estimate` prints: the totals, then one line per array group."""
+    e, mib = estimate, 1 << 20
+    lines = [
+        f"estimate: {e['sequences']:,} sequences, {e['tokens']:,} tokens, {e['anchors']:,} pool anchors, "
+        f"{e['ira_parents']:,} with rollout features; features {e['codecs']['features']}, rollout features "
+        f"{e['codecs']['rollout_features']}{', --compact' if e['profile'] else ''}",
+        f"projected: {e['bytes'] / mib:,.1f} MiB in {e['shards']} shard(s); {e['bytes_per_token'] / 1024:,.2f} KiB per "
+        f"corpus token, {e['bytes_per_sequence'] / mib:,.2f} MiB per sequence (no target forward: compression assumed, "
+        "docs/cache-format.md 'Size')",
+    ]
+    for group, size in e["bytes_by_group"].items():
+        lines.append(f"  {group:<17} {e['bytes_per_token_by_group'][group] / 1024:>10,.2f} KiB/token  {size / mib:>12,.2f} MiB")
+    return lines
