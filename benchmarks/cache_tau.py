@@ -103,11 +103,15 @@ def row_train_config(*, row: Row, cache: Path, out: Path, method: str, seed: int
     return TrainConfig.from_flags(**{**to_flags(config), **row.train_settings})
 
 
-def run_row(*, world, row: Row, out: Path, seed: int, sizes: DemoSizes, methods, temperatures, log) -> dict:
+def run_row(
+    *, world, row: Row, out: Path, seed: int, sizes: DemoSizes, methods, temperatures, in_process_cache: bool, log
+) -> dict:
     """{"methods": {method: method_results}, "cache_build_s", "cache_bytes"} for one row on one world."""
     path = row_dir(out, seed, row)
     started = time.time()
-    cache = build_demo_cache(world, cache_dir(out, seed, row), sizes, log=log, extra_args=row.build_args)
+    cache = build_demo_cache(
+        world, cache_dir(out, seed, row), sizes, log=log, extra_args=row.build_args, in_process=in_process_cache
+    )  # fmt: skip
     results = {"cache_build_s": time.time() - started, "methods": {}}
     for method in methods:
         run = path / "runs" / method
@@ -186,6 +190,7 @@ def parse_args(argv):
     parser.add_argument("--methods", default="alr,alr_ira", help="Comma-separated methods.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads (tau is reproducible at a fixed count).")
     parser.add_argument("--report", default="cache_tau", help="Name of the report files NAME.json and NAME.md in --out.")
+    parser.add_argument("--in-process-cache", action="store_true", help="Build caches in this process, no Ray (same shards).")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="The demo's --quick sizes (a smoke run, not a result).")
     args = parser.parse_args(argv)
     labels = [r.label for r in args.rows]
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         per_seed[seed] = {
             row.label: run_row(
                 world=world, row=row, out=out, seed=seed, sizes=sizes, methods=args.methods,
-                temperatures=args.temperatures, log=log,
+                temperatures=args.temperatures, in_process_cache=args.in_process_cache, log=log,
             )  # fmt: skip
             for row in args.rows
         }
