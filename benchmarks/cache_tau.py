@@ -11,8 +11,9 @@ cache, trains each method from it and decodes the held-out prompts at each tempe
 row (or --baseline) is the reference: per-seed (paired) differences of tau in % against it, and
 their mean. Every phase is skipped when its output exists, so a run resumes, and a later run into
 the same --out with a row of the same label reuses that row's runs (a label whose settings changed
-is refused). Outputs: NAME.json (--report, every seed), NAME.md (the tables). See docs/benchmarks.md
-"Cache settings and tau".
+is refused). `--in-process-cache` builds each cache in this process without Ray (the same shard
+builder and flags; no cluster start to time out on a loaded machine). Outputs: NAME.json
+(--report, every seed), NAME.md (the tables). See docs/benchmarks.md "Cache settings and tau".
 """
 
 from __future__ import annotations
@@ -183,14 +184,17 @@ def markdown_table(table: dict, *, rows: list[Row], baseline: str, seeds: list[i
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/cache-tau", help="Output directory (resumable, shared by runs).")
-    parser.add_argument("--row", dest="rows", action="append", type=Row.parse, required=True, help="LABEL[: BUILD FLAGS][ | name=value ...]; repeat.")  # fmt: skip
+    parser.add_argument(
+        "--row", dest="rows", action="append", type=Row.parse, required=True,
+        help="LABEL[: BUILD FLAGS][ | name=value ...]; repeat.",
+    )  # fmt: skip
     parser.add_argument("--baseline", default=None, help="Label of the reference row (default: the first).")
     parser.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="Comma-separated seeds (world = drafter seed).")
     parser.add_argument("--temperatures", type=_floats, default=[0.0, 1.0], help="Comma-separated decoding temperatures.")
     parser.add_argument("--methods", default="alr,alr_ira", help="Comma-separated methods.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads (tau is reproducible at a fixed count).")
     parser.add_argument("--report", default="cache_tau", help="Name of the report files NAME.json and NAME.md in --out.")
-    parser.add_argument("--in-process-cache", action="store_true", help="Build caches in this process, no Ray (same shards).")  # fmt: skip
+    parser.add_argument("--in-process-cache", action="store_true", help="Build caches in this process, no Ray (same shards).")
     parser.add_argument("--quick", action="store_true", help="The demo's --quick sizes (a smoke run, not a result).")
     args = parser.parse_args(argv)
     labels = [r.label for r in args.rows]

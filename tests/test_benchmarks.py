@@ -181,11 +181,11 @@ def test_regenerate_backends_write_the_same_rows():
 
 
 def test_cache_tau_rows_share_a_cache_and_compare_paired(tmp_path):
-    """Two rows with the same build flags (one cache build, the flag applied) and different training
-    settings; the report holds per-seed paired differences, and a label rerun with other settings
-    is refused instead of reusing its runs."""
+    """Two rows with the same build flags (one cache build, in process, the flag applied) and
+    different training settings; the report holds per-seed paired differences, and a label rerun
+    with other settings is refused instead of reusing its runs."""
     out = tmp_path / "tau"
-    common = ["--quick", "--seeds", "0", "--temperatures", "0", "--methods", "alr", "--out", str(out)]
+    common = ["--quick", "--seeds", "0", "--temperatures", "0", "--methods", "alr", "--in-process-cache", "--out", str(out)]
     run_benchmark("cache_tau.py", *common, "--row", "base: --shard-size 24", "--row", "draw4: --shard-size 24 | anchors_per_step=4")
     caches = [p for p in (out / "world-0" / "caches").iterdir() if p.is_dir()]
     assert len(caches) == 1
