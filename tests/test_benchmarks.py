@@ -167,3 +167,27 @@ def test_regenerate_backends_write_the_same_rows():
     output = run_benchmark("regenerate.py", "--quick", "--no-vllm")
     assert [row[0] for row in table_rows(output, "arm")] == ["hf batched", "hf per row"]
     assert "rows differing from hf batched: hf per row 0/4" in output
+
+
+def test_cache_tau_rows_share_a_cache_and_compare_paired(tmp_path):
+    """Two rows with the same build flags (one cache build, in process, the flag applied) and
+    different training settings; the report holds per-seed paired differences, and a label rerun
+    with other settings is refused instead of reusing its runs."""
+    out = tmp_path / "tau"
+    common = ["--quick", "--seeds", "0", "--temperatures", "0", "--methods", "alr", "--in-process-cache", "--out", str(out)]
+    run_benchmark("cache_tau.py", *common, "--row", "base: --shard-size 24", "--row", "draw4: --shard-size 24 | anchors_per_step=4")
+    caches = [p for p in (out / "world-0" / "caches").iterdir() if p.is_dir()]
+    assert len(caches) == 1
+    assert len(json.loads((caches[0] / "manifest.json").read_text())["shards"]) == 2  # 48 rows, --shard-size 24
+    rows = out / "world-0" / "rows"
+    assert json.loads((rows / "draw4" / "runs" / "alr" / "train_config.json").read_text())["anchors_per_step"] == 4
+    report = json.loads((out / "cache_tau.json").read_text())
+    base, draw4 = (report["per_seed"]["0"][r]["methods"]["alr"]["T0"]["tau"] for r in ("base", "draw4"))
+    assert report["table"]["base"]["alr"]["T0"]["diff_pct"] == [0.0]
+    assert report["table"]["draw4"]["alr"]["T0"]["diff_pct"] == [pytest.approx(100 * (draw4 - base) / base)]
+    assert "| draw4 | `--shard-size 24 anchors_per_step=4` | alr |" in (out / "cache_tau.md").read_text()
+    result = subprocess.run(
+        [sys.executable, "benchmarks/cache_tau.py", *common, "--row", "base: --shard-size 24", "--row", "draw4: | anchors_per_step=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0 and "row 'draw4' was run with" in result.stderr, result.stderr[-2000:]

@@ -27,6 +27,9 @@ from pathlib import Path
 import click
 import torch
 
+from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.driver import build_cache, run_shards_here
+from pipeline.cli import config_from_flags, config_options
 from pipeline.demo.world import World, WorldConfig, build_world
 from pipeline.eval.evaluate import EvalConfig, run_eval
 from pipeline.precision import native_bf16_matmul
@@ -74,9 +77,15 @@ def _log(message: str, *, started: float) -> None:
     print(f"[{time.time() - started:6.0f}s] {message}", flush=True)
 
 
-def build_demo_cache(world: World, out: Path, sizes: DemoSizes, *, log) -> Path:
+def build_demo_cache(
+    world: World, out: Path, sizes: DemoSizes, *, log, extra_args: tuple[str, ...] = (), in_process: bool = False
+) -> Path:
     """Run `alrira-cache build` in a subprocess (only the CLI may import ray_jobs, and Ray's
-    processes end with it). A complete cache is left as it is."""
+    processes end with it). A complete cache is left as it is. `extra_args` go after the demo's
+    own flags, so a repeated flag overrides the demo's value (benchmarks/cache_tau.py).
+    `in_process`: the same flags, the same shard builder, computed in this process without Ray
+    (`run_shards_here`, as pipeline.demo.experiment does): no cluster start, which under heavy
+    load can time out."""
     if (out / "manifest.json").is_file():
         manifest = load_manifest(out)
         if len(manifest.shards) == manifest.num_shards_planned and all(s.status == "complete" for s in manifest.shards):
@@ -85,13 +94,30 @@ def build_demo_cache(world: World, out: Path, sizes: DemoSizes, *, log) -> Path:
     args = [
         "build", "--target", str(world.target), "--corpus", str(world.corpus), "--out", str(out),
         "--draft-layers", "2", "--anchors", str(sizes.anchors), "--shard-size", str(sizes.shard_size),
-        "--workers", str(sizes.workers), "--cpus-per-worker", "1", "--target-dtype", "float32", "--no-progress",
+        "--workers", str(sizes.workers), "--cpus-per-worker", "1", "--target-dtype", "float32", "--no-progress", *extra_args,
     ]  # fmt: skip
+    if in_process:
+        log(f"cache (in process): alrira-cache {' '.join(args)}")
+        build_cache(_build_config(args[1:]), run_shards=run_shards_here, progress=False, log=log)
+        return out
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "TOKENIZERS_PARALLELISM": "false"}
 
     log(f"cache: alrira-cache {' '.join(args)}")
     subprocess.run([sys.executable, "-m", "ray_jobs", *args], check=True, env=env)
     return out
+
+
+def _build_config(args: list[str]) -> CacheBuildConfig:
+    """The CacheBuildConfig `alrira-cache build ARGS` would run, parsed by the same click options."""
+
+    @click.command()
+    @config_options(CacheBuildConfig)
+    @click.option("--progress/--no-progress", default=True)
+    def flags(**kwargs):
+        pass
+
+    params = flags.make_context("build", list(args)).params
+    return config_from_flags(CacheBuildConfig, {k: v for k, v in params.items() if k != "progress"})
 
 
 def train_config(*, cache: Path, out: Path, method: str, seed: int, sizes: DemoSizes) -> TrainConfig:
