@@ -31,7 +31,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -386,7 +386,7 @@ def main() -> None:
     )
     total_s = time.perf_counter() - began
     (work / "results.json").write_text(
-        json.dumps({"sizes": sizes.__dict__, "steps": steps, "loaders": list(loaders.values()), "build_s": build_s,
+        json.dumps({"sizes": asdict(sizes), "steps": steps, "loaders": list(loaders.values()), "build_s": build_s,
                     "total_s": total_s, "load_before": load_before, "load_after": os.getloadavg()}, indent=2)  # fmt: skip
     )
     load_after = os.getloadavg()
