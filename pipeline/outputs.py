@@ -32,8 +32,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.format import OUTPUT_LOCK_FILE
+
 RECORD_FILE = ".alrira-output.json"
-LOCK_FILE = ".alrira-lock"
+LOCK_FILE = OUTPUT_LOCK_FILE
 
 
 def log_line(line: str) -> None:

@@ -138,16 +138,17 @@ def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -
     if workers_per_node is not None:
         num_nodes = len({p.node_id for p in placements})
         log(f"pool: {len(placements)} worker(s) on {num_nodes} node(s), at most {workers_per_node} per node")
-    stop_earlier_workers(config.out, log=log)
-    # Ray drops a killed driver's actors from its books at once but frees their CPUs only once
-    # their processes are gone: until then they may still be writing temp files under shards/,
-    # which the driver removes before it plans. Wait for the pool's resources first.
-    wait_for_resources(config.compute, len(placements), log=log)
-    run_shards = functools.partial(run_shards_on_ray, placements=placements, log=log)
-    try:
-        return driver.build_cache(config, run_shards=run_shards, progress=progress, log=log)
-    finally:
-        remove_local_copies()  # the driver's node-local copies of the store corpus (its workers remove theirs)
+    with driver.build_lock(config):  # a second build of this --out refuses here, before it stops the first one's actors
+        stop_earlier_workers(config.out, log=log)
+        # Ray drops a killed driver's actors from its books at once but frees their CPUs only once
+        # their processes are gone: until then they may still be writing temp files under shards/,
+        # which the driver removes before it plans. Wait for the pool's resources first.
+        wait_for_resources(config.compute, len(placements), log=log)
+        run_shards = functools.partial(run_shards_on_ray, placements=placements, log=log)
+        try:
+            return driver.build_unlocked(config, run_shards=run_shards, progress=progress, log=log)
+        finally:
+            remove_local_copies()  # the driver's node-local copies of the store corpus (its workers remove theirs)
 
 
 def run_shards_on_ray(

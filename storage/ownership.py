@@ -25,6 +25,7 @@ from storage.format import (
     BUILD_OWNER_FILE,
     CORPUS_DIR,
     MANIFEST_FILE,
+    OUTPUT_LOCK_FILE,
     PARTIAL_SHARD_PREFIX,
     SHARD_DIR,
     TARGET_HEAD_FILE,
@@ -93,7 +94,8 @@ def check_out_dir(cache_dir: str | os.PathLike | Location) -> None:
     if location.exists() and not location.is_dir():
         what = "a directory" if location.is_local else "a prefix (it is an object)"
         raise ValueError(f"--out {location}: exists and is not {what}")
-    if location.is_dir() and not is_cache_dir(location) and location.names():
+    names = [name for name in location.names() if name != OUTPUT_LOCK_FILE] if location.is_dir() else []  # the build's own lock
+    if names and not is_cache_dir(location):
         raise ValueError(
             f"--out {location}: not empty and not a cache (no {MANIFEST_FILE} or {BUILD_OWNER_FILE}); "
             f"use an empty or new {'directory' if location.is_local else 'prefix'}"

@@ -325,6 +325,31 @@ def test_out_that_is_not_a_cache_is_refused_and_keeps_its_files(ray_address, toy
         assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["corpus", "corpus/chat.jsonl"]
 
 
+def test_a_second_build_of_the_same_out_refuses_while_the_first_runs(ray_address, toy_target, toy_corpus, tmp_path):
+    """Two builds on one --out: the second refuses in one line naming the holder (pid and host) and
+    writes nothing, on the Ray job and in process; the lock of a build whose process is gone (a
+    killed build) is taken over, and a finished build leaves no lock behind."""
+    import socket
+
+    from pipeline.outputs import LOCK_FILE, output_lock
+
+    out = tmp_path / "cache"
+    with output_lock(out, command="alrira-cache build"):  # the first build, still running (this process)
+        holder = rf"in use by alrira-cache build \(pid {os.getpid()} on "
+        with pytest.raises(ValueError, match=rf"--out {out}: {holder}"):
+            _build_here(_config(toy_target, toy_corpus, out))
+        result = CliRunner().invoke(cache_cli, _cli_args(toy_target, toy_corpus, out, ray_address))
+        assert "in use by alrira-cache build" in _one_line_error(result, str(out))
+        assert [p.name for p in out.iterdir()] == [LOCK_FILE]
+    assert not out.exists()  # the lock's directory, made for it and left empty
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    out.mkdir()
+    (out / LOCK_FILE).write_text(json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(), "command": "alrira-cache build"}))
+    manifest = _build_here(_config(toy_target, toy_corpus, out))
+    assert manifest.is_complete and verify_cache(out) == [] and not (out / LOCK_FILE).exists()
+
+
 def test_overwrite_removes_only_the_caches_own_files(toy_target, toy_corpus, tmp_path):
     out = tmp_path / "cache"
     lines = []

@@ -15,6 +15,7 @@ with the manifest as the only publish step (docs/design.md, "Caches on object st
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import json
 import tempfile
@@ -40,6 +41,7 @@ from pipeline.cache_build.corpus import (
 from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
 from pipeline.chat import iter_corpus_rows, row_locator
 from pipeline.corpus_source import file_sha256, local_corpus
+from pipeline.outputs import output_lock
 from pipeline.target import (
     load_tokenizer,
     read_generation_config,
@@ -212,6 +214,27 @@ def build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: bo
     cache is refused, and a build that fails before it published a shard into a directory that held
     no cache removes what it wrote. A failing filesystem (read-only, full, ...) is a one-line
     ValueError naming the path; published shards and the manifest stay consistent."""
+    with build_lock(config):
+        return build_unlocked(config, run_shards=run_shards, progress=progress, log=log)
+
+
+@contextlib.contextmanager
+def build_lock(config: CacheBuildConfig):
+    """Hold the local --out's lock (pid and host, pipeline/outputs.py) for the build, so a second
+    build of the same --out refuses in one line instead of taking the directory over (and the Ray
+    job's stopping the first one's workers). A lock whose process is gone (a killed build) is taken
+    over. A non-cache --out is refused before the lock is written into it. On an object store the
+    claim alone decides (storage/ownership.py)."""
+    if is_url(config.out):
+        yield
+        return
+    check_out_dir(config.out)
+    with output_lock(config.out, command="alrira-cache build"):
+        yield
+
+
+def build_unlocked(config: CacheBuildConfig, *, run_shards: RunShards, progress: bool = True, log=print) -> Manifest:
+    """`build_cache` for a caller that holds the lock already (ray_jobs/build.py)."""
     out = resolve(config.out)
     try:
         return _build_cache(config, run_shards=run_shards, progress=progress, log=log)
