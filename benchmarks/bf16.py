@@ -27,7 +27,7 @@ import torch
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.driver import build_cache, run_shards_here
 from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
-from pipeline.demo.toy import DEFAULT_WORDS, ToyShape, toy_chat_rows
+from pipeline.demo.toy import DEFAULT_WORDS, ToyShape
 from pipeline.eval.speculative import autoregressive_decode, speculative_decode
 from pipeline.precision import native_bf16_matmul
 from pipeline.regenerate.backends import HfGenerator, TurnRequest

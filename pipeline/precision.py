@@ -9,8 +9,6 @@ import functools
 import os
 from pathlib import Path
 
-import torch
-
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of a CPU with bf16 matmul units
 # Stages where `auto` is bf16 on a native-bf16 CPU: stage 1's target pass (build and regeneration) and
 # the training step, measured faster in bf16 side by side (benchmarks/bf16.py). Evaluation stays fp32,

@@ -27,7 +27,6 @@ from storage.format import (
     array_codecs,
     check_contents,
     ira_parent_rows,
-    num_parents,
     record_array_names,
 )
 from storage.location import Location, resolve

@@ -198,7 +198,7 @@ def load_replicates(summaries: list[str], *, labels: list[str] | None, allow_mix
 def analysis_inputs(replicates: list[Replicate], *, extra_files: tuple[str, ...] = (), **settings) -> dict:
     """The recorded inputs of an analysis output: each summary (and the files beside it that it
     reads) by content, the methods, and its settings."""
-    from pipeline.cache_build.corpus import file_sha256
+    from pipeline.corpus_source import file_sha256
 
     files = {}
     for r in replicates:

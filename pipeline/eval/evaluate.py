@@ -479,7 +479,7 @@ def eval_inputs(config: EvalConfig, *, device: torch.device, dtype: torch.dtype)
     from dataclasses import asdict
 
     from drafter.checkpoint import drafter_hash
-    from pipeline.cache_build.corpus import file_sha256
+    from pipeline.corpus_source import file_sha256
     from pipeline.target import target_hash
 
     return {
@@ -493,7 +493,7 @@ def eval_inputs(config: EvalConfig, *, device: torch.device, dtype: torch.dtype)
 def replay_inputs(*, target: str, prompts: str, max_new_tokens: int, max_prompts: int | None) -> dict:
     """What every drafter's replay numbers depend on besides the drafter (pipeline/outputs.py);
     the keys `alrira-eval run` records, so `compare` can tell replay from decoding."""
-    from pipeline.cache_build.corpus import file_sha256
+    from pipeline.corpus_source import file_sha256
     from pipeline.target import target_hash
 
     return {
