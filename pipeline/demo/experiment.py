@@ -431,11 +431,13 @@ def decode_keys(sizes: PaperSizes) -> list[tuple[str, int, float]]:
 
 def decode_arms(paths: Paths, sizes: PaperSizes, *, log) -> dict:
     """`alrira-eval run` of every decode_keys entry, `sizes.lanes` side by side; a finished
-    evaluation is kept. Summaries by (arm, seed, temperature)."""
+    evaluation is kept only when its recorded inputs equal these (run_eval, pipeline/outputs.py:
+    else refused naming what differs). Summaries by (arm, seed, temperature)."""
     configs = {k: decode_config(k[0], paths=paths, sizes=sizes, seed=k[1], temperature=k[2]) for k in decode_keys(sizes)}
     todo = [c for c in configs.values() if not (Path(c.out) / "summary.json").is_file()]
     log(f"decode: {len(configs)} real speculative decodings ({len(todo)} to run), {sizes.lanes} at a time")
-    run_lanes([(run_eval, (c,), {}) for c in todo], lanes=sizes.lanes)
+    finished = [c for c in configs.values() if c not in todo]
+    run_lanes([(run_eval, (c,), {}) for c in finished + todo], lanes=sizes.lanes)
     summaries = {}
     for (name, seed, t), config in configs.items():
         summary = json.loads((Path(config.out) / "summary.json").read_text())

@@ -490,7 +490,7 @@ def eval_inputs(config: EvalConfig, *, device: torch.device, dtype: torch.dtype)
     }  # fmt: skip
 
 
-def replay_inputs(*, target: str, prompts: str, max_new_tokens: int, max_prompts: int | None) -> dict:
+def replay_inputs(*, target: str, prompts: str, max_new_tokens: int, max_prompts: int | None, device: str = "cpu") -> dict:
     """What every drafter's replay numbers depend on besides the drafter (pipeline/outputs.py);
     the keys `alrira-eval run` records, so `compare` can tell replay from decoding."""
     from pipeline.corpus_source import file_sha256
@@ -499,7 +499,7 @@ def replay_inputs(*, target: str, prompts: str, max_new_tokens: int, max_prompts
     return {
         "mode": "greedy_replay", "target_hash": target_hash(target), "prompts_sha256": file_sha256(prompts),
         "max_prompts": max_prompts, "temperature": 0.0, "max_new_tokens": max_new_tokens, "dtype": "float32",
-        "device": "cpu", "verify": "chain",
+        "device": torch.device(device).type, "verify": "chain",
     }  # fmt: skip
 
 

@@ -134,7 +134,7 @@ def run_replay(*, target: str, drafters: dict[str, str], prompts: str, out: str,
     from drafter.checkpoint import drafter_hash
 
     out_root = check_out_path(out)
-    common = replay_inputs(target=target, prompts=prompts, max_new_tokens=max_new_tokens, max_prompts=max_prompts)
+    common = replay_inputs(target=target, prompts=prompts, max_new_tokens=max_new_tokens, max_prompts=max_prompts, device=device)
     with output_lock(out_root, command=REPLAY_COMMAND):
         check_replay_root(out_root, list(drafters))
         outputs = {
