@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +33,12 @@ SEED = int(os.environ.get("ALRIRA_CHAOS_SEED", "30"))
 
 
 @pytest.fixture(scope="module")
-def world(toy_target, toy_corpus, shard1_reference, tmp_path_factory):
+def world(toy_target, toy_corpus, shard1_reference):
     """The session's toy target and corpus, and its clean build at the harness's settings
     (tests/conftest.py's shard1_reference: tests/test_cache_build.py's SMALL at --shard-size 1)."""
-    root = tmp_path_factory.mktemp("chaos")
+    # A short root: Ray's socket paths under it (ray-head/session_.../sockets/plasma_store) must fit
+    # AF_UNIX's 107 bytes, which pytest's own temp paths exceed.
+    root = Path(tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))
     world = chaos.make_world(root / "world", log=print, target=toy_target, corpus=toy_corpus)
     try:
         (world.root / "logs").mkdir()
@@ -44,6 +49,7 @@ def world(toy_target, toy_corpus, shard1_reference, tmp_path_factory):
         yield world
     finally:
         chaos.close_world(world)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("stage", chaos.STAGES)
