@@ -107,17 +107,21 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _session_pids(sessions) -> list[int]:
-    """Live pids whose session is one of `sessions` (the harness's own `ray start` sessions)."""
-    found = []
+def _live_stats():
+    """(pid, the /proc/PID/stat fields after the command name) of every live, not zombie, process."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[3]) in set(sessions) and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
+        if fields[0] != "Z":
+            yield int(stat.parent.name), fields
+
+
+def _session_pids(sessions) -> list[int]:
+    """Live pids whose session is one of `sessions` (the harness's own `ray start` sessions)."""
+    wanted = set(sessions)
+    return [pid for pid, fields in _live_stats() if int(fields[3]) in wanted]
 
 
 def _cmdline(pid: int) -> str:
@@ -301,15 +305,7 @@ def make_references(world: World, stages: list[str], *, build: Path | None = Non
 
 
 def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
+    return [child for child, fields in _live_stats() if int(fields[1]) == pid]
 
 
 def _signal(pid: int, sig: int) -> bool:

