@@ -93,7 +93,7 @@ def _check_regenerated_copy(copy: Path, *, url: str) -> None:
     if extra:
         raise ValueError(f"{url}/{extra[0]}: not listed in the regenerated corpus's manifest; remove it or point --corpus elsewhere")
     for part in parts:
-        found = "sha256:" + hashlib.sha256((copy / part["name"]).read_bytes()).hexdigest() if (copy / part["name"]).is_file() else None
+        found = file_sha256(copy / part["name"]) if (copy / part["name"]).is_file() else None
         if found != part["sha256"]:
             state = "missing" if found is None else f"sha256 {found.removeprefix('sha256:')[:12]}, manifest {part['sha256'].removeprefix('sha256:')[:12]}"
             raise ValueError(f"{url}/{part['name']}: {state}; the part changed since its regeneration, rerun alrira-cache regenerate")
