@@ -57,14 +57,23 @@ def test_the_ar_baseline_is_decoded_once_and_reused_by_the_next_drafter(toy_targ
 
     first, second = run("a", "a"), run("b", "b")
     assert first["ar_baseline"]["reused"] is False and second["ar_baseline"]["reused"] is True
-    assert first["ar_baseline"]["file"] == second["ar_baseline"]["file"]
+    assert second["ar_baseline"]["reused_from"] == first["ar_baseline"]["file"] == str(tmp_path / "evals" / "a" / "ar_baseline.json")
+    # Nothing outside each run's --out: b keeps its own copy, the evals folder holds only the runs.
+    assert second["ar_baseline"]["file"] == str(tmp_path / "evals" / "b" / "ar_baseline.json")
+    assert sorted(p.name for p in (tmp_path / "evals").iterdir()) == ["a", "b"]
     assert second["lossless_mismatches"] == 0
     ar_ms = lambda out: [line.split(",")[8] for line in (tmp_path / "evals" / out / "results.csv").read_text().splitlines()[1:]]  # noqa: E731
     assert ar_ms("a") == ar_ms("b")
     alone = run("b", "b-alone", "--no-reuse-ar-baseline")
-    assert alone["ar_baseline"] is None and alone["tau_geomean"] == second["tau_geomean"]
+    assert alone["ar_baseline"]["reused"] is False and alone["tau_geomean"] == second["tau_geomean"]
     other = run("b", "b-longer", "--max-new-tokens", "13")  # another setting: another baseline
     assert other["ar_baseline"]["reused"] is False
+    elsewhere = tmp_path / "elsewhere" / "b"  # not a sibling: found through --ar-baseline-from
+    result = CliRunner().invoke(eval_cli, ["run", "--target", str(toy_target), "--drafter", str(drafters["b"]), "--prompts",
+                                           str(prompts), "--out", str(elsewhere), "--max-new-tokens", "12", "--device", "cpu",
+                                           "--threads", "1", "--no-progress", "--ar-baseline-from", str(tmp_path / "evals")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads((elsewhere / "summary.json").read_text())["ar_baseline"]["reused_from"] == first["ar_baseline"]["file"]
 
 
 def test_a_missing_matplotlib_is_one_line_and_compare_warns_of_no_legend(tmp_path, monkeypatch, capsys):

@@ -2,12 +2,15 @@
 reused by every drafter evaluated on them (docs/design.md, "Evaluation"): the target's AR decode
 does not depend on the drafter, so evaluating five drafters decodes it once, not five times.
 
-The baseline is kept as one JSON file beside the runs (OUT/../.alrira-ar-baseline/<key>.json, key: a
-sha256 of the target's hash, the rendered prompts and every setting the decode or its timing
-depends on: temperature, max new tokens, seed, dtype, device, torch threads). A run that finds it
-decodes only the speculative side; its tokens are the reference of the lossless check and its times
-the AR side of the speedup. `--no-reuse-ar-baseline` decodes it again, alternating with the drafter
-per prompt as before.
+Every run keeps its baseline inside its own --out (`OUT/ar_baseline.json`, with its key: a sha256 of
+the target's hash, the rendered prompts and every setting the decode or its timing depends on:
+temperature, max new tokens, seed, dtype, device, torch threads), so nothing is written outside
+--out (docs/design.md, "Outputs"). A run looks for a baseline of the same key in its own --out, in
+`--ar-baseline-from DIR` (DIR/ar_baseline.json and DIR/*/ar_baseline.json) and in its siblings
+(OUT/../*/ar_baseline.json: the usual `evals/<method>` layout) and, when it finds one, decodes
+only the speculative side; those tokens are the reference of the lossless check and those times the
+AR side of the speedup. `--no-reuse-ar-baseline` decodes it again, alternating with the drafter per
+prompt as before.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from pipeline.eval.speculative import DecodeResult
 from pipeline.target import target_hash
 from storage.atomic import atomic_write_text
 
-AR_BASELINE_DIR = ".alrira-ar-baseline"
-AR_BASELINE_VERSION = 1
+AR_BASELINE_FILE = "ar_baseline.json"
+AR_BASELINE_VERSION = 2  # 2: kept inside each run's --out with its key (1: OUT/../.alrira-ar-baseline/)
 
 
-def ar_baseline_file(config, prompts: list, *, dtype: torch.dtype, device: torch.device) -> Path:
-    """Where the AR baseline of `config`'s target, `prompts` and decode settings is kept."""
+def ar_baseline_key(config, prompts: list, *, dtype: torch.dtype, device: torch.device) -> str:
+    """The key of the AR baseline of `config`'s target, `prompts` and decode settings."""
     key = {
         "version": AR_BASELINE_VERSION,
         "target": target_hash(config.target),
@@ -40,22 +43,47 @@ def ar_baseline_file(config, prompts: list, *, dtype: torch.dtype, device: torch
         "device": str(device),
         "threads": torch.get_num_threads(),
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return Path(config.out).resolve().parent / AR_BASELINE_DIR / f"{digest}.json"
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def read_ar_baseline(path: Path, prompts: list) -> dict[int, DecodeResult] | None:
-    """{prompt_id: its AR decode} from `path`, or None when it is missing, unreadable or does not
-    hold every prompt (then the run decodes the baseline itself)."""
+def ar_baseline_candidates(out: str | Path, reuse_from: str | Path | None = None) -> list[Path]:
+    """Where a run with --out `out` looks for a baseline, in order: its own --out, --ar-baseline-from
+    (the folder and its subfolders), then its siblings (read only: a run writes only its own)."""
+    out = Path(out).resolve()
+    places = [out / AR_BASELINE_FILE]
+    if reuse_from is not None:
+        reuse_from = Path(reuse_from).resolve()
+        places += [reuse_from / AR_BASELINE_FILE, *sorted(reuse_from.glob(f"*/{AR_BASELINE_FILE}"))]
+    places += sorted(out.parent.glob(f"*/{AR_BASELINE_FILE}"))
+    return list(dict.fromkeys(places))  # each once, first place first
+
+
+def find_ar_baseline(places: list[Path], key: str, prompts: list) -> tuple[Path, dict[int, DecodeResult]] | None:
+    """(the file, {prompt_id: its AR decode}) of the first place holding the baseline of `key` for
+    every prompt; None when none does (then the run decodes the baseline itself)."""
+    for path in places:
+        results = read_ar_baseline(path, key, prompts)
+        if results is not None:
+            return path, results
+    return None
+
+
+def read_ar_baseline(path: Path, key: str, prompts: list) -> dict[int, DecodeResult] | None:
+    """{prompt_id: its AR decode} from `path`, or None when it is missing, unreadable, of another
+    key or does not hold every prompt."""
     try:
         data = json.loads(path.read_text())
+        if data.get("version") != AR_BASELINE_VERSION or data.get("key") != key:
+            return None
         results = {int(prompt_id): DecodeResult(**result) for prompt_id, result in data["results"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return results if all(p.prompt_id in results for p in prompts) else None
 
 
-def write_ar_baseline(path: Path, results: dict[int, DecodeResult]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"version": AR_BASELINE_VERSION, "results": {str(k): dataclasses.asdict(v) for k, v in results.items()}}
+def write_ar_baseline(out: str | Path, key: str, results: dict[int, DecodeResult]) -> Path:
+    """Keep the run's baseline in its own --out; returns the file."""
+    path = Path(out).resolve() / AR_BASELINE_FILE
+    data = {"version": AR_BASELINE_VERSION, "key": key, "results": {str(k): dataclasses.asdict(v) for k, v in results.items()}}
     atomic_write_text(path, json.dumps(data) + "\n")
+    return path

@@ -10,6 +10,7 @@ by the next drafter's run (pipeline/eval/ar_baseline.py). Outputs in `out/`:
   accept_hist.png   the same as a bar chart (skipped when matplotlib is missing)
   rounds.csv        one row per verification round (ROUND_COLUMNS): its start offset (response tokens
                     committed before it) and accepted drafts, for `alrira-eval offsets`
+  ar_baseline.json  the AR side's tokens and times with their key, for the next drafter's run
 At T = 0 the speculative tokens must equal the AR tokens; mismatches are counted in the summary.
 Prompt rows may carry one image for a vision-language target (docs/vision.md); it is read and
 processed before each decode, outside the timed part.
@@ -32,7 +33,7 @@ from tqdm.auto import tqdm
 from drafter.checkpoint import check_compatible, load_drafter
 from pipeline.chat import CorpusError, iter_corpus_rows, prompt_row, row_locator
 from pipeline.config import group, opt
-from pipeline.eval.ar_baseline import ar_baseline_file, read_ar_baseline, write_ar_baseline
+from pipeline.eval.ar_baseline import AR_BASELINE_FILE, ar_baseline_candidates, ar_baseline_key, find_ar_baseline, write_ar_baseline
 from pipeline.eval.plots import legend, plot_figure
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.tree import tree_speculative_decode
@@ -95,9 +96,14 @@ class EvalConfig:
     tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
     vision_input: VisionInputConfig = group(VisionInputConfig)
     reuse_ar_baseline: bool = opt(
-        "Decode the autoregressive baseline once per target, prompts and settings, kept in OUT/../.alrira-ar-baseline/, "
-        "and reuse it for every drafter (pipeline/eval/ar_baseline.py).",
+        "Decode the autoregressive baseline once per target, prompts and settings and reuse it for every drafter: each run "
+        "keeps it in OUT/ar_baseline.json and reads one of the same key from its own --out, --ar-baseline-from or "
+        "its sibling folders (pipeline/eval/ar_baseline.py).",
         default=True,
+    )
+    ar_baseline_from: str | None = opt(
+        "Another folder to read a kept AR baseline from (DIR/ar_baseline.json or DIR/*/ar_baseline.json), besides --out's siblings.",
+        default=None,
     )
     progress: bool = opt("Show a progress bar.", default=True)
     overwrite: bool = opt(
@@ -470,7 +476,7 @@ def eval_prompts(config: EvalConfig, tokenizer) -> list[EvalPrompt]:
     )
 
 
-EVAL_FILES = ("results.csv", "summary.json", "accept_hist.json", "accept_hist.png", "rounds.csv")
+EVAL_FILES = ("results.csv", "summary.json", "accept_hist.json", "accept_hist.png", "rounds.csv", AR_BASELINE_FILE)
 
 
 def eval_inputs(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -> dict:
@@ -568,8 +574,9 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
             image=image,
         )
 
-    ar_file = ar_baseline_file(config, prompts, dtype=dtype, device=device) if config.reuse_ar_baseline else None
-    known_ar = read_ar_baseline(ar_file, prompts) if ar_file is not None else None
+    ar_key = ar_baseline_key(config, prompts, dtype=dtype, device=device)
+    found = find_ar_baseline(ar_baseline_candidates(config.out, config.ar_baseline_from), ar_key, prompts) if config.reuse_ar_baseline else None
+    reused_from, known_ar = found if found is not None else (None, None)
     # Untimed warm-up of both decoders: first-call costs (allocator, kernels) would skew prompt 0.
     warmup = min(config.max_new_tokens, WARMUP_TOKENS)
     if known_ar is None:
@@ -598,14 +605,13 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
         running = summarize(rows)
         bar.set_postfix(tau=running["tau_geomean"], speedup=running["speedup_geomean"])
 
-    if ar_file is not None and known_ar is None:
-        write_ar_baseline(ar_file, ar_results)
     out = Path(config.out)
+    ar_file = write_ar_baseline(out, ar_key, ar_results)  # every run's own copy: its --out stands alone
     plotted = _write_rows_and_histogram(out, rows, accepted_by_group, num_draft=num_draft)
     write_csv_rows(out / "rounds.csv", rounds, columns=ROUND_COLUMNS)
     summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
                        block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
-    summary["ar_baseline"] = None if ar_file is None else {"file": str(ar_file), "reused": known_ar is not None}
+    summary["ar_baseline"] = {"file": str(ar_file), "reused": known_ar is not None, "reused_from": None if reused_from is None else str(reused_from)}
     _write_json(out / "summary.json", summary)
     return summary
 
