@@ -64,6 +64,11 @@ class Arm:
     rollout_depth: int = 14
 
 
+# The target's dtype for regeneration and stage 1: the fastest where it runs (bf16 on CUDA and on a
+# CPU with bf16 matrix units, docs/benchmarks.md "bf16 on the CPU"; pipeline/precision.py). The
+# training's precision is auto too; evaluation stays fp32 (the exact lossless check).
+TARGET_DTYPE = "auto"
+
 # The paper's arms (docs/results.md, "The real target"): three epochs unless said.
 ARMS = (
     Arm(name="dflash", method="dflash"),
@@ -187,11 +192,14 @@ def code_paths(sizes: PaperSizes) -> dict:
 
     from pipeline.cache_build.config import WorkerConfig
 
+    from pipeline.precision import auto_bf16
+
     cuda = sizes.device.startswith("cuda") and torch.cuda.is_available()
-    target_device, target_dtype = WorkerConfig(gpus_per_worker=1 if cuda else 0, target_dtype="float32").device_and_dtype()
+    target_device, target_dtype = WorkerConfig(gpus_per_worker=1 if cuda else 0, target_dtype=TARGET_DTYPE).device_and_dtype()
+    cpu_training = "cpu: bf16 autocast, sdpa" if auto_bf16("cpu", stage="train") else "cpu: fp32, sdpa"
     return {
         "target": f"{target_device} {str(target_dtype).removeprefix('torch.')} (regeneration, stage 1)",
-        "training": "cuda: bf16 autocast, compiled flex attention, pinned batches" if cuda else "cpu: fp32, sdpa",
+        "training": "cuda: bf16 autocast, compiled flex attention, pinned batches" if cuda else cpu_training,
         "evaluation": f"{sizes.device} float32 (replay and decoding)",
     }
 
@@ -271,7 +279,7 @@ def regenerate(paths: Paths, sizes: PaperSizes, *, log) -> dict[str, str]:
         configs[name] = RegenerateConfig.from_flags(
             target=str(paths.target), corpus=str(source), out=str(paths.corpus(name)), temperature=temperature,
             seed=sizes.seed, max_new_tokens=sizes.regen_max_new_tokens, length_control=control, cpus_per_worker=1,
-            backend=sizes.regen_backend, batched_sampling=temperature > 0, target_dtype="float32",
+            backend=sizes.regen_backend, batched_sampling=temperature > 0, target_dtype=TARGET_DTYPE,
             gpus_per_worker=1 if sizes.device.startswith("cuda") else 0, batch_tokens=sizes.batch_tokens,
         )  # fmt: skip
         log(f"regenerate {name}: T = {temperature:g}, length control {control}, from {source}")
@@ -295,7 +303,7 @@ def build_caches(paths: Paths, sizes: PaperSizes, *, log) -> None:
         configs[name] = CacheBuildConfig.from_flags(
             target=str(paths.target), corpus=str(head_corpus(paths, sizes) if name == "head" else paths.corpus(name)),
             out=str(paths.cache(name)), mask_token=real.MASK_TOKEN, draft_layers=1, anchors=sizes.anchors,
-            min_supervised_tokens=sizes.min_supervised_tokens, cpus_per_worker=1, target_dtype="float32",
+            min_supervised_tokens=sizes.min_supervised_tokens, cpus_per_worker=1, target_dtype=TARGET_DTYPE,
             rollouts=name == "offpolicy",  # the head trains dflash, the references kd: corpus arrays only
             gpus_per_worker=1 if sizes.device.startswith("cuda") else 0, batch_tokens=sizes.batch_tokens,
         )  # fmt: skip
