@@ -690,21 +690,58 @@ def summary(seed: int, rounds: list[Round], stages: list[str]) -> str:
     return f"chaos: seed {seed}: " + "; ".join(parts)
 
 
+def table(rows: list[dict]) -> str:
+    """docs/benchmarks.md's table of rounds (the --jsonl lines of one or more runs): per stage, the
+    distinct rounds (a round replayed later counts once, its last result), faults hit / missed,
+    round and recovery seconds, runs per round."""
+    import statistics
+
+    latest = {(r["seed"], r["stage"], r["index"]): r for r in rows}
+    lines = ["| stage | rounds passed | faults injected (hit / missed) | round s: median (min-max) | recovery s: median (max) | runs per round: 1 / 2 / 3+ |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for stage in STAGES:
+        mine = [r for key, r in sorted(latest.items()) if key[1] == stage]
+        if not mine:
+            continue
+        variants = {}
+        faults: dict[str, list[int]] = {}
+        for r in mine:
+            variants[r["variant"]] = variants.get(r["variant"], 0) + 1
+            for fault, hit in r["faults"].items():
+                faults.setdefault(fault, [0, 0])[bool(hit.startswith("missed"))] += 1
+        seconds, recovery = [r["seconds"] for r in mine], [r["recovery_s"] for r in mine]
+        runs = [sum(r["attempts"] == n for r in mine) for n in (1, 2)] + [sum(r["attempts"] >= 3 for r in mine)]
+        lines.append(
+            f"| {stage} ({', '.join(f'{v} {n}' for v, n in sorted(variants.items()))}) | {sum(not r['error'] for r in mine)}/{len(mine)} "
+            f"| {', '.join(f'{f} {h}/{m}' for f, (h, m) in sorted(faults.items()))} "
+            f"| {statistics.median(seconds):.0f} ({min(seconds):.0f}-{max(seconds):.0f}) | {statistics.median(recovery):.0f} ({max(recovery):.0f}) "
+            f"| {' / '.join(map(str, runs))} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=[*STAGES, "all"], default="all")
     parser.add_argument("--rounds", type=int, default=10, help="rounds per stage")
     parser.add_argument("--seed", type=int, default=None, help="seed of every draw (default: a fresh one, printed)")
     parser.add_argument("--only-round", type=int, default=None, help="replay only this round (with --seed)")
+    parser.add_argument("--first-round", type=int, default=0,
+                        help="start at this round index (rounds are independent draws: a later run with the same seed continues where one stopped)")
     parser.add_argument("--time-budget-s", type=float, default=None, help="start no round after this many seconds")
     parser.add_argument("--work-root", default=None, help="where the work directory goes (default: $TMPDIR)")
     parser.add_argument("--jsonl", default=None, help="append one JSON line per round here")
     parser.add_argument("--faults", default=None, help="comma-separated: inject only these (regression runs)")
+    parser.add_argument("--table", nargs="+", default=None, metavar="JSONL",
+                        help="print docs/benchmarks.md's table of the rounds in these --jsonl files and exit (runs nothing)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table:
+        print(table([json.loads(line) for name in args.table for line in Path(name).read_text().splitlines() if line.strip()]))
+        return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     stages = list(STAGES) if args.stage == "all" else [args.stage]
     print(f"chaos: seed {seed} (replay: --seed {seed}), stages {','.join(stages)}, {args.rounds} round(s) each", flush=True)
@@ -718,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         start_cluster(world)
         mount_disk(world)
         make_references(world, stages)
-        indices = [args.only_round] if args.only_round is not None else range(args.rounds)
+        indices = [args.only_round] if args.only_round is not None else range(args.first_round, args.first_round + args.rounds)
         for index in indices:
             for stage in stages:
                 if args.time_budget_s is not None and time.monotonic() - started > args.time_budget_s:

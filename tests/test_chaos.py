@@ -145,3 +145,16 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_not_a_traceback(full_disk):
     assert line.startswith(str(full_disk / "run" / "checkpoints" / "step-00000003")) and "\n" not in line, line
     assert "No space left on device" in line and "rerun the same command with --resume" in line, line
     assert list((full_disk / "run" / "checkpoints").iterdir()) == []  # the temp directory went too
+
+
+def test_the_table_counts_a_replayed_round_once_and_every_fault():
+    """docs/benchmarks.md's table is rendered from the --jsonl lines of one or more runs (a later
+    session continues with --first-round): a round replayed later counts once, with its last result."""
+    row = dict(seed=5, stage="train", variant="train", attempts=2, seconds=20.0, recovery_s=8.0, error="", first_error="")
+    rows = [{**row, "index": 0, "faults": {"kill_driver": "pgid 1"}, "error": "hung"},
+            {**row, "index": 0, "faults": {"kill_driver": "pgid 2"}},  # the replay, after the fix
+            {**row, "index": 1, "faults": {"kill_loader": "missed (no worker alive)", "disk_full": "1 MiB filler"}, "attempts": 1,
+             "seconds": 40.0, "recovery_s": 0.0}]  # fmt: skip
+    lines = chaos.table(rows).splitlines()
+    assert len(lines) == 3 and lines[2].startswith("| train (train 2) | 2/2 | disk_full 1/0, kill_driver 1/0, kill_loader 0/1 |"), lines
+    assert lines[2].endswith("| 30 (20-40) | 4 (8) | 1 / 1 / 0 |"), lines[2]
