@@ -62,6 +62,10 @@ VARIANTS = {"build": ["build-local", "build-s3"], "regenerate": ["regenerate-t0"
 STORE_TIMEOUT_S = 4  # ALRIRA_STORE_TIMEOUT_S of every command; stop_store holds the server longer
 RUN_CAP_S = 900.0  # one command; far past every documented timeout (300 s pool wait, the store's)
 MAX_ATTEMPTS = 6  # the first run and five reruns
+# The drawn delay after the drawn unit: about one unit's time on an idle machine (a shard or part
+# takes 1-3 s, a training step ~0.15 s), so a process fault lands while the run still runs. With
+# 1.5 s for training too, most of seed 2026's first train rounds found the run already ended.
+MAX_DELAY_S = {"build": 1.5, "regenerate": 1.5, "train": 0.25}
 ACTOR_TITLES = ("ray::CacheWorker", "ray::RegenerateWorker", "ray::RegenerationWorker")
 
 
@@ -245,7 +249,7 @@ def command(world: World, variant: str, out: str) -> list[str]:
                 "--ray-address", world.address, "--max-new-tokens", "24", "--rows-per-part", "1", "--workers", "2",
                 "--no-progress", *sampling]  # fmt: skip
     return [*py, "pipeline.train", "--cache", str(world.references["build"]), "--out", out, "--method", "alr",
-            "--epochs", "2", "--batch-size", "2", "--num-workers", "1", "--save-every", "1", "--save-dtype", "float32",
+            "--epochs", "4", "--batch-size", "2", "--num-workers", "1", "--save-every", "1", "--save-dtype", "float32",
             "--log-every", "1", "--loader", "map", "--no-progress", "--resume"]  # fmt: skip
 
 
@@ -449,7 +453,7 @@ def draw(world: World, stage: str, index: int, seed: int, only: list[str] | None
     if only:
         faults = [f for f in only if f in pool]
     units = rng.randrange(max(1, total_units(world, variant)))
-    return rng, variant, faults, units, rng.uniform(0.0, 1.5)
+    return rng, variant, faults, units, rng.uniform(0.0, MAX_DELAY_S[stage])
 
 
 def out_for(world: World, variant: str, name: str) -> str:

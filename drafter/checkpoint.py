@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -59,6 +60,19 @@ def _write_atomic(path: Path, write) -> None:
         raise
 
 
+def _save_weights(tensors: dict[str, torch.Tensor], tmp: str, *, shown: Path) -> None:
+    """safetensors' save_file, whose failed write (a full disk, a quota) is a SafetensorError holding
+    the OS error's code ("... No space left on device (os error 28)"): raised as that OSError, naming the file,
+    so a command says it in one line (found by benchmarks/chaos.py; docs/failure-modes.md)."""
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    except Exception as error:
+        code = re.search(r"(?:os error |Os \{ code: )(\d+)", str(error))
+        if isinstance(error, OSError) or code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(shown)) from None
+
+
 def save_drafter(
     model: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16
 ) -> None:
@@ -74,7 +88,7 @@ def save_drafter(
     hf["torch_dtype"] = dtype_name  # what transformers 4.x (the public DFlash code's pin) reads
     hf["auto_map"] = dict(AUTO_MAP)  # the export ships modeling_dflash.py, as public releases do
     # Weights and code first, config last: a directory whose config.json is new has new weights.
-    _write_atomic(out_dir / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    _write_atomic(out_dir / WEIGHTS_FILE, lambda tmp: _save_weights(tensors, tmp, shown=out_dir / WEIGHTS_FILE))
     for source, name in MODELING_FILES:
         _write_atomic(out_dir / name, lambda tmp, source=source: Path(tmp).write_text(_exported_code(source)))
 

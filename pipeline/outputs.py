@@ -4,9 +4,10 @@
 Every command that writes an --out (`alrira-train`, `alrira-eval run | replay | hard | offsets |
 cost | compare`, `python -m pipeline.demo`) claims it here before it writes anything:
 
-- `.alrira-lock` holds the writing process's pid, host and command, created with O_EXCL: a second
-  process on the same --out refuses in one line naming the holder. A lock whose pid is gone on
-  this host is stale and taken over; one from another host is left to the user (its path is named).
+- `.alrira-lock` holds the writing process's pid, host and command, written aside and linked into
+  place (never seen empty): a second process on the same --out refuses in one line naming the
+  holder. A lock whose pid is gone on this host is stale and taken over, as is one naming no holder
+  after 30 s; one from another host is left to the user (its path is named).
 - `.alrira-output.json` records the command and its inputs (hashes of the target, the drafter and
   the prompts file, and every setting that changes a number), and whether the output is complete.
   A rerun with equal inputs keeps a complete output ("kept (same inputs)"); other inputs are refused
@@ -21,6 +22,7 @@ manifest); they share `differences` and `check_out_path` from here.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -98,6 +100,50 @@ def _read_lock(path: Path) -> dict:
     return {}
 
 
+def _create_lock(path: Path, me: dict) -> None:
+    """Create `path` holding `me`, or FileExistsError. The holder is written to a temporary file
+    first and linked into place (link fails if the name exists), so a lock is never seen empty: a
+    full disk used to leave an empty lock that refused every rerun ("pid None on None"; found by
+    benchmarks/chaos.py). Where the filesystem has no hard links: an exclusive create, removed again
+    if writing the holder fails."""
+    tmp = path.with_name(f"{path.name}.new-{uuid.uuid4().hex[:8]}")
+    try:
+        try:
+            tmp.write_text(json.dumps(me) + "\n")
+        except OSError as error:  # a full disk: said naming the lock, one line
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError as error:
+            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+HOLDERLESS_GRACE_S = 30.0
+
+
+def _holderless(path: Path, holder: dict) -> bool:
+    """A lock that names no holder (an older version's, left empty by a full disk or a kill between
+    its create and its write) and is older than a creation's moment: nobody holds it."""
+    if holder.get("pid") is not None:
+        return False
+    with contextlib.suppress(OSError):
+        return time.time() - path.stat().st_mtime > HOLDERLESS_GRACE_S
+    return False
+
+
 @contextlib.contextmanager
 def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") -> Iterator[Path]:
     """Hold OUT/.alrira-lock while the block runs; ValueError naming the holder when another live
@@ -109,11 +155,11 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
     me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            _create_lock(path, me)
         except FileExistsError:
             holder = _read_lock(path)
             pid, host = holder.get("pid"), holder.get("host")
-            if host == me["host"] and isinstance(pid, int) and not _alive(pid):
+            if (host == me["host"] and isinstance(pid, int) and not _alive(pid)) or _holderless(path, holder):
                 with contextlib.suppress(FileNotFoundError):  # stale: its process is gone; take it over
                     os.replace(path, out / f"{LOCK_FILE}.stale-{uuid.uuid4().hex[:8]}")
                 for stale in out.glob(f"{LOCK_FILE}.stale-*"):
@@ -123,8 +169,6 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
                 f"{flag} {out}: in use by {holder.get('command', 'another command')} (pid {pid} on {host}, since "
                 f"{holder.get('started')}); wait for it to finish, or if that process is gone, remove {path}"
             ) from None
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(me) + "\n")
         break
     else:
         raise ValueError(f"{flag} {out}: could not take {path} (another process keeps taking it)")
@@ -195,7 +239,7 @@ def prepare_output(
     recomputed (to the same files) instead of kept."""
     out = check_out_path(out, flag=flag)
     names = sorted(os.listdir(out)) if out.is_dir() else []
-    names = [n for n in names if n not in (RECORD_FILE, LOCK_FILE) and not n.startswith(f"{RECORD_FILE}.")]
+    names = [n for n in names if n not in (RECORD_FILE, LOCK_FILE) and not n.startswith((f"{RECORD_FILE}.", f"{LOCK_FILE}."))]
     foreign = [n for n in names if not own(n)]
     if foreign:
         raise ValueError(f"{flag} {out}: holds files {command} did not write ({_shown(foreign)}); move them or use another {flag}")

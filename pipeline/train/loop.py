@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import itertools
 import json
 import math
@@ -386,6 +387,16 @@ def _data_loader(dataset, *, config: TrainConfig, device: torch.device, **kwargs
     )
 
 
+def stop_map_loader_workers(batches) -> None:
+    """Stop the map loader's DataLoader workers once the last step has its batches. They would live
+    on until the interpreter exits, and one that dies then (killed, out of memory) makes torch's
+    SIGCHLD handler raise wherever the main thread is: in the final save, or in an atexit hook as a
+    traceback after the run ended (found by benchmarks/chaos.py; docs/failure-modes.md). Stopped,
+    their pids are no longer watched. The stream loader stops its own (`close`)."""
+    with contextlib.suppress(Exception):  # never hides the run's own error
+        getattr(batches, "_shutdown_workers", lambda: None)()
+
+
 def _as_is(item):
     return item
 
@@ -511,6 +522,7 @@ def _train(config: TrainConfig) -> dict:
                     s.run, step=step + 1, model=s.drafter, optimizer=s.optimizer, settings=settings,
                     data_position=s.data_position(step + 1),
                 )  # fmt: skip
+        stop_map_loader_workers(s.batches)
         bar.close()
         summary = {"run": str(s.run), "method": method, "steps": s.last_step, "elapsed_s": time.time() - started}
         if logs is not None:
@@ -521,6 +533,7 @@ def _train(config: TrainConfig) -> dict:
     finally:
         if logs is not None:
             logs.discard()
+        stop_map_loader_workers(s.batches)
         if config.loader.kind == "stream":
             with contextlib.suppress(Exception):  # never hides the run's own error
                 getattr(s.batches, "close", lambda: None)()  # stops the last epoch's workers
@@ -598,7 +611,20 @@ def _step_of(line: str) -> float:
 
 
 def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
-    """RUN/drafter/: written in place locally; on a store, written locally and uploaded file by file."""
+    """RUN/drafter/: written in place locally; on a store, written locally and uploaded file by file.
+    A full disk is one line: the checkpoints are kept, a rerun with --resume writes it again."""
+    try:
+        _save_drafter_to(run, drafter, dtype=dtype)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise ValueError(
+            f"{error.filename or run.join('drafter')}: {error.strerror}; the checkpoints are kept: free space and rerun the same "
+            "command with --resume"
+        ) from None
+
+
+def _save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
     if run.is_local:
         save_drafter(drafter, run.local_path / "drafter", dtype=dtype)
         return
