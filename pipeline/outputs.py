@@ -108,10 +108,7 @@ def _create_lock(path: Path, me: dict) -> None:
     if writing the holder fails."""
     tmp = path.with_name(f"{path.name}.new-{uuid.uuid4().hex[:8]}")
     try:
-        try:
-            tmp.write_text(json.dumps(me) + "\n")
-        except OSError as error:  # a full disk: said naming the lock, one line
-            raise OSError(error.errno, error.strerror, str(path)) from None
+        tmp.write_text(json.dumps(me) + "\n")
         try:
             os.link(tmp, path)
             return
@@ -169,6 +166,8 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
                 f"{flag} {out}: in use by {holder.get('command', 'another command')} (pid {pid} on {host}, since "
                 f"{holder.get('started')}); wait for it to finish, or if that process is gone, remove {path}"
             ) from None
+        except OSError as error:  # a full disk, a read-only one: nothing was left behind (_create_lock)
+            raise ValueError(f"{flag} {out}: cannot write its lock {LOCK_FILE}: {error.strerror}; free space and rerun the same command") from None
         break
     else:
         raise ValueError(f"{flag} {out}: could not take {path} (another process keeps taking it)")

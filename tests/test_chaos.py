@@ -194,9 +194,9 @@ def test_a_lock_is_never_left_empty_by_a_full_disk(full_disk):
         while True:  # every block of the 1 MiB disk
             f.write(b"\0" * 4096)
             f.flush()
-    with pytest.raises(OSError) as failed, output_lock(out, command="test"):
+    with pytest.raises(ValueError) as failed, output_lock(out, command="test"):
         pass
-    assert failed.value.errno == 28 and failed.value.filename == str(out / LOCK_FILE), failed.value
+    assert str(failed.value) == f"--out {out}: cannot write its lock {LOCK_FILE}: No space left on device; free space and rerun the same command"
     assert sorted(os.listdir(out)) == []  # neither the lock nor its temporary name is left
     filler.unlink()
     with output_lock(out, command="test") as lock:  # the rerun, once there is space, takes it
