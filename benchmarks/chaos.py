@@ -2,7 +2,7 @@
 random moments, reruns the same command as a user would until the stage ends, and checks that it
 ends exactly as a clean run does (docs/benchmarks.md, "Chaos"; docs/failure-modes.md).
 
-    python benchmarks/chaos.py --stage build|regenerate|train|all --rounds N --seed S
+    python benchmarks/chaos.py --stage build|regenerate|train|all (or a list: build,regenerate) --rounds N --seed S
 
 Each round draws from `random.Random(f"{seed}:{stage}:{round}")` which variant it runs (stage 1 to
 a local disk or to s3://, regeneration at T = 0 or T = 1), which faults it injects and when: after
@@ -724,9 +724,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _stages(text: str) -> list[str]:
+    """--stage: `all` or a comma-separated subset of STAGES, in STAGES' order."""
+    names = list(STAGES) if text == "all" else text.split(",")
+    unknown = [n for n in names if n not in STAGES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text}: expected all or one or more of {', '.join(STAGES)}")
+    return [s for s in STAGES if s in names]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=[*STAGES, "all"], default="all")
+    parser.add_argument("--stage", type=_stages, default="all", help=f"all, or one or more of {', '.join(STAGES)}, comma-separated")
     parser.add_argument("--rounds", type=int, default=10, help="rounds per stage")
     parser.add_argument("--seed", type=int, default=None, help="seed of every draw (default: a fresh one, printed)")
     parser.add_argument("--only-round", type=int, default=None, help="replay only this round (with --seed)")
@@ -747,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table([json.loads(line) for name in args.table for line in Path(name).read_text().splitlines() if line.strip()]))
         return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    stages = list(STAGES) if args.stage == "all" else [args.stage]
+    stages = args.stage
     print(f"chaos: seed {seed} (replay: --seed {seed}), stages {','.join(stages)}, {args.rounds} round(s) each", flush=True)
     root = Path(tempfile.mkdtemp(prefix="chaos-", dir=args.work_root))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanup runs on a plain kill too
