@@ -89,6 +89,23 @@ def config_from_flags(cls, kwargs):
         raise click.UsageError(str(error)) from None
 
 
+def training_error_line(error: BaseException) -> str | None:
+    """The one line alrira-train prints for `error`: a DataLoader worker's death anywhere in its
+    chain, bad input, a failing store or disk; None for anything else (a bug: its traceback shows).
+    torch's SIGCHLD handler raises a worker's death wherever the main thread is, so it can arrive
+    inside torch.save, whose own cleanup then raises another error "during handling" of it (found
+    by benchmarks/chaos.py, seed 2028, train round 74; docs/failure-modes.md)."""
+    cause, seen = error, set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if _WORKER_DIED.search(str(cause)) or _WORKER_RAISED.match(str(cause)):
+            return one_line_error(cause)
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(error, (ValueError, OSError)):
+        return one_line_error(error)
+    return None
+
+
 def one_line_error(error: BaseException) -> str:
     """What a user reads of an error raised in training: its first line (userinfo redacted); for an
     error of a DataLoader worker, which worker and the worker's own error, not torch's wrapping."""
@@ -139,12 +156,11 @@ def train_cli(threads: int | None, **kwargs):
         if loader.kind == "stream" and loader.local_cache_gib > 0 and is_url(config.cache):
             check_local_cache_root(loader.local_cache_root, flag="--local-cache-dir")
         summary = train(config)
-    except (ValueError, OSError) as error:  # bad input, a failing store or disk: one line, no traceback
-        raise click.ClickException(one_line_error(error)) from None
-    except RuntimeError as error:
-        if not (_WORKER_DIED.search(str(error)) or _WORKER_RAISED.match(str(error))):
+    except Exception as error:
+        line = training_error_line(error)
+        if line is None:  # a bug: its traceback is what to report
             raise
-        raise click.ClickException(one_line_error(error)) from None
+        raise click.ClickException(line) from None
     if "final_loss" in summary:
         click.echo(format_summary(summary), err=True)
 

@@ -254,3 +254,24 @@ def test_a_loader_worker_killed_after_the_last_step_is_not_a_traceback(stop):
         assert proc.returncode == 0 and proc.stdout.strip() == "ended cleanly" and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     else:
         assert proc.returncode != 0 and "is killed by signal: Killed" in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_loader_worker_death_inside_a_checkpoint_save_is_one_line():
+    """Regression (chaos, seed 2028, train round 74): torch's SIGCHLD handler raised the worker's
+    death inside torch.save, whose cleanup raised another error "during handling" of it; the CLI
+    matched only the last error and showed a traceback. It now finds the death in the chain."""
+    from pipeline.cli import training_error_line
+
+    def chained() -> BaseException:
+        try:
+            try:
+                raise RuntimeError("DataLoader worker (pid 20878) is killed by signal: Killed. ")
+            except RuntimeError:
+                raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")  # noqa: B904
+        except RuntimeError as error:
+            return error
+
+    line = training_error_line(chained())
+    assert line.startswith("DataLoader worker (pid 20878) died (killed, or out of memory)") and "--resume" in line, line
+    assert training_error_line(RuntimeError("an unexpected bug")) is None  # a bug keeps its traceback
+    assert training_error_line(OSError(28, "No space left on device")) == "[Errno 28] No space left on device"
