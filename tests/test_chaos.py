@@ -275,3 +275,33 @@ def test_a_loader_worker_death_inside_a_checkpoint_save_is_one_line():
     assert line.startswith("DataLoader worker (pid 20878) died (killed, or out of memory)") and "--resume" in line, line
     assert training_error_line(RuntimeError("an unexpected bug")) is None  # a bug keeps its traceback
     assert training_error_line(OSError(28, "No space left on device")) == "[Errno 28] No space left on device"
+
+
+def test_a_run_that_fails_before_its_first_step_stops_its_loader_workers(shard1_reference, tmp_path, monkeypatch):
+    """Regression (chaos, seed 2029, train round 34): the map loader's workers start in setup, but
+    the trainer wrote train_config.json and opened its logs outside the block whose exit stops them;
+    a full disk there ended the run with its one line while the workers lived on, and one killed
+    then made torch's SIGCHLD handler raise in an atexit hook: a traceback after the error line."""
+    import errno
+
+    import psutil
+
+    from pipeline.train import loop
+    from pipeline.train.config import TrainConfig
+    from tests.waits import wait_for
+
+    def full_disk(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(loop, "atomic_write_text", full_disk)
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    config = TrainConfig.from_flags(cache=str(shard1_reference), out=str(tmp_path / "run"), method="alr", epochs=1, batch_size=2,
+                                    num_workers=1, progress=False)  # fmt: skip
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        loop.train(config)
+    # While the error is held (as the CLI holds it while it prints and exits), its traceback keeps
+    # the trainer's frame and loader alive: the workers must be stopped by the trainer, not by GC.
+    left = lambda: [p for p in me.children(recursive=True) if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # noqa: E731
+    assert wait_for(lambda: not left(), what="the loader's workers to stop", cap_s=30) is True, left()
+    assert failed.value.errno == errno.ENOSPC  # (the error held until here)

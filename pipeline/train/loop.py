@@ -492,16 +492,15 @@ def train(config: TrainConfig) -> dict:
 
 
 def _train(config: TrainConfig) -> dict:
-    s = setup(config)
-    settings = s.settings
-    if s.rank == 0:  # first: what marks --out as a run (pipeline/train/preflight.py) for the other ranks' checks
-        s.run.make_dirs()
-        atomic_write_text(s.run.join("train_config.json"), json.dumps(settings, indent=2))
-    logs = RunLogs.open(s.run, start_step=s.start_step) if s.rank == 0 else None
-    method = config.objective.method
-    bar = tqdm(total=s.last_step, initial=s.start_step, unit="step", desc=method, disable=s.rank != 0 or not config.progress)
+    s = setup(config)  # the map loader's workers run from here on: every exit below stops them (finally)
+    settings, logs, method = s.settings, None, config.objective.method
     history, started = [], time.time()
     try:
+        if s.rank == 0:  # first: what marks --out as a run (pipeline/train/preflight.py) for the other ranks' checks
+            s.run.make_dirs()
+            atomic_write_text(s.run.join("train_config.json"), json.dumps(settings, indent=2))
+        logs = RunLogs.open(s.run, start_step=s.start_step) if s.rank == 0 else None
+        bar = tqdm(total=s.last_step, initial=s.start_step, unit="step", desc=method, disable=s.rank != 0 or not config.progress)
         window, window_start = [], time.time()
         for step in range(s.start_step, s.last_step):
             window.append(train_step(s, config, step))
