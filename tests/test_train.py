@@ -221,12 +221,17 @@ def test_resume_from_a_truncated_checkpoint_falls_back_to_the_previous_one(cache
     assert f"step-{per_epoch:08d} instead" in capsys.readouterr().out
     a, b = _weights(straight), _weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    for step in range(1, per_epoch + 1):  # and with nothing readable left: one line
+    for step in range(1, per_epoch + 1):  # and with nothing readable left: step 0, the same run
         (run / "checkpoints" / f"step-{step:08d}" / "state.pt").write_bytes(b"")
     for step in range(per_epoch + 1, 2 * per_epoch + 1):
         (run / "checkpoints" / f"step-{step:08d}" / "state.pt").write_bytes(b"x")
-    with pytest.raises(ValueError, match="no readable checkpoint"):
-        train(_config(cache, run, epochs=3, resume=True))
+    with pytest.raises(ValueError, match="--method was 'alr_ira', now 'alr'"):  # settings still checked (train_config.json)
+        train(_config(cache, run, method="alr", epochs=2, resume=True, save_dtype="float32"))
+    train(_config(cache, run, epochs=2, resume=True, save_dtype="float32"))
+    assert "no readable checkpoint to resume from" in capsys.readouterr().out  # said in one line, then step 0
+    b = _weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 2 * per_epoch + 1))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -149,7 +149,26 @@ def load_latest_checkpoint(run: Location, *, log=print) -> dict | None:
         if problems:
             log(f"{problems[0]}; resuming from {relative.split('/')[1]} instead")
         return state
-    raise ValueError(f"{run.join('checkpoints')}: no readable checkpoint to resume from ({problems[0]})")
+    raise NoReadableCheckpoint(f"{run.join('checkpoints')}: no readable checkpoint to resume from ({problems[0]})")
+
+
+class NoReadableCheckpoint(ValueError):
+    """Every checkpoint of a run is damaged (none tampered with): the resume starts again at step 0."""
+
+
+def restart_settings_check(run: Location, current: dict, error: NoReadableCheckpoint, *, log=print) -> None:
+    """A resume whose every checkpoint is damaged starts again from step 0, the oldest state there
+    is: the seed makes it the same run, bit for bit (found by benchmarks/chaos.py, seed 2029: a
+    run's only checkpoint truncated refused every rerun). The settings are still checked, against
+    the run's train_config.json, as a checkpoint's would be."""
+    if run.is_file("train_config.json"):
+        try:
+            saved = json.loads(run.read_bytes("train_config.json"))
+        except ValueError:
+            saved = None
+        if isinstance(saved, dict):
+            check_resume_settings(saved, current, run=run)
+    log(f"{error}; starting again from step 0 (the same seed: the same run)")
 
 
 def _resolved_cache(settings: dict) -> dict:

@@ -53,7 +53,9 @@ from pipeline.train.checkpoints import (
     check_data_position,
     check_resume_settings,
     claim_run,
+    NoReadableCheckpoint,
     load_latest_checkpoint,
+    restart_settings_check,
     run_inputs,
     save_checkpoint,
 )
@@ -296,7 +298,11 @@ def setup(config: TrainConfig) -> TrainState:
     drafter = build_drafter(config, manifest).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=0.0)
     start_step = 0
-    state = load_latest_checkpoint(run) if config.checkpoint.resume else None
+    try:
+        state = load_latest_checkpoint(run) if config.checkpoint.resume else None
+    except NoReadableCheckpoint as error:
+        restart_settings_check(run, run_settings, error)
+        state = None
     if state is not None:
         check_resume_settings(state["config"], run_settings, run=run)
         check_data_position(state, data_position(state["step"]), run=run)
