@@ -494,7 +494,9 @@ def faulted_run(world: World, variant: str, argv: list[str], out: str, plan: tup
         if proc.poll() is None:
             time.sleep(delay)
         for fault in faults:
-            if fault in DURING:
+            if fault in DURING and proc.poll() is not None:  # the run ended before the moment: no fault
+                result.faults[fault] = "missed (run ended)"
+            elif fault in DURING:
                 hit = DURING[fault](world, proc, rng)
                 # No target yet (actors still starting, DataLoader workers between epochs): the
                 # moment is the first one after the drawn one where there is.
