@@ -305,3 +305,18 @@ def test_a_run_that_fails_before_its_first_step_stops_its_loader_workers(shard1_
     left = lambda: [p for p in me.children(recursive=True) if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # noqa: E731
     assert wait_for(lambda: not left(), what="the loader's workers to stop", cap_s=30) is True, left()
     assert failed.value.errno == errno.ENOSPC  # (the error held until here)
+
+
+def test_the_docs_chaos_tables_are_the_runs_they_name():
+    """docs/benchmarks.md's chaos tables come from the --jsonl files kept under docs/chaos/: each
+    table is chaos.table of the files named in the paragraph right above it."""
+    import re
+
+    section = (chaos.ROOT / "docs" / "benchmarks.md").read_text().split("\n## Chaos", 1)[1].split("\n### Earlier runs", 1)[0]
+    found = re.findall(r"([^\n]*(?:\n[^\n]+)*)\n\n(\| stage \| rounds passed \|.*?)(?:\n\n|\Z)", section, re.S)
+    assert len(found) >= 3, "no chaos table names its runs"
+    for paragraph, doc_table in found:
+        names = re.findall(r"`(docs/chaos/[\w.-]+\.jsonl)`", paragraph)
+        assert names, f"a chaos table names no docs/chaos/*.jsonl above it: {paragraph[-200:]}"
+        rows = [json.loads(line) for name in names for line in (chaos.ROOT / name).read_text().splitlines() if line.strip()]
+        assert doc_table.strip() == chaos.table(rows), f"{names}: the doc's table is not these runs'"
