@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import re
+
+# The errnos of a full disk, a quota or a file-size limit: where a write says so, the one-line error
+# says what was kept and to free space and rerun (docs/failure-modes.md).
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 # `proto://user:secret@host/...`: the userinfo of a URL, which never reaches a message or a file.
 # A secret may hold a `/` (AWS secrets do), so what precedes the first `@` is userinfo when it has

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import json
 import tempfile
 import time
@@ -52,6 +51,7 @@ from pipeline.target import (
     target_hash,
 )
 from pipeline.vision import changed_images
+from storage.errors import DISK_FULL_ERRNOS
 from storage.format import CORPUS_DIR, MANIFEST_FILE, SHARD_COMPLETE, SHARD_DIR
 from storage.location import Location, is_url, resolve
 from storage.manifest import (
@@ -246,7 +246,7 @@ def _os_error_line(error: OSError, out: Location, *, kind: str = "cache", kept: 
     """One line for a failing filesystem: the path, the reason, and for a full disk what to do
     (regeneration's driver says it of its parts)."""
     line = f"{error.filename or out}: {error.strerror or error}"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if error.errno in DISK_FULL_ERRNOS:
         line += f" ({kind} {out})" if error.filename else ""
         line += f"; the {kept} so far are kept: free space and rerun the same command to resume"
     return line

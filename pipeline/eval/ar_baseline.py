@@ -5,7 +5,7 @@ does not depend on the drafter, so evaluating five drafters decodes it once, not
 Every run keeps its baseline inside its own --out (`OUT/ar_baseline.json`, with its key: a sha256 of
 the target's hash, the rendered prompts and every setting the decode or its timing depends on:
 temperature, max new tokens, seed, dtype, device, torch threads), so nothing is written outside
---out (docs/design.md, "Outputs"). A run looks for a baseline of the same key in its own --out, in
+--out (docs/design.md, "Outputs"). A run looks for a baseline of the same key in
 `--ar-baseline-from DIR` (DIR/ar_baseline.json and DIR/*/ar_baseline.json) and in its siblings
 (OUT/../*/ar_baseline.json: the usual `evals/<method>` layout) and, when it finds one, decodes
 only the speculative side; those tokens are the reference of the lossless check and those times the
@@ -47,14 +47,15 @@ def ar_baseline_key(config, prompts: list, *, dtype: torch.dtype, device: torch.
 
 
 def ar_baseline_candidates(out: str | Path, reuse_from: str | Path | None = None) -> list[Path]:
-    """Where a run with --out `out` looks for a baseline, in order: its own --out, --ar-baseline-from
-    (the folder and its subfolders), then its siblings (read only: a run writes only its own)."""
+    """Where a run with --out `out` looks for a baseline, in order: --ar-baseline-from (the folder and
+    its subfolders), then its siblings (read only: a run writes only its own). Its own --out holds
+    none by then: the claim (pipeline/outputs.py) keeps a complete output whole or removes its files."""
     out = Path(out).resolve()
-    places = [out / AR_BASELINE_FILE]
+    places = []
     if reuse_from is not None:
         reuse_from = Path(reuse_from).resolve()
         places += [reuse_from / AR_BASELINE_FILE, *sorted(reuse_from.glob(f"*/{AR_BASELINE_FILE}"))]
-    places += sorted(out.parent.glob(f"*/{AR_BASELINE_FILE}"))
+    places += sorted(p for p in out.parent.glob(f"*/{AR_BASELINE_FILE}") if p.parent != out)
     return list(dict.fromkeys(places))  # each once, first place first
 
 

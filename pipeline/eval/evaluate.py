@@ -97,8 +97,8 @@ class EvalConfig:
     vision_input: VisionInputConfig = group(VisionInputConfig)
     reuse_ar_baseline: bool = opt(
         "Decode the autoregressive baseline once per target, prompts and settings and reuse it for every drafter: each run "
-        "keeps it in OUT/ar_baseline.json and reads one of the same key from its own --out, --ar-baseline-from or "
-        "its sibling folders (pipeline/eval/ar_baseline.py).",
+        "keeps it in OUT/ar_baseline.json and reads one of the same key from --ar-baseline-from or its sibling "
+        "folders (pipeline/eval/ar_baseline.py).",
         default=True,
     )
     ar_baseline_from: str | None = opt(

@@ -13,7 +13,6 @@ to a partial checkpoint (docs/design.md, "Caches on object stores").
 
 from __future__ import annotations
 
-import errno
 import json
 import pickle
 import re
@@ -24,7 +23,7 @@ import torch
 
 from pipeline.outputs import LOCK_FILE, RECORD_FILE, differences, read_record, remove_names, write_record
 from storage.atomic import atomic_write_dir, atomic_write_text
-from storage.errors import first_line
+from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.location import Location, is_url
 from storage.paths import unsafe_name_reason
 
@@ -68,7 +67,7 @@ def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dic
     try:
         atomic_write_dir(final, lambda tmp: _save_state(state, tmp / STATE_FILE))
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if error.errno not in DISK_FULL_ERRNOS:
             raise
         raise ValueError(
             f"{final}: {error.strerror}; the checkpoints before it are kept: free space and rerun the same command with --resume"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
 import itertools
 import json
 import math
@@ -50,10 +49,10 @@ from pipeline.train.batching import (
 )
 from pipeline.outputs import output_lock
 from pipeline.train.checkpoints import (
+    NoReadableCheckpoint,
     check_data_position,
     check_resume_settings,
     claim_run,
-    NoReadableCheckpoint,
     load_latest_checkpoint,
     restart_settings_check,
     run_inputs,
@@ -70,6 +69,7 @@ from pipeline.train.streaming import (
 )
 from pipeline.train.objectives import topk_tail_loss
 from storage.atomic import atomic_write_text, remove_path_tolerant
+from storage.errors import DISK_FULL_ERRNOS
 from storage.local_cache import sweep_orphans
 from storage.location import Location, is_url, resolve
 from storage.manifest import load_target_head
@@ -621,7 +621,7 @@ def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
     try:
         _save_drafter_to(run, drafter, dtype=dtype)
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if error.errno not in DISK_FULL_ERRNOS:
             raise
         raise ValueError(
             f"{error.filename or run.join('drafter')}: {error.strerror}; the checkpoints are kept: free space and rerun the same "
