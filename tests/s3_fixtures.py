@@ -18,8 +18,10 @@ import uuid
 
 import pytest
 
+from tests.waits import HANG_CAP_S
+
 BUCKET = "alrira-tests"
-SERVER_START_S = 60.0
+SERVER_START_S = HANG_CAP_S  # a cap against a server that never answers, not a speed bound (tests/waits.py)
 
 
 def _free_port() -> int:

@@ -9,23 +9,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.waits import run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
 
-def run_benchmark(script: str, *args: str, timeout: int = 600) -> str:
+def run_benchmark(script: str, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # scripts start their own Ray
-    result = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+    result = run_to_end([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, env=env)
     assert result.returncode == 0, f"{script}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
 
@@ -186,8 +184,7 @@ def test_cache_tau_rows_share_a_cache_and_compare_paired(tmp_path):
     assert report["table"]["base"]["alr"]["T0"]["diff_pct"] == [0.0]
     assert report["table"]["draw4"]["alr"]["T0"]["diff_pct"] == [pytest.approx(100 * (draw4 - base) / base)]
     assert "| draw4 | `--shard-size 24 anchors_per_step=4` | alr |" in (out / "cache_tau.md").read_text()
-    result = subprocess.run(
-        [sys.executable, "benchmarks/cache_tau.py", *common, "--row", "base: --shard-size 24", "--row", "draw4: | anchors_per_step=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    result = run_to_end(
+        [sys.executable, "benchmarks/cache_tau.py", *common, "--row", "base: --shard-size 24", "--row", "draw4: | anchors_per_step=2"], cwd=ROOT
     )  # fmt: skip
     assert result.returncode != 0 and "row 'draw4' was run with" in result.stderr, result.stderr[-2000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from click.testing import CliRunner
 
 from ray_jobs.cli import cache_cli, cli_reference_markdown
 from pipeline.cli import train_cli
+from tests.waits import HANG_CAP_S, run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def test_docs_cli_reference_is_generated_from_the_commands():
 def test_console_scripts_are_installed():
     bin_dir = Path(sys.executable).parent
     for script in ("alrira-cache", "alrira-train", "alrira-eval"):
-        result = subprocess.run([str(bin_dir / script), "--help"], capture_output=True, text=True, timeout=120)
+        result = run_to_end([str(bin_dir / script), "--help"], cap_s=HANG_CAP_S)
         assert result.returncode == 0, result.stderr
         assert "Usage:" in result.stdout
 

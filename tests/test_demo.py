@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 from pipeline.demo.run import DEMO_METHODS, PLOT_FILE, RESULTS_FILE
+from tests.waits import run_to_end
 
 
 def _run_demo(out, ray_address):
     command = [sys.executable, "-m", "pipeline.demo", "--quick", "--out", str(out), "--temperatures", "0"]
     # RAY_ADDRESS makes the demo's `alrira-cache build` join the session's cluster instead of starting one.
     env = {**os.environ, "RAY_ADDRESS": ray_address}
-    return subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=600)
+    return run_to_end(command, env=env)
 
 
 def test_quick_demo_runs_every_phase_and_resumes(tmp_path, ray_address):

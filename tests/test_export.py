@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from drafter.checkpoint import save_drafter
 from drafter.config import DFlashConfig
 from drafter.masks import visibility_mask
 from drafter.model import DFlashDrafter
+from tests.waits import HANG_CAP_S, run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFORMERS_457 = ROOT / ".venv" / "transformers-4.57"  # installed by .ci/install
@@ -72,10 +72,7 @@ def _load_with_automodel(path: Path, inputs: Path, *, extra_path: Path | None = 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if extra_path is not None:
         env["PYTHONPATH"] = str(extra_path)
-    result = subprocess.run(
-        [sys.executable, "-c", CHECK, str(path), str(inputs)], capture_output=True, text=True, env=env, cwd=path.parent,
-        timeout=300,
-    )  # fmt: skip
+    result = run_to_end([sys.executable, "-c", CHECK, str(path), str(inputs)], cap_s=HANG_CAP_S, env=env, cwd=path.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), torch.load(str(inputs) + ".out")
 

@@ -34,7 +34,7 @@ import pytest
 from storage.manifest import load_manifest
 from storage.verify import verify_cache
 from tests.test_cache_build import SMALL, _build_here, _config
-from tests.waits import HANG_CAP_S
+from tests.waits import HANG_CAP_S, run_to_end
 
 RAY = str(Path(sys.executable).parent / "ray")
 HEAD_MARKER, NODE_MARKER = "alrira_test_head", "alrira_test_node"  # custom resources telling the nodes apart
@@ -117,7 +117,7 @@ def _alive_nodes(address: str, *, count: int, timeout: float = HANG_CAP_S) -> di
     """Node id -> resource names, once `count` nodes are alive (a raylet registers after its start)."""
     deadline = time.monotonic() + timeout
     while True:
-        proc = subprocess.run([sys.executable, "-c", NODES_SCRIPT, address], env=_ray_env(), capture_output=True, text=True, timeout=120)
+        proc = run_to_end([sys.executable, "-c", NODES_SCRIPT, address], cap_s=HANG_CAP_S, env=_ray_env())
         nodes = dict(json.loads(proc.stdout.strip().splitlines()[-1])) if proc.returncode == 0 else {}
         if len(nodes) >= count or time.monotonic() > deadline:
             assert len(nodes) == count, f"{len(nodes)} alive node(s), expected {count}: {proc.stderr[-2000:]}"
@@ -179,7 +179,7 @@ def _build_args(target, corpus, out: str, *extra: str) -> list[str]:
 
 def _run_build(args: list[str], *, env: dict[str, str]) -> subprocess.CompletedProcess:
     """The CLI in a subprocess: its own Ray driver, whatever Ray this test process has joined."""
-    proc = subprocess.run([sys.executable, "-m", "ray_jobs", *args], env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    proc = run_to_end([sys.executable, "-m", "ray_jobs", *args], cap_s=BUILD_TIMEOUT_S, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

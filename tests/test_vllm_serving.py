@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -114,6 +113,8 @@ def serve(spec: dict) -> dict:
 
 def run_serve(specs: dict[str, dict], workdir: Path) -> dict[str, dict]:
     """serve() on every spec, in order, in one subprocess; results by the specs' names."""
+    from tests.waits import run_to_end  # here, not at the top: the subprocess runs this file without the repository on its path
+
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / "serve_spec.json", workdir / "serve_out.json"
     spec_path.write_text(json.dumps(specs))
@@ -121,10 +122,7 @@ def run_serve(specs: dict[str, dict], workdir: Path) -> dict[str, dict]:
         os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, __file__, str(spec_path), str(out_path)],
-        env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1],
-    )  # fmt: skip
+    proc = run_to_end([sys.executable, __file__, str(spec_path), str(out_path)], env=env, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0 and out_path.exists(), proc.stderr[-6000:]
     return json.loads(out_path.read_text())
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.waits import run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,10 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_wds_storage_benchmark_reports_every_storage_for_both_codecs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    result = subprocess.run(
-        [sys.executable, "benchmarks/wds_storage.py", "--quick", "--out", str(tmp_path / "work")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    result = run_to_end([sys.executable, "benchmarks/wds_storage.py", "--quick", "--out", str(tmp_path / "work")], cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     tables = [i for i, line in enumerate(lines) if line.startswith("storage ")]
