@@ -5,7 +5,7 @@ machine a Ray start or a target load can take minutes. A test waits on the event
 published, a process started, a thread ended); the cap only turns a hang into a failure that says
 so, and is generous (ALRIRA_TEST_HANG_CAP_S, 900 s by default). A whole script a test runs (a
 benchmark at its --quick size, the demo, a serving check) gets twice that: under two busy loops
-Ray's workers, which run at a lower priority, took over 10 minutes for a --quick benchmark
+Ray's workers, which run at niceness 15, took over 10 minutes for a --quick benchmark
 (docs/benchmarks.md, "Chaos")."""
 
 from __future__ import annotations
