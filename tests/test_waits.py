@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.waits import HANG_CAP_S, SCRIPT_CAP_S, run_to_end
+from tests.waits import HANG_CAP_S, run_to_end
 
 TESTS = Path(__file__).resolve().parent
 
@@ -29,7 +29,6 @@ def test_a_command_past_its_cap_fails_saying_it_is_a_hang_cap():
         run_to_end([sys.executable, "-c", "import time; time.sleep(60)"], cap_s=1)
     done = run_to_end([sys.executable, "-c", "print('done')"], cap_s=HANG_CAP_S)
     assert done.returncode == 0 and done.stdout == "done\n"
-    assert SCRIPT_CAP_S >= HANG_CAP_S
 
 
 def test_no_test_bounds_a_command_by_a_literal_number_of_seconds():
