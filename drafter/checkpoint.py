@@ -21,6 +21,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from drafter.config import AUTO_MAP, DFlashConfig
+from drafter.dspark import AUTO_MAP as DSPARK_AUTO_MAP
+from drafter.dspark import DSparkConfig, DSparkDrafter, is_dspark_hf_config
 from drafter.model import DFlashDrafter
 
 CONFIG_FILE = "config.json"
@@ -34,6 +36,8 @@ IGNORED_TENSORS = frozenset({"embed_tokens.weight", "lm_head.weight"})
 # Files copied into every export: (source in this package, name in the checkpoint). The copies
 # import each other relatively, as HF's dynamic modules require.
 MODELING_FILES = (("hf_modeling.py", "modeling_dflash.py"), ("model.py", "dflash_model.py"), ("config.py", "dflash_config.py"))
+# A DSpark export ships its wrapper and the DSpark module beside the backbone's files.
+DSPARK_MODELING_FILES = (("hf_modeling_dspark.py", "modeling_dspark.py"), ("dspark.py", "dspark_model.py"), *MODELING_FILES[1:])
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -76,7 +80,8 @@ def _save_weights(tensors: dict[str, torch.Tensor], tmp: str, *, shown: Path) ->
 def save_drafter(
     model: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16
 ) -> None:
-    """Write config.json and model.safetensors (weights cast to dtype) into out_dir."""
+    """Write config.json and model.safetensors (weights cast to dtype) into out_dir: a DFlash
+    drafter as the public DFlash releases, a DSpark one as DeepSpec's Qwen3DSparkModel."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype_name = _dtype_name(dtype)
@@ -86,10 +91,11 @@ def save_drafter(
     hf = model.config.to_hf_dict()
     hf["dtype"] = dtype_name
     hf["torch_dtype"] = dtype_name  # what transformers 4.x (the public DFlash code's pin) reads
-    hf["auto_map"] = dict(AUTO_MAP)  # the export ships modeling_dflash.py, as public releases do
+    dspark = isinstance(model, DSparkDrafter)
+    hf["auto_map"] = dict(DSPARK_AUTO_MAP if dspark else AUTO_MAP)  # the export ships its modeling code, as public releases do
     # Weights and code first, config last: a directory whose config.json is new has new weights.
     _write_atomic(out_dir / WEIGHTS_FILE, lambda tmp: _save_weights(tensors, tmp, shown=out_dir / WEIGHTS_FILE))
-    for source, name in MODELING_FILES:
+    for source, name in DSPARK_MODELING_FILES if dspark else MODELING_FILES:
         _write_atomic(out_dir / name, lambda tmp, source=source: Path(tmp).write_text(_exported_code(source)))
 
     def write_config(tmp: str) -> None:
@@ -108,6 +114,8 @@ def _exported_code(source: str) -> str:
         ("from drafter.config import", "from .dflash_config import"),
         ("from .config import", "from .dflash_config import"),
         ("from .model import", "from .dflash_model import"),
+        ("from drafter.model import", "from .dflash_model import"),
+        ("from .dspark import", "from .dspark_model import"),
     ):
         code = code.replace(absolute, relative)
     return code
@@ -163,18 +171,21 @@ def drafter_hash(path: str | os.PathLike) -> str:
 def load_drafter(
     path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> DFlashDrafter:
-    """Load a drafter directory (ours or a public DFlash release); dtype None = the config's."""
+    """Load a drafter directory (ours, a public DFlash release, or a DSpark checkpoint: its
+    config's architectures decide); dtype None = the config's."""
     path = Path(path)
     config_path = path / CONFIG_FILE
     if not config_path.exists():
         raise ValueError(f"{config_path} does not exist")
     with open(config_path) as f:
-        config = DFlashConfig.from_hf_dict(json.load(f))
+        hf = json.load(f)
+    dspark = is_dspark_hf_config(hf)
+    config = DSparkConfig.from_hf_dict(hf) if dspark else DFlashConfig.from_hf_dict(hf)
     if dtype is None:
         dtype = _DTYPES[config.dtype]
 
     with torch.device("meta"):
-        model = DFlashDrafter(config)
+        model = DSparkDrafter(config) if dspark else DFlashDrafter(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
     state: dict[str, torch.Tensor] = {}

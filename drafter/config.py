@@ -128,6 +128,11 @@ class DFlashConfig:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per block: slots 1..block_size - 1 (slot 0 holds the anchor)."""
+        return self.block_size - 1
+
     @classmethod
     def from_target_config(
         cls,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from drafter.dspark import DSparkDrafter, dspark_draft
 from drafter.masks import SHARED_OWNER, visibility_mask
 from pipeline.eval.compare import analysis_inputs, analysis_output, load_replicate, load_replicates
 from pipeline.eval.evaluate import ROUND_COLUMNS, write_csv_rows
@@ -269,7 +270,8 @@ def block_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features
                  anchors: list[int], chunk: int = 16) -> torch.Tensor:  # fmt: skip
     """Drafts [N, K]: for each anchor position a of `sequence`, the block [x[a], MASK x K] drafted
     from the features of positions < a, as a decoding round sees them (several blocks per forward,
-    each with its own corpus limit). features [S, F] of the whole sequence."""
+    each with its own corpus limit). features [S, F] of the whole sequence. A DSpark drafter gives
+    [N, B]: all its slots, the Markov head run slot by slot on its own drafts (drafter/dspark.py)."""
     block_size = drafter.config.block_size
     dtype = next(drafter.parameters()).dtype
     device = features.device
@@ -290,7 +292,11 @@ def block_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features
             block_embeds=embed_tokens(block_ids.reshape(1, -1)).to(dtype),
             block_positions=(group[:, None] + torch.arange(block_size, device=device)).reshape(1, -1), attention_mask=mask,
         ).reshape(len(group), block_size, -1)  # fmt: skip  # [N, B, H]
-        drafts.append(lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).argmax(dim=-1))  # [N, K]
+        if isinstance(drafter, DSparkDrafter):
+            base_logits = lm_head(hidden.to(lm_head.weight.dtype))  # [N, B, V]
+            drafts.append(dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=block_ids[:, 0])[0])  # [N, B]
+        else:
+            drafts.append(lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).argmax(dim=-1))  # [N, K]
     return torch.cat(drafts)
 
 

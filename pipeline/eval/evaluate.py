@@ -35,6 +35,7 @@ from pipeline.chat import CorpusError, iter_corpus_rows, prompt_row, row_locator
 from pipeline.config import group, opt
 from pipeline.eval.ar_baseline import AR_BASELINE_FILE, ar_baseline_candidates, ar_baseline_key, find_ar_baseline, write_ar_baseline
 from pipeline.eval.plots import legend, plot_figure
+from drafter.dspark import DSparkDrafter
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.tree import tree_speculative_decode
 from pipeline.outputs import check_out_path, claim_output, log_line, owns
@@ -94,6 +95,11 @@ class EvalConfig:
         default=None,
     )
     tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
+    confidence_threshold: float = opt(
+        "DSpark drafters with a confidence head: cut each round's proposal before the first slot whose predicted "
+        "acceptance is below this (a dynamic proposal length; 0 verifies every slot).",
+        default=0.0,
+    )
     vision_input: VisionInputConfig = group(VisionInputConfig)
     reuse_ar_baseline: bool = opt(
         "Decode the autoregressive baseline once per target, prompts and settings and reuse it for every drafter: each run "
@@ -129,6 +135,8 @@ class EvalConfig:
             raise ValueError(f"--tree-budget must be >= 1 and needs --temperature 0, got {self.tree_budget} at T={self.temperature}")
         if self.tree_branch < 1:
             raise ValueError(f"--tree-branch must be >= 1, got {self.tree_branch}")
+        if not 0 <= self.confidence_threshold <= 1:
+            raise ValueError(f"--confidence-threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -249,6 +257,33 @@ def round_rows(prompt: EvalPrompt, accepted_lengths: list[int]) -> list[dict]:
     return [
         {"prompt_id": prompt.prompt_id, "benchmark": prompt.benchmark, "round": i, "start_offset": start, "accepted": accepted}
         for i, (start, accepted) in enumerate(zip(starts, accepted_lengths, strict=True))
+    ]
+
+
+def slot_acceptance(results: list[DecodeResult], *, num_drafts: int) -> list[dict]:
+    """Per draft slot k (0-based): the rounds that verified it with every slot before it accepted
+    (`reached`), the share of those that accepted it (the conditional acceptance a confidence head
+    predicts), and for a DSpark drafter with a confidence head the mean predicted acceptance of the
+    same slots (its calibration; docs/dspark.md, "Evaluation")."""
+    reached, accepted, predicted, num_predicted = ([0] * num_drafts for _ in range(4))
+    for result in results:
+        proposed = result.proposed_lengths or [num_drafts] * len(result.accepted_lengths)
+        confidences = result.confidences or [None] * len(result.accepted_lengths)
+        for num_accepted, num_proposed, confidence in zip(result.accepted_lengths, proposed, confidences, strict=True):
+            for k in range(min(num_accepted + 1, num_proposed)):
+                reached[k] += 1
+                accepted[k] += int(k < num_accepted)
+                if confidence:
+                    predicted[k] += confidence[k]
+                    num_predicted[k] += 1
+    return [
+        {
+            "slot": k,
+            "reached": reached[k],
+            "acceptance": round(accepted[k] / reached[k], 5) if reached[k] else None,
+            "predicted": round(predicted[k] / num_predicted[k], 5) if num_predicted[k] else None,
+        }
+        for k in range(num_drafts)
     ]
 
 
@@ -493,6 +528,7 @@ def eval_inputs(config: EvalConfig, *, device: torch.device, dtype: torch.dtype)
         "prompts_sha256": file_sha256(config.prompts), "max_prompts": config.max_prompts, "temperature": config.temperature,
         "max_new_tokens": config.max_new_tokens, "seed": config.seed, "dtype": str(dtype).removeprefix("torch."),
         "device": device.type, "verify": _verify_name(config), "vision_input": asdict(config.vision_input),
+        **({"confidence_threshold": config.confidence_threshold} if config.confidence_threshold else {}),
     }  # fmt: skip
 
 
@@ -537,7 +573,10 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     draft_config = drafter.config
     prompts = eval_prompts(config, tokenizer)
-    num_draft = draft_config.block_size - 1
+    num_draft = draft_config.num_drafts
+    dspark = isinstance(drafter, DSparkDrafter)
+    if dspark and config.tree_budget is not None:
+        raise ValueError(f"--tree-budget: {config.drafter} is a DSpark drafter, whose slots follow its own draft of the slot before; verify a chain")
 
     def run_ar(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
         return autoregressive_decode(
@@ -572,6 +611,7 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
             generator=torch.Generator(device=device).manual_seed(seed),
             mask_token_id=draft_config.mask_token_id,
             image=image,
+            confidence_threshold=config.confidence_threshold,
         )
 
     ar_key = ar_baseline_key(config, prompts, dtype=dtype, device=device)
@@ -583,7 +623,7 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
         run_ar(prompts[0], warmup, config.seed)
     run_spec(prompts[0], warmup, config.seed)
 
-    rows, rounds, mismatches, ar_results = [], [], 0, {}
+    rows, rounds, mismatches, ar_results, spec_results = [], [], 0, {}, []
     accepted_by_group: dict[str, list[int]] = {}
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=not config.progress)
     for i, prompt in enumerate(bar):
@@ -597,6 +637,7 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
             spec = run_spec(prompt, config.max_new_tokens, seed)
             ar = run_ar(prompt, config.max_new_tokens, seed)
         ar_results[prompt.prompt_id] = ar
+        spec_results.append(spec)
         if config.temperature == 0 and spec.tokens != ar.tokens:
             mismatches += 1
         rows.append(result_row(prompt, ar=ar, spec=spec))
@@ -612,6 +653,14 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
                        block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
     summary["ar_baseline"] = {"file": str(ar_file), "reused": known_ar is not None, "reused_from": None if reused_from is None else str(reused_from)}
+    summary["arch"] = "dspark" if dspark else "dflash"
+    summary["num_drafts"] = num_draft
+    summary["slot_acceptance"] = slot_acceptance(spec_results, num_drafts=num_draft)
+    if dspark:
+        summary["confidence_threshold"] = config.confidence_threshold
+        summary["mean_proposed"] = (
+            sum(sum(r.proposed_lengths) for r in spec_results) / max(1, sum(len(r.proposed_lengths) for r in spec_results))
+        )
     _write_json(out / "summary.json", summary)
     return summary
 

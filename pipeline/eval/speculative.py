@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from drafter.dspark import DSparkDrafter, dspark_draft
 from drafter.masks import SHARED_OWNER, visibility_mask
 from drafter.model import ContextKVCache, DFlashDrafter
 from pipeline.target import is_vision_model, tapped_features
@@ -40,8 +41,9 @@ from pipeline.vision import mm_token_type_ids, rope_positions, shifted_positions
 # image: (pixel_values [P, D], image_grid_thw [1, 3]) of a vision-language prompt's one image
 PromptImage = tuple[Tensor, Tensor]
 
-# draft_fn(context_features [p, F], anchor_token, anchor_pos) -> draft tokens [K] (long)
-DraftFn = Callable[..., Tensor]
+# draft_fn(context_features [p, F], anchor_token, anchor_pos) -> draft tokens [D] (long), D <= the
+# drafter's drafts per block, or (tokens [D], confidence [num drafts]) for a DSpark drafter
+DraftFn = Callable[..., Tensor | tuple[Tensor, Tensor]]
 
 
 @dataclass(kw_only=True)
@@ -51,6 +53,8 @@ class DecodeResult:
     rounds: int  # drafting rounds (0 for the AR baseline)
     decode_s: float  # wall time after the prefill (which produced the first token)
     prefill_s: float  # wall time of the prefill forward and the first token
+    proposed_lengths: list[int] = field(default_factory=list)  # draft tokens verified per round (DSpark may cut its block)
+    confidences: list[list[float]] = field(default_factory=list)  # per round, a DSpark drafter's predicted acceptance of each slot
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,6 +280,66 @@ def cached_draft_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head:
     return lambda **inputs: draft_logits(**inputs).argmax(dim=-1)  # [K]
 
 
+def cached_dspark_draft_fn(
+    drafter: DSparkDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int, confidence_threshold: float = 0.0
+) -> DraftFn:
+    """For one decode with a DSpark drafter (docs/dspark.md, "Drafting"): one backbone pass over the
+    block [anchor, MASK x (B - 1)] with the context keys/values kept across rounds, then the Markov
+    head slot by slot, each slot after the drafter's own token of the slot before (argmax: the
+    verification accepts a draft only if it equals the target's token, so the most likely one is
+    the best draft at any temperature). With a confidence head and confidence_threshold > 0 the
+    proposal is cut before the first slot whose predicted acceptance is below it (DeepSpec's rule).
+    Returns (tokens [D], the head's predicted acceptance of all B slots, or an empty tensor)."""
+    block_size = drafter.config.block_size
+    dtype = next(drafter.parameters()).dtype
+    cache: ContextKVCache | None = None
+
+    def draft(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> tuple[Tensor, Tensor]:
+        nonlocal cache
+        device = context_features.device
+        assert context_features.shape[0] == anchor_pos, (context_features.shape[0], anchor_pos)
+        cached = 0 if cache is None else cache.length
+        if anchor_pos > cached:
+            cache = drafter.extend_context_cache(
+                cache,
+                context_features=context_features[None, cached:anchor_pos].to(dtype),
+                context_positions=torch.arange(cached, anchor_pos, device=device)[None],
+            )
+        block_ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)  # [1, B]
+        block_ids[0, 0] = anchor_token
+        hidden = drafter.forward_cached(
+            cache=cache,
+            block_embeds=embed_tokens(block_ids).to(dtype),
+            block_positions=torch.arange(anchor_pos, anchor_pos + block_size, device=device)[None],
+        )  # [1, B, H]
+        base_logits = lm_head(hidden.to(lm_head.weight.dtype))  # [1, B, V]
+        tokens, _, confidence = dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=block_ids[:, 0])
+        if confidence is None:
+            return tokens[0], tokens.new_empty((0,), dtype=torch.float32)
+        length = confident_prefix_length(confidence[0], threshold=confidence_threshold)
+        return tokens[0, :length], confidence[0]
+
+    return draft
+
+
+def confident_prefix_length(confidence: Tensor, *, threshold: float) -> int:
+    """Slots before the first whose predicted acceptance is below `threshold` (all for threshold 0)."""
+    if threshold <= 0:
+        return int(confidence.shape[0])
+    below = torch.nonzero(confidence < threshold).flatten()
+    return int(below[0]) if below.numel() else int(confidence.shape[0])
+
+
+def default_draft_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, confidence_threshold: float = 0.0) -> DraftFn:
+    """The cached draft step of the drafter's architecture (DFlash or DSpark; its config's mask token)."""
+    mask_token_id = drafter.config.mask_token_id
+    if isinstance(drafter, DSparkDrafter):
+        return cached_dspark_draft_fn(
+            drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id, confidence_threshold=confidence_threshold
+        )
+    return cached_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id)
+
+
 @dataclass(kw_only=True)
 class Prefilled:
     """The state after the prefill: the target's cache over the prompt, the committed tokens'
@@ -330,6 +394,7 @@ def speculative_decode(
     mask_token_id: int,
     draft_fn: DraftFn | None = None,
     image: PromptImage | None = None,
+    confidence_threshold: float = 0.0,
 ) -> DecodeResult:
     """Speculative decoding of one prompt (see the module docstring).
 
@@ -340,11 +405,11 @@ def speculative_decode(
     """
     check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
     if draft_fn is None:
-        draft_fn = cached_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id)
+        draft_fn = default_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, confidence_threshold=confidence_threshold)
 
     device = next(target.parameters()).device
     layer_ids = list(drafter.config.target_layer_ids)
-    num_draft = drafter.config.block_size - 1  # K
+    num_draft = drafter.config.num_drafts  # K (DFlash) or B (DSpark)
     stops = set(stop_token_ids)
     num_prompt = len(prompt_ids)
     state = prefill(
@@ -353,16 +418,20 @@ def speculative_decode(
     )  # fmt: skip
     cache, features, tokens, done = state.cache, state.features, state.tokens, state.done
 
-    accepted_lengths = []
+    accepted_lengths, proposed_lengths, confidences = [], [], []
     while not done:
         anchor_pos = num_prompt + len(tokens) - 1  # position of the last committed token
         anchor = tokens[-1]
         assert cache.get_seq_length() == anchor_pos, (cache.get_seq_length(), anchor_pos)
-        draft = draft_fn(context_features=features[:anchor_pos], anchor_token=anchor, anchor_pos=anchor_pos)  # [K]
-        assert draft.shape == (num_draft,), draft.shape
+        draft = draft_fn(context_features=features[:anchor_pos], anchor_token=anchor, anchor_pos=anchor_pos)  # [D]
+        if isinstance(draft, tuple):  # a DSpark drafter's tokens and its predicted acceptance per slot
+            draft, confidence = draft
+            confidences.append([round(float(c), 6) for c in confidence])
+        assert draft.dim() == 1 and draft.shape[0] <= num_draft, draft.shape
+        proposed_lengths.append(int(draft.shape[0]))
 
-        block = torch.cat([torch.tensor([anchor], device=device), draft.to(device)])[None]  # [1, K + 1]
-        positions = position_kwargs(state.rope_delta, start=anchor_pos, length=num_draft + 1, device=device)
+        block = torch.cat([torch.tensor([anchor], device=device), draft.to(device)])[None]  # [1, D + 1]
+        positions = position_kwargs(state.rope_delta, start=anchor_pos, length=block.shape[1], device=device)
         out = target(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True, **positions)
         posterior = sample_tokens(out.logits[0], temperature=temperature, generator=generator)  # [K + 1]
         num_accepted = accept_length(draft.to(device), posterior)
@@ -388,4 +457,6 @@ def speculative_decode(
         rounds=len(accepted_lengths),
         decode_s=end - state.prefill_end,
         prefill_s=state.prefill_end - state.start,
+        proposed_lengths=proposed_lengths,
+        confidences=confidences,
     )

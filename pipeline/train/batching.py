@@ -68,7 +68,7 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         self.seed = seed
         # Only what the method needs is read; an IRA secondary's parent rollout features are read
         # afterwards for the drawn parents alone (docs/design.md, "A training step").
-        self.arrays = required_arrays(objective.method) - {"rollout_features"}
+        self.arrays = required_arrays(objective.method, dspark=objective.dspark_block is not None) - {"rollout_features"}
         # Features travel as their stored bits (bf16: uint16, half of float32; fp8: uint8 plus a
         # float32 scale per row) and are decoded on the training device (decode_feature_bits).
         self.fp8 = reader.rollout_feature_codec == "fp8"  # the parents' rows come with scales
@@ -211,10 +211,14 @@ class TrainBatch:
     label_probs: Tensor  # [B, N, K, k]
     slot_weights: Tensor  # [B, N, K]
     supervised_index: Tensor  # [M] long: flat indices into [B * N * K] of the slots with weight > 0, ascending
+    prev_tokens: Tensor  # [B, N, K] long: the token before each label (a DSpark Markov head's input)
     num_tokens: int  # corpus tokens in the batch (for throughput)
     num_sequences: int
     indices: tuple[int, ...] = ()  # the cache's sequence index of each row (which data a step saw)
     context_feature_scales: Tensor | None = None  # [B, C] float32: fp8 bits' per-row scales
+    # The target distribution of each prediction when it is not the labels (one-hot labels under DSpark): [B, N, K, k]
+    dist_ids: Tensor | None = None
+    dist_probs: Tensor | None = None
 
     def to(self, device) -> TrainBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
@@ -273,6 +277,13 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
     label_ids = torch.zeros((batch, num_blocks, num_slots, top_k), dtype=torch.long)
     label_probs = torch.zeros((batch, num_blocks, num_slots, top_k))
     slot_weights = torch.zeros((batch, num_blocks, num_slots))
+    prev_tokens = torch.zeros((batch, num_blocks, num_slots), dtype=torch.long)
+    # Distributions apart from the labels travel only where they differ from them (one-hot labels).
+    separate_dist = examples[0].targets.dist_ids is not None and examples[0].targets.dist_ids is not examples[0].targets.label_ids
+    if separate_dist:
+        dist_k = examples[0].targets.dist_ids.shape[-1]
+        dist_ids = torch.zeros((batch, num_blocks, num_slots, dist_k), dtype=torch.long)
+        dist_probs = torch.zeros((batch, num_blocks, num_slots, dist_k))
     for b, e in enumerate(examples):
         c, t = e.context_features.shape[0], e.targets
         n = t.block_tokens.shape[0]
@@ -290,6 +301,10 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         label_ids[b, :n] = t.label_ids
         label_probs[b, :n] = t.label_probs
         slot_weights[b, :n] = t.slot_weights
+        prev_tokens[b, :n] = t.prev_tokens
+        if separate_dist:
+            dist_ids[b, :n] = t.dist_ids
+            dist_probs[b, :n] = t.dist_probs
     return TrainBatch(
         context_features=context_features,
         context_positions=context_positions,
@@ -303,10 +318,13 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         label_probs=label_probs,
         slot_weights=slot_weights,
         supervised_index=torch.nonzero(slot_weights.view(-1) > 0).flatten(),
+        prev_tokens=prev_tokens,
         num_tokens=sum(e.num_tokens for e in examples),
         num_sequences=batch,
         indices=tuple(e.index for e in examples),
         context_feature_scales=context_feature_scales,
+        dist_ids=dist_ids if separate_dist else None,
+        dist_probs=dist_probs if separate_dist else None,
     )
 
 

@@ -37,7 +37,12 @@ RESUMABLE_CHANGES = frozenset(
      "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every"}
 )  # fmt: skip
 # Settings added after checkpoints were first written: the value an older checkpoint's run had.
-ADDED_SETTINGS = {"loader": "map"}
+ADDED_SETTINGS = {
+    "loader": "map",
+    # --arch dspark: a run recorded before DSpark existed trained DFlash with these defaults.
+    "arch": "dflash", "dspark_block": None, "markov_rank": None, "confidence_head": True, "dspark_gamma": 4.0,
+    "ce_alpha": 0.1, "l1_alpha": 0.9, "confidence_alpha": 1.0, "confidence_target": "overlap",
+}  # fmt: skip
 
 
 def resumable_changes(loader: str) -> frozenset[str]:

@@ -53,6 +53,10 @@ class ObjectiveConfig:
     )
     anchors_per_step: int | None = opt("Anchors per sequence per step (default: the whole cached pool).", default=None)
     anchor_source: str = opt("pool (the cached anchors) or all (every eligible position; corpus-only methods).", default="pool")
+    dspark_gamma: float = opt(
+        "--arch dspark: slot envelope decay exp(-k / gamma) over DSpark slot k = 0..B-1, for every method (DeepSpec's 4).",
+        default=4.0,
+    )
     # What the cache fixes (not flags): the trainer binds them from the manifest (`for_cache`).
     num_slots: int = field(default=15, metadata={"cli": False})
     """K, predicted slots per block (block size K + 1); must match the cache."""
@@ -60,12 +64,21 @@ class ObjectiveConfig:
     """Token id of the block's MASK slots."""
     stop_token_ids: tuple[int, ...] = field(default=(), metadata={"cli": False})
     """Stop token ids (eos / end of turn): rollout slots after one are not trained."""
+    dspark_block: int | None = field(default=None, metadata={"cli": False})
+    """B, the DSpark block (slots 0..B-1 predict the tokens DFlash slots 1..B do), or None for DFlash."""
 
     def __post_init__(self) -> None:
         recipe(self.method)  # a ValueError naming the methods for an unknown one
         check_num_slots(self.num_slots)  # the cache's K: one rule (storage/format.py)
         if not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if not self.dspark_gamma > 0:
+            raise ValueError(f"dspark_gamma must be > 0, got {self.dspark_gamma}")
+        if self.dspark_block is not None and not 1 <= self.dspark_block <= self.num_slots:
+            raise ValueError(
+                f"--dspark-block must be in [1, {self.num_slots}]: its B slots predict the tokens of the cache's first B "
+                f"predicted slots (K = {self.num_slots}), got {self.dspark_block}"
+            )
         if self.dflash_gamma is not None and not self.dflash_gamma > 0:
             raise ValueError(f"dflash_gamma must be > 0, got {self.dflash_gamma}")
         if self.rollout_depth is not None and self.rollout_depth < 0:
@@ -101,13 +114,17 @@ class ObjectiveConfig:
                 f"secondaries sit at offsets up to K - 1), got {self.rollout_depth}"
             )
 
-    def for_cache(self, *, num_slots: int, mask_token_id: int, stop_token_ids, vision: bool = False) -> ObjectiveConfig:
+    def for_cache(
+        self, *, num_slots: int, mask_token_id: int, stop_token_ids, vision: bool = False, dspark_block: int | None = None
+    ) -> ObjectiveConfig:
         """This objective bound to a cache's K, mask token and stop tokens (validated again), with
-        --dflash-gamma's default taken from the cache's target kind (`vision`)."""
+        --dflash-gamma's default taken from the cache's target kind (`vision`); `dspark_block`: B
+        for a DSpark drafter."""
         dflash_gamma = self.dflash_gamma if self.dflash_gamma is not None else default_dflash_gamma(vision=vision)
         return replace(
-            self, num_slots=num_slots, mask_token_id=mask_token_id, stop_token_ids=tuple(stop_token_ids), dflash_gamma=dflash_gamma
-        )
+            self, num_slots=num_slots, mask_token_id=mask_token_id, stop_token_ids=tuple(stop_token_ids), dflash_gamma=dflash_gamma,
+            dspark_block=dspark_block,
+        )  # fmt: skip
 
 
 def default_dflash_gamma(*, vision: bool) -> float:
@@ -117,9 +134,12 @@ def default_dflash_gamma(*, vision: bool) -> float:
 
 @dataclass(kw_only=True)
 class BlockTargets:
-    """Inputs, visibility and labels of one sequence's N draft blocks (slot k sits at index k - 1)."""
+    """Inputs, visibility and labels of one sequence's N draft blocks (slot k sits at index k - 1).
 
-    block_tokens: Tensor  # [N, K+1] long: slot 0 = anchor token, slots 1..K = mask_token_id
+    A DSpark block (docs/dspark.md) has B slots and B predictions: its slot k predicts what DFlash
+    slot k + 1 does, so its per-slot tensors are the first B columns of the DFlash ones."""
+
+    block_tokens: Tensor  # [N, K+1] long: slot 0 = anchor token, slots 1..K = mask_token_id (DSpark: [N, B])
     block_anchor_pos: Tensor  # [N] long: position of slot 0 (a, or a + j for a secondary)
     block_corpus_limit: Tensor  # [N] long: corpus features visible at positions < limit
     private_parent: Tensor  # [N] long: pool index whose rollout features the block also sees, or -1
@@ -128,6 +148,13 @@ class BlockTargets:
     label_probs: Tensor  # [N, K, k] float32, tail = max(0, 1 - sum)
     slot_weights: Tensor  # [N, K] float32, 0 = unsupervised
     is_secondary: Tensor  # [N] bool
+    # The token before each label on the label's own track (corpus x[a+k-1], rollout y*[k-1], a
+    # secondary's y*[j+k-1]): a DSpark Markov head's input. [N, K] long.
+    prev_tokens: Tensor
+    # The target distribution each prediction is compared with (DSpark's L1 and confidence terms):
+    # the labels themselves, except for one-hot labels, where the corpus pass's top-k (when read). [N, K, k]
+    dist_ids: Tensor | None = None
+    dist_probs: Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -162,7 +189,7 @@ def compose_slot_weights(
 
 def _blocks_at_corpus_anchors(
     record: dict[str, Tensor], *, anchor_pos: Tensor, label_ids: Tensor, label_probs: Tensor,
-    weights: Tensor, config: ObjectiveConfig,
+    weights: Tensor, config: ObjectiveConfig, prev_tokens: Tensor,
 ) -> BlockTargets:
     """Blocks [x[a], MASK x K] that see the corpus features before their anchor a and nothing else."""
     num_blocks = anchor_pos.shape[0]
@@ -179,7 +206,31 @@ def _blocks_at_corpus_anchors(
         label_probs=label_probs,
         slot_weights=weights[:, 1:].contiguous(),  # [N, K]: slot 0 is never trained
         is_secondary=torch.zeros(num_blocks, dtype=torch.bool, device=device),
+        prev_tokens=prev_tokens,
+        dist_ids=label_ids,
+        dist_probs=label_probs,
     )
+
+
+def _corpus_prev_tokens(record: dict[str, Tensor], *, anchor_pos: Tensor, num_slots: int) -> Tensor:
+    """x[a + k - 1] for slots k = 1..K ([N, K] long; 0 past the sequence end, where weights are 0)."""
+    input_ids = record["input_ids"].long()
+    seq_len = input_ids.shape[0]
+    positions = anchor_pos[:, None] + torch.arange(num_slots, device=anchor_pos.device)  # [N, K]: a + k - 1
+    return torch.where(positions < seq_len, input_ids[positions.clamp(max=seq_len - 1)], 0)
+
+
+def _corpus_distributions(record: dict[str, Tensor], *, anchor_pos: Tensor, num_slots: int) -> tuple[Tensor, Tensor] | None:
+    """The corpus pass's top-k of the positions slots 1..K predict ([N, K, k] each), or None when
+    the record holds none (a DFlash-trained dflash run reads no distributions)."""
+    if "corpus_topk_ids" not in record:
+        return None
+    seq_len = record["input_ids"].shape[0]
+    positions = anchor_pos[:, None] + torch.arange(1, num_slots + 1, device=anchor_pos.device)  # [N, K]
+    in_seq = (positions < seq_len)[:, :, None]
+    source = (positions - 1).clamp(max=seq_len - 1)
+    ids = torch.where(in_seq, record["corpus_topk_ids"].long()[source], 0)
+    return ids, torch.where(in_seq, record["corpus_topk_probs"].float()[source], 0.0)
 
 
 def _corpus_labels(
@@ -207,9 +258,7 @@ def _corpus_targets(
 ) -> BlockTargets:
     num_slots = config.num_slots
     method = recipe(config.method)
-    dflash_gamma = config.dflash_gamma if config.dflash_gamma is not None else default_dflash_gamma(vision=False)
-    gamma = dflash_gamma if method.dflash_envelope else config.gamma
-    envelope = slot_envelope(num_slots=num_slots, gamma=gamma)
+    envelope = slot_envelope(num_slots=num_slots, gamma=envelope_gamma(config))
     in_seq = base_factors(anchor_pos=anchor_pos, loss_mask=record["loss_mask"], num_slots=num_slots)
     corpus_gate = None
     if method.corpus_gate == "soft":
@@ -225,10 +274,23 @@ def _corpus_targets(
         )
     weights = compose_slot_weights(base=in_seq * envelope, label_source="corpus", corpus_gate=corpus_gate)
     label_ids, label_probs = _corpus_labels(record, anchor_pos=anchor_pos, config=config)
-    return _blocks_at_corpus_anchors(
+    targets = _blocks_at_corpus_anchors(
         record, anchor_pos=anchor_pos, label_ids=label_ids, label_probs=label_probs, weights=weights,
-        config=config,
+        config=config, prev_tokens=_corpus_prev_tokens(record, anchor_pos=anchor_pos, num_slots=num_slots),
     )
+    if method.one_hot_labels:  # the distributions come from the corpus pass, if the run reads them
+        targets.dist_ids, targets.dist_probs = _corpus_distributions(record, anchor_pos=anchor_pos, num_slots=num_slots) or (None, None)
+    return targets
+
+
+def envelope_gamma(config: ObjectiveConfig) -> float:
+    """The slot envelope's decay: DSpark's for a DSpark drafter (every method), else the DFlash
+    baseline's own for dflash and --gamma for the distillation family."""
+    if config.dspark_block is not None:
+        return config.dspark_gamma
+    if recipe(config.method).dflash_envelope:
+        return config.dflash_gamma if config.dflash_gamma is not None else default_dflash_gamma(vision=False)
+    return config.gamma
 
 
 def _rollout_targets(
@@ -245,7 +307,7 @@ def _rollout_targets(
     label_ids = record["rollout_topk_ids"].long()[pool_index]  # [N, K, k]: pi[a, 1..K]
     label_probs = record["rollout_topk_probs"].float()[pool_index]  # [N, K, k]
     stop_token_ids = torch.tensor(config.stop_token_ids, dtype=torch.long)
-    envelope = slot_envelope(num_slots=num_slots, gamma=config.gamma)
+    envelope = slot_envelope(num_slots=num_slots, gamma=envelope_gamma(config))
     in_seq = base_factors(anchor_pos=anchor_pos, loss_mask=record["loss_mask"], num_slots=num_slots)
     alive = alive_mask(rollout_tokens=rollout_tokens, stop_token_ids=stop_token_ids)  # [N, K + 1]
     depth = depth_mask(num_slots=num_slots, rollout_depth=config.rollout_depth)  # [K + 1]
@@ -262,7 +324,7 @@ def _rollout_targets(
     )  # [N, K + 1]
     targets = _blocks_at_corpus_anchors(
         record, anchor_pos=anchor_pos, label_ids=label_ids, label_probs=label_probs, weights=weights,
-        config=config,
+        config=config, prev_tokens=rollout_tokens[:, :num_slots].clone(),  # y*[k - 1] for slot k; y*[0] = x[a]
     )
     if method.ira != "secondaries":
         return targets
@@ -288,6 +350,9 @@ def _rollout_targets(
     targets.label_probs[secondaries] = sec_probs
     targets.slot_weights[secondaries] = sec_weights[:, 1:]
     targets.is_secondary[secondaries] = True
+    # A secondary's slot k follows y*[j + k - 1] of its parent's rollout (clamped where its weight is 0).
+    shifted = (offsets[:, None] + torch.arange(num_slots, device=offsets.device)).clamp(max=num_slots)
+    targets.prev_tokens[secondaries] = rollout_tokens[parents[:, None], shifted]
     return targets
 
 
@@ -310,9 +375,9 @@ def build_block_targets(
         drawn, split = draw_ira_from_parents(
             candidates, parent_rows, num_anchors=config.anchors_per_step, num_slots=config.num_slots, generator=generator
         )  # fmt: skip
-        return _rollout_targets(
+        return for_drafter(_rollout_targets(
             record, anchor_pos=candidates[drawn], pool_index=drawn, config=config, generator=generator, split=split
-        )  # fmt: skip
+        ), config)  # fmt: skip
     if config.anchor_source == "pool":
         candidates = record["anchor_pos"].long()  # [A]
     else:
@@ -320,7 +385,27 @@ def build_block_targets(
     drawn = draw_anchors(candidates, num_anchors=config.anchors_per_step, generator=generator)  # [N]
     anchor_pos = candidates[drawn]  # [N]
     if recipe(config.method).label_source == "corpus":
-        return _corpus_targets(record, anchor_pos=anchor_pos, config=config)
-    return _rollout_targets(
+        return for_drafter(_corpus_targets(record, anchor_pos=anchor_pos, config=config), config)
+    return for_drafter(_rollout_targets(
         record, anchor_pos=anchor_pos, pool_index=drawn, config=config, generator=generator
-    )
+    ), config)  # fmt: skip
+
+
+def for_drafter(targets: BlockTargets, config: ObjectiveConfig) -> BlockTargets:
+    """The DFlash blocks as the drafter trains them: unchanged for DFlash; for a DSpark block of B
+    slots, slot k (0..B-1) takes DFlash slot k + 1's label, weight, distribution and previous token,
+    and the block holds [anchor, MASK x (B - 1)] (docs/dspark.md)."""
+    num_drafts = config.dspark_block
+    if num_drafts is None:
+        return targets
+
+    def first(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[:, :num_drafts].contiguous()
+
+    label_ids, label_probs = first(targets.label_ids), first(targets.label_probs)
+    same = targets.dist_ids is targets.label_ids  # the labels are the distributions: keep them one tensor
+    return replace(
+        targets, block_tokens=first(targets.block_tokens), label_ids=label_ids, label_probs=label_probs,
+        slot_weights=first(targets.slot_weights), prev_tokens=first(targets.prev_tokens),
+        dist_ids=label_ids if same else first(targets.dist_ids), dist_probs=label_probs if same else first(targets.dist_probs),
+    )  # fmt: skip

@@ -1,4 +1,4 @@
-"""`alrira-train`: train a DFlash drafter from a stage-1 cache, never loading the target.
+"""`alrira-train`: train a DFlash or DSpark drafter from a stage-1 cache, never loading the target.
 
 Every method (dflash, kd, erase, erase_hard, alr, alr_gate, alr_ira, slot_control) runs the same
 loop; what differs is only `pipeline.train.labels.build_block_targets`, called in the data workers.
@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from drafter.checkpoint import CONFIG_FILE, check_compatible, load_drafter, save_drafter
 from drafter.config import DFlashConfig
+from drafter.dspark import DSparkConfig, DSparkDrafter, default_markov_rank
 from drafter.masks import flex_block_mask, visibility_mask
 from drafter.model import DFlashDrafter
 from pipeline.config import to_flags
@@ -58,7 +59,7 @@ from pipeline.train.checkpoints import (
     run_inputs,
     save_checkpoint,
 )
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import DSparkLossConfig, TrainConfig
 from pipeline.train.methods import check_cache_serves
 from pipeline.train.preflight import check_cache_complete, check_run_dir
 from pipeline.train.streaming import (
@@ -67,7 +68,7 @@ from pipeline.train.streaming import (
     stream_plan,
     stream_position,
 )
-from pipeline.train.objectives import topk_tail_loss
+from pipeline.train.objectives import dspark_slot_losses, topk_tail_loss
 from storage.atomic import atomic_write_text, remove_path_tolerant
 from storage.errors import DISK_FULL_ERRNOS
 from storage.local_cache import sweep_orphans
@@ -113,13 +114,15 @@ class StepStats:
 
 
 def forward_loss(
-    model, batch: TrainBatch, *, embed_tokens, lm_head, block_size: int, loss_chunk: int, autocast, attention: str = "sdpa"
+    model, batch: TrainBatch, *, embed_tokens, lm_head, block_size: int, loss_chunk: int, autocast, attention: str = "sdpa",
+    dspark: DSparkLossConfig | None = None,
 ) -> StepStats:
     """Draft every block of the batch and score the supervised slots against their labels.
 
     attention: "flex" (compiled block mask and flex attention) or "sdpa" (dense mask). Under bf16
     autocast the drafter and the lm_head GEMM run in bf16; the residual stream, log-softmax and
-    loss stay fp32 (docs/design.md, "A training step")."""
+    loss stay fp32 (docs/design.md, "A training step"). `dspark`: the model is a DSpark drafter,
+    scored with DeepSpec's loss (objectives.dspark_slot_losses) on its Markov-corrected logits."""
     mask_inputs = dict(
         context_positions=batch.context_positions,
         context_owner=batch.context_owner,
@@ -144,20 +147,45 @@ def forward_loss(
     # The supervised slots' flat indices come from the collate (computed on the CPU by the worker):
     # a boolean mask here would wait on the device for its count, once per tensor and micro-batch.
     supervised = batch.supervised_index  # [M] into [B * N * K]
-    slot_index = supervised % num_slots  # [M]: slot k - 1
-    # Slot k of block (b, n) is query row (b * N + n) * block_size + k of the drafter's output.
-    rows = (supervised // num_slots) * block_size + slot_index + 1  # [M]
+    slot_index = supervised % num_slots  # [M]: the label's column (DFlash slot k - 1, DSpark slot k)
+    # Label column i of block (b, n) is query row (b * N + n) * block_size + i + offset of the
+    # drafter's output: offset 1 for DFlash (slot 0 is the anchor), 0 for DSpark (every slot drafts).
+    offset = block_size - num_slots
+    rows = (supervised // num_slots) * block_size + slot_index + offset  # [M]
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [M, H]
     weights = batch.slot_weights.reshape(-1).index_select(0, supervised)  # [M]
     label_ids = batch.label_ids.reshape(-1, top_k).index_select(0, supervised)  # [M, k]
     label_probs = batch.label_probs.reshape(-1, top_k).index_select(0, supervised)  # [M, k]
+    extras = ()
+    if dspark is not None:
+        heads = getattr(model, "module", model)  # the DSpark drafter (DDP wraps it)
+        prev_tokens = batch.prev_tokens.reshape(-1).index_select(0, supervised)  # [M]
+        dist_ids, dist_probs = label_ids, label_probs
+        if batch.dist_ids is not None:
+            dist_k = batch.dist_ids.shape[-1]
+            dist_ids = batch.dist_ids.reshape(-1, dist_k).index_select(0, supervised)  # [M, k']
+            dist_probs = batch.dist_probs.reshape(-1, dist_k).index_select(0, supervised)
+        extras = (prev_tokens, dist_ids, dist_probs)
 
-    def chunk_loss(h, ids, probs, w):
+    def chunk_loss(h, ids, probs, w, *dspark_inputs):
         with autocast:
             logits = F.linear(h, lm_head)  # [chunk, V]: a bf16 GEMM under autocast, else fp32
+            if dspark is not None:
+                prev, d_ids, d_probs = dspark_inputs
+                bias = heads.markov_bias(prev)  # [chunk, V] or None
+                confidence = heads.confidence_logits(h, prev)  # [chunk] or None
         logits = logits.float()
-        loss_sum, _ = topk_tail_loss(draft_logits=logits, label_ids=ids, label_probs=probs, weights=w)
-        return loss_sum, (logits.argmax(-1) == ids[:, 0])
+        if dspark is None:
+            loss_sum, _ = topk_tail_loss(draft_logits=logits, label_ids=ids, label_probs=probs, weights=w)
+            return loss_sum, (logits.argmax(-1) == ids[:, 0])
+        if bias is not None:
+            logits = logits + bias.float()
+        losses, _ = dspark_slot_losses(
+            draft_logits=logits, confidence_logits=confidence, label_ids=ids, label_probs=probs, dist_ids=d_ids,
+            dist_probs=d_probs, ce_alpha=dspark.ce_alpha, l1_alpha=dspark.l1_alpha, confidence_alpha=dspark.confidence_alpha,
+            confidence_target=dspark.confidence_target,
+        )  # fmt: skip
+        return (w.float() * losses).sum(), (logits.argmax(-1) == ids[:, 0])
 
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
     correct = torch.zeros(len(slot_index), dtype=torch.bool, device=hidden.device)
@@ -165,7 +193,8 @@ def forward_loss(
         part = slice(i, i + loss_chunk)
         # Recompute the [chunk, vocab] logits in backward instead of keeping them.
         chunk_sum, chunk_correct = checkpoint(
-            chunk_loss, hidden[part], label_ids[part], label_probs[part], weights[part], use_reentrant=False
+            chunk_loss, hidden[part], label_ids[part], label_probs[part], weights[part], *(t[part] for t in extras),
+            use_reentrant=False,
         )
         loss_sum = loss_sum + chunk_sum
         correct[part] = chunk_correct
@@ -200,9 +229,12 @@ def all_reduce_on(t: torch.Tensor, *, device: torch.device, world_size: int) -> 
     return t
 
 
-def build_drafter(config: TrainConfig, manifest) -> DFlashDrafter:
-    """The drafter to train: loaded from --drafter-init, or fresh from the cache's target config."""
+def build_drafter(config: TrainConfig, manifest, *, dspark_block: int | None = None, markov_rank: int | None = None) -> DFlashDrafter:
+    """The drafter to train: loaded from --drafter-init, or fresh from the cache's target config.
+    `dspark_block` (B) and `markov_rank`, resolved for the cache, make it a DSpark drafter: a
+    DSpark --drafter-init as it is, a DFlash one as the backbone of fresh heads."""
     settings, init = manifest.settings, config.drafter
+    dspark = dspark_block is not None
     if init.drafter_init is not None:
         drafter = load_drafter(init.drafter_init, dtype=torch.float32)
         if drafter.config.mask_token_id != manifest.mask_token_id:  # its export would name the wrong one
@@ -210,6 +242,11 @@ def build_drafter(config: TrainConfig, manifest) -> DFlashDrafter:
                 f"--drafter-init {init.drafter_init}: its mask token {drafter.config.mask_token_id} is not the "
                 f"cache's {manifest.mask_token_id}; build the cache with --mask-token {drafter.config.mask_token_id}"
             )
+        if isinstance(drafter, DSparkDrafter) and not dspark:
+            raise ValueError(f"--drafter-init {init.drafter_init} is a DSpark drafter: train it with --arch dspark")
+        if dspark and not isinstance(drafter, DSparkDrafter):
+            drafter = dspark_from_dflash(drafter, block_size=dspark_block, markov_rank=markov_rank,
+                                         confidence_head=init.confidence_head, seed=config.seed)  # fmt: skip
     else:
         torch.manual_seed(config.seed)
         drafter_config = DFlashConfig.from_target_config(
@@ -219,16 +256,54 @@ def build_drafter(config: TrainConfig, manifest) -> DFlashDrafter:
             target_layer_ids=settings.layer_ids,
             block_size=settings.num_slots + 1,
         )
-        drafter = DFlashDrafter(drafter_config).float()
+        if dspark:
+            drafter_config = DSparkConfig.from_dflash(
+                drafter_config, block_size=dspark_block, markov_rank=markov_rank, enable_confidence_head=init.confidence_head
+            )
+            drafter = DSparkDrafter(drafter_config).float()
+        else:
+            drafter = DFlashDrafter(drafter_config).float()
     check_compatible(
         drafter.config,
         target_layer_ids=settings.layer_ids,
         hidden_size=manifest.hidden_size,
         vocab_size=manifest.vocab_size,
-        block_size=settings.num_slots + 1,
+        block_size=dspark_block if dspark else settings.num_slots + 1,
     )
     drafter.activation_checkpointing = init.activation_checkpointing
     return drafter
+
+
+def dspark_from_dflash(dflash: DFlashDrafter, *, block_size: int, markov_rank: int, confidence_head: bool, seed: int) -> DSparkDrafter:
+    """A DSpark drafter whose backbone is `dflash`'s weights (its block size aside, which no weight
+    depends on) and whose heads are fresh (seeded)."""
+    torch.manual_seed(seed)
+    config = DSparkConfig.from_dflash(dflash.config, block_size=block_size, markov_rank=markov_rank, enable_confidence_head=confidence_head)
+    drafter = DSparkDrafter(config).float()
+    missing, unexpected = drafter.load_state_dict(dflash.state_dict(), strict=False)
+    assert not unexpected and all(n.startswith(("markov_head.", "confidence_head.")) for n in missing), (missing, unexpected)
+    return drafter
+
+
+def resolve_dspark(config: TrainConfig, manifest) -> tuple[int | None, int | None]:
+    """(B, Markov rank) of a DSpark run on this cache, or (None, None) for DFlash. B defaults to the
+    cache's K predicted slots (one less than its DFlash block size) and may not exceed them: slot B - 1 needs
+    the label of the cache's last slot (docs/dspark.md)."""
+    init = config.drafter
+    if init.arch != "dspark":
+        return None, None
+    num_slots = manifest.settings.num_slots
+    block = num_slots if init.dspark_block is None else init.dspark_block
+    if block > num_slots:
+        raise ValueError(
+            f"--dspark-block {block} is larger than this cache supports: it labels K = {num_slots} predicted slots per anchor "
+            f"(DFlash block size {num_slots + 1}), so a DSpark block has at most B = {num_slots}; build a cache with --num-slots {block} or more"
+        )
+    vocab_size = manifest.vocab_size
+    rank = default_markov_rank(vocab_size) if init.markov_rank is None else init.markov_rank
+    if rank > vocab_size:
+        raise ValueError(f"--markov-rank {rank} is larger than the vocabulary ({vocab_size})")
+    return block, rank
 
 
 @dataclass(kw_only=True)
@@ -239,7 +314,8 @@ class TrainState:
     rank: int
     world_size: int
     device: torch.device
-    num_slots: int
+    num_slots: int  # label slots per block: K for DFlash, B for DSpark
+    block_size: int  # the drafter's block: K + 1 for DFlash, B for DSpark
     drafter: DFlashDrafter
     model: torch.nn.Module  # the drafter, or its DDP wrapper
     optimizer: torch.optim.Optimizer
@@ -276,26 +352,28 @@ def setup(config: TrainConfig) -> TrainState:
         local_cache_dir=config.loader.local_cache_root, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         prefetch_shards=config.loader.prefetch_shards,
     ) if stream else None  # fmt: skip
-    check_cache_serves(config.objective.method, available_arrays(reader), config.cache)
+    dspark_block, markov_rank = resolve_dspark(config, manifest)
+    check_cache_serves(config.objective.method, available_arrays(reader), config.cache, dspark=dspark_block is not None)
     if optim.batch_size % (world_size * optim.grad_accum):
         raise ValueError(f"--batch-size {optim.batch_size} must be a multiple of ranks x --grad-accum ({world_size * optim.grad_accum})")
     if len(reader) < optim.batch_size:
         raise ValueError(f"--batch-size {optim.batch_size} is larger than the cache ({len(reader)} sequences)")
     objective = config.objective.for_cache(
         num_slots=settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids,
-        vision=settings.vision is not None,
+        vision=settings.vision is not None, dspark_block=dspark_block,
     )
     # The flags with what the cache gave (the depth, K - 1 by default; --dflash-gamma's default from
-    # the target kind): what train_config.json and checkpoints record and compare.
+    # the target kind; a DSpark block and Markov rank): what train_config.json and checkpoints record and compare.
     resolved = replace(config.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
-    run_settings = to_flags(replace(config, objective=resolved))
+    resolved_drafter = replace(config.drafter, dspark_block=dspark_block, markov_rank=markov_rank)
+    run_settings = to_flags(replace(config, objective=resolved, drafter=resolved_drafter))
     per_epoch = steps_per_epoch(len(reader), batch_size=optim.batch_size)
     epoch_steps = _stream_epoch_steps(plan, optim.epochs) if stream else [per_epoch] * optim.epochs
     epoch_ends = list(itertools.accumulate(epoch_steps))
     data_position = partial(_data_position, epoch_ends=epoch_ends, plan=plan)
 
     head = load_target_head(config.cache, target_hash=settings.target_hash)
-    drafter = build_drafter(config, manifest).to(device)
+    drafter = build_drafter(config, manifest, dspark_block=dspark_block, markov_rank=markov_rank).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=0.0)
     start_step = 0
     try:
@@ -325,7 +403,9 @@ def setup(config: TrainConfig) -> TrainState:
     )  # fmt: skip
     total_steps = epoch_ends[-1]
     return TrainState(
-        run=run, rank=rank, world_size=world_size, device=device, num_slots=settings.num_slots,
+        run=run, rank=rank, world_size=world_size, device=device,
+        num_slots=settings.num_slots if dspark_block is None else dspark_block,
+        block_size=settings.num_slots + 1 if dspark_block is None else dspark_block,
         drafter=drafter,
         model=torch.nn.parallel.DistributedDataParallel(drafter) if world_size > 1 else drafter,
         optimizer=optimizer,
@@ -435,8 +515,9 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> StepResult:
         sync = s.world_size == 1 or i == len(micro_batches) - 1
         with contextlib.nullcontext() if sync else s.model.no_sync():
             stats = forward_loss(
-                s.model, batch, embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=s.num_slots + 1,
+                s.model, batch, embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=s.block_size,
                 loss_chunk=config.optim.loss_chunk, autocast=s.autocast, attention=s.attention,
+                dspark=config.dspark if config.drafter.arch == "dspark" else None,
             )  # fmt: skip
             # DDP averages gradients over ranks; scaling by world_size makes that the global mean.
             (stats.loss_sum * (s.world_size / (weight_total.float() + 1e-6))).backward()

@@ -227,7 +227,7 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
     def __init__(self, plan: StreamPlan, *, objective: ObjectiveConfig, feature_codec: str):
         self.plan, self.objective, self.feature_codec = plan, objective, feature_codec
         check_ira_parents_serve(objective, ira_parents=plan.ira_parents, anchors_per_sequence=plan.anchors_per_sequence)
-        arrays = set(required_arrays(objective.method))
+        arrays = set(required_arrays(objective.method, dspark=objective.dspark_block is not None))
         self.arrays = arrays | {FP8_SCALE_ARRAYS[n] for n in arrays if n in FP8_SCALE_ARRAYS}
         self.epoch, self.skip_batches = 0, [0] * plan.num_streams
 

@@ -1,0 +1,253 @@
+"""DSpark drafters (docs/dspark.md): the heads and the loss on hand-computed tensors, labels laid out
+from a DFlash cache (previous tokens on each track), the checkpoint contract, every method training
+from the same cache, and lossless speculative decoding with the Markov head run slot by slot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafter.checkpoint import load_drafter, save_drafter
+from drafter.dspark import DSparkConfig, DSparkDrafter, default_markov_rank, dspark_draft
+from pipeline.train.labels import ObjectiveConfig, build_block_targets
+from pipeline.train.methods import METHODS
+from pipeline.train.objectives import dspark_slot_losses, topk_tail_l1, topk_tail_slot_losses
+
+
+def _config(**overrides) -> DSparkConfig:
+    base = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, vocab_size=50, max_position_embeddings=256, num_target_layers=4, target_layer_ids=[0, 2],
+        mask_token_id=49, block_size=4, markov_rank=8,
+    )  # fmt: skip
+    return DSparkConfig(**{**base, **overrides})
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss, on tensors
+
+
+def test_topk_tail_l1_is_exact_when_the_topk_covers_the_vocabulary_and_a_lower_bound_otherwise():
+    torch.manual_seed(0)
+    q = torch.softmax(torch.randn(5, 12), dim=-1)
+    p = torch.softmax(torch.randn(5, 12), dim=-1)
+    exact = (q - p).abs().sum(-1)
+    ids = p.argsort(dim=-1, descending=True)
+    full = topk_tail_l1(draft_probs=q, dist_ids=ids, dist_probs=p.gather(-1, ids))
+    torch.testing.assert_close(full, exact)
+    top3 = topk_tail_l1(draft_probs=q, dist_ids=ids[:, :3], dist_probs=p.gather(-1, ids[:, :3]))
+    assert torch.all(top3 <= exact + 1e-6) and torch.any(top3 < exact - 1e-3)
+    # Hand-computed: V = 3, p = (0.5, 0.3, 0.2) known as top-1 (0.5) + tail 0.5, q = (0.2, 0.2, 0.6):
+    # |0.2 - 0.5| + |0.8 - 0.5| = 0.6, below the true 0.3 + 0.1 + 0.4 = 0.8.
+    bound = topk_tail_l1(draft_probs=torch.tensor([[0.2, 0.2, 0.6]]), dist_ids=torch.tensor([[0]]), dist_probs=torch.tensor([[0.5]]))
+    torch.testing.assert_close(bound, torch.tensor([0.6]))
+
+
+def test_dspark_slot_loss_is_deepspec_sum_of_terms():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    label_ids = torch.tensor([[0], [2]])
+    label_probs = torch.ones(2, 1)
+    dist_ids = torch.tensor([[0, 1, 2], [1, 0, 2]])
+    dist_probs = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1]])
+    confidence = torch.tensor([0.5, -1.0])
+    loss, target = dspark_slot_losses(
+        draft_logits=logits, confidence_logits=confidence, label_ids=label_ids, label_probs=label_probs,
+        dist_ids=dist_ids, dist_probs=dist_probs, ce_alpha=0.1, l1_alpha=0.9, confidence_alpha=1.0,
+    )  # fmt: skip
+    q = logits.softmax(-1)
+    p = torch.zeros(2, 3).scatter(1, dist_ids, dist_probs)
+    ce = -q.log()[torch.arange(2), label_ids[:, 0]]
+    l1 = (q - p).abs().sum(-1)
+    overlap = torch.minimum(q, p).sum(-1)
+    torch.testing.assert_close(target, overlap)
+    bce = F.binary_cross_entropy_with_logits(confidence, overlap, reduction="none")
+    torch.testing.assert_close(loss, 0.1 * ce + 0.9 * l1 + bce)
+    # The T = 0 target: argmax q (0, then 1) against p's top token (0, then 1).
+    _, greedy = dspark_slot_losses(
+        draft_logits=logits, confidence_logits=None, label_ids=label_ids, label_probs=label_probs, dist_ids=dist_ids,
+        dist_probs=dist_probs, ce_alpha=0.1, l1_alpha=0.9, confidence_alpha=1.0, confidence_target="greedy",
+    )  # fmt: skip
+    torch.testing.assert_close(greedy, torch.tensor([1.0, 1.0]))
+    # The CE term is the method's label loss: a distribution label is the top-k + tail loss.
+    soft = topk_tail_slot_losses(draft_logits=logits, label_ids=dist_ids, label_probs=dist_probs)
+    torch.testing.assert_close(soft, -(p * q.log()).sum(-1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Labels from a DFlash cache's record
+
+
+def _record(num_slots: int = 5):
+    torch.manual_seed(0)
+    seq_len, num_pool, top_k = 20, 4, 3
+    input_ids = torch.arange(100, 100 + seq_len)
+    topk_ids = torch.randint(0, 50, (seq_len, top_k))
+    topk_ids[:, 0] = torch.roll(input_ids, -1)  # the corpus pass predicts the corpus token
+    anchor_pos = torch.tensor([2, 5, 8, 11])
+    rollout_tokens = torch.arange(num_pool * (num_slots + 1)).reshape(num_pool, num_slots + 1) + 1000
+    rollout_tokens[:, 0] = input_ids[anchor_pos]  # y*[0] is the anchor token
+    return {
+        "input_ids": input_ids,
+        "loss_mask": torch.ones(seq_len, dtype=torch.int32),
+        "anchor_pos": anchor_pos,
+        "corpus_topk_ids": topk_ids,
+        "corpus_topk_probs": torch.full((seq_len, top_k), 0.3),
+        "corpus_next_prob": torch.full((seq_len,), 0.9),
+        "rollout_tokens": rollout_tokens,
+        "rollout_topk_ids": torch.randint(0, 50, (num_pool, num_slots, top_k)),
+        "rollout_topk_probs": torch.full((num_pool, num_slots, top_k), 0.25),
+    }
+
+
+def _objective(method: str, *, dspark_block: int | None, num_slots: int = 5) -> ObjectiveConfig:
+    return ObjectiveConfig(method=method).for_cache(
+        num_slots=num_slots, mask_token_id=7, stop_token_ids=[], dspark_block=dspark_block
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_dspark_blocks_are_the_first_b_dflash_slots_with_the_previous_token_of_each_track(method):
+    record = _record()
+    dflash = build_block_targets(record, config=_objective(method, dspark_block=None), generator=torch.Generator().manual_seed(3))
+    dspark = build_block_targets(record, config=_objective(method, dspark_block=4), generator=torch.Generator().manual_seed(3))
+    assert dspark.block_tokens.shape == (4, 4) and dflash.block_tokens.shape == (4, 6)
+    torch.testing.assert_close(dspark.block_tokens, dflash.block_tokens[:, :4])
+    torch.testing.assert_close(dspark.label_ids, dflash.label_ids[:, :4])
+    torch.testing.assert_close(dspark.prev_tokens, dflash.prev_tokens[:, :4])
+    # Every block's slot 0 follows its anchor token (block_tokens[:, 0]).
+    torch.testing.assert_close(dspark.prev_tokens[:, 0], dspark.block_tokens[:, 0])
+    anchors = record["anchor_pos"]
+    if method in ("dflash", "kd", "erase", "erase_hard"):  # corpus track: x[a + k]
+        torch.testing.assert_close(dspark.prev_tokens, record["input_ids"][anchors[:, None] + torch.arange(4)])
+    elif method != "alr_ira":  # rollout track: y*[k]
+        torch.testing.assert_close(dspark.prev_tokens, record["rollout_tokens"][:, :4])
+    else:  # a secondary at offset j follows its parent's y*[j + k]
+        for block in torch.nonzero(dspark.is_secondary).flatten().tolist():
+            tokens = dspark.prev_tokens[block]
+            parent_row, j = (record["rollout_tokens"] == tokens[0]).nonzero()[0].tolist()
+            expected = record["rollout_tokens"][parent_row, j : j + 4]
+            weights = dspark.slot_weights[block]
+            assert torch.equal(tokens[: len(expected)][weights[: len(expected)] > 0], expected[weights[: len(expected)] > 0])
+    # The envelope is DSpark's exp(-k / 4) whatever the method's own gamma.
+    base = _objective(method, dspark_block=4)
+    assert base.dspark_gamma == 4.0
+    # One-hot labels compare with the corpus pass's distribution; others with the labels themselves.
+    if method == "dflash":
+        assert dspark.dist_ids is not dspark.label_ids and dspark.dist_ids.shape[-1] == 3
+    else:
+        assert dspark.dist_ids is dspark.label_ids
+
+
+def test_dspark_block_larger_than_the_cache_is_refused_naming_k():
+    with pytest.raises(ValueError, match=r"--dspark-block must be in \[1, 5\].*K = 5"):
+        _objective("alr", dspark_block=6)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model, drafting and the checkpoint
+
+
+def test_dspark_draft_runs_the_markov_head_on_its_own_previous_draft():
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(_config()).eval()
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.mul_(200)  # a strong bigram so the Markov input matters
+    hidden = torch.randn(3, 4, 64)
+    base = torch.randn(3, 4, 50)
+    anchors = torch.tensor([1, 2, 3])
+    tokens, logits, confidence = dspark_draft(drafter, base_logits=base, hidden=hidden, anchor_tokens=anchors)
+    prev = anchors
+    for k in range(4):  # plain reference: one slot at a time
+        step = base[:, k] + drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(prev))
+        torch.testing.assert_close(logits[:, k], step)
+        assert torch.equal(tokens[:, k], step.argmax(-1))
+        features = torch.cat([hidden[:, k], drafter.markov_head.markov_w1(prev)], dim=-1)
+        torch.testing.assert_close(confidence[:, k], drafter.confidence_head.proj(features)[:, 0].sigmoid())
+        prev = step.argmax(-1)
+    assert not torch.equal(tokens, base.argmax(-1))  # the head changed some draft
+
+
+def test_checkpoint_round_trip_in_the_qwen3_dspark_contract(tmp_path):
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(_config())
+    save_drafter(drafter, tmp_path / "d", dtype=torch.float32)
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["auto_map"]["AutoModel"] == "modeling_dspark.Qwen3DSparkModel"
+    for key, value in dict(block_size=4, mask_token_id=49, target_layer_ids=[0, 2], markov_rank=8, markov_head_type="vanilla",
+                           enable_confidence_head=True, confidence_head_with_markov=True, tie_word_embeddings=False).items():  # fmt: skip
+        assert config[key] == value, key
+    assert "dflash_config" not in config
+    loaded = load_drafter(tmp_path / "d", dtype=torch.float32)
+    assert isinstance(loaded, DSparkDrafter)
+    state = drafter.state_dict()
+    assert set(loaded.state_dict()) == set(state) >= {"markov_head.markov_w1.weight", "confidence_head.proj.bias"}
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    assert {p.name for p in (tmp_path / "d").iterdir()} >= {"modeling_dspark.py", "dspark_model.py", "dflash_model.py", "dflash_config.py"}
+
+
+def test_markov_rank_default_is_capped_for_tiny_vocabularies():
+    assert default_markov_rank(151936) == 256
+    assert default_markov_rank(300) == 75
+    with pytest.raises(ValueError, match="markov_rank"):
+        _config(markov_rank=51)
+    with pytest.raises(ValueError, match="confidence_head_with_markov"):
+        _config(markov_rank=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training from a real cache, every method
+
+
+def _train_config(cache: Path, out: Path, **overrides):
+    from pipeline.train.config import TrainConfig
+
+    base = dict(cache=str(cache), out=str(out), arch="dspark", method="alr", epochs=2, batch_size=2, num_workers=0,
+                progress=False, log_every=1, save_dtype="float32", lr=3e-3)  # fmt: skip
+    return TrainConfig.from_flags(**{**base, **overrides})
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_trains_a_dspark_drafter_from_the_dflash_cache(k7_cache, tmp_path, method):
+    from pipeline.train.loop import train
+
+    run = tmp_path / method
+    train(_train_config(k7_cache, run, method=method, epochs=3))
+    losses = _losses(run)
+    third = len(losses) // 3
+    assert sum(losses[-third:]) / third < sum(losses[:third]) / third
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(record["slot_acc"]) == 7  # B = K by default: the cache's 7 predicted slots
+    settings = json.loads((run / "train_config.json").read_text())
+    assert settings["arch"] == "dspark" and settings["dspark_block"] == 7 and settings["markov_rank"] >= 1
+    drafter = load_drafter(run / "drafter")
+    assert isinstance(drafter, DSparkDrafter) and drafter.config.block_size == 7
+
+
+def test_train_refuses_a_block_larger_than_the_cache_in_one_line(k7_cache, tmp_path):
+    from pipeline.train.loop import train
+
+    with pytest.raises(ValueError, match=r"--dspark-block 8 is larger than this cache supports: it labels K = 7"):
+        train(_train_config(k7_cache, tmp_path / "big", dspark_block=8))
+    assert not (tmp_path / "big" / "train_config.json").exists()
+
+
+def test_a_dflash_checkpoint_starts_the_backbone_of_a_dspark_run(k7_cache, tmp_path):
+    from tests.conftest import train_alr_drafter
+    from pipeline.train.loop import train
+
+    dflash = train_alr_drafter(k7_cache, tmp_path / "dflash", epochs=1)
+    train(_train_config(k7_cache, tmp_path / "dspark", drafter_init=str(dflash), dspark_block=5, max_steps=1, lr=1e-9))
+    before, after = load_drafter(dflash).state_dict(), load_drafter(tmp_path / "dspark" / "drafter").state_dict()
+    torch.testing.assert_close(after["fc.weight"], before["fc.weight"], atol=1e-6, rtol=0)
+    assert "markov_head.markov_w1.weight" in after and "markov_head.markov_w1.weight" not in before
+    with pytest.raises(ValueError, match="is a DSpark drafter: train it with --arch dspark"):
+        train(_train_config(k7_cache, tmp_path / "back", arch="dflash", drafter_init=str(tmp_path / "dspark" / "drafter")))
