@@ -1,6 +1,10 @@
 """Methods benchmark: tau of dflash, kd, erase, alr and alr_ira on the demo world, over seeds, at T = 0 and T = 1.
 
-    .venv/bin/python benchmarks/methods.py [--out results/methods] [--seeds 0,1,2] [--world-seed same|N]
+    .venv/bin/python benchmarks/methods.py [--out results/methods] [--seeds 0,1,2] [--world-seed same|N] [--archs dflash,dspark]
+
+`--archs dflash,dspark` trains each method as a DFlash and as a DSpark drafter from the same cache
+(DSpark rows are named `dspark:METHOD`; B = the cache's K, so both draft K tokens per round) and
+reports the DSpark confidence head's calibration per slot (docs/dspark.md).
 
 A replicate is one (world seed, drafter seed) pair. By default each drafter seed gets its own world
 (`--world-seed same`: world seed = drafter seed), so the spread covers both the world (chains,
@@ -113,8 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", default=",".join(DEMO_METHODS), help="Comma-separated methods.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads of this process.")
     parser.add_argument("--quick", action="store_true", help="The demo's --quick sizes (a smoke run, not a result).")
+    parser.add_argument("--archs", default="dflash", help="Comma-separated drafter architectures: dflash, dspark.")
     args = parser.parse_args(argv)
-    methods = [m for m in args.methods.split(",") if m]
+    archs = [a for a in args.archs.split(",") if a]
+    methods = [f"{arch}:{m}" if arch != "dflash" else m for arch in archs for m in args.methods.split(",") if m]
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
@@ -135,16 +141,21 @@ def main(argv: list[str] | None = None) -> dict:
         cache = build_demo_cache(world, world_dir / "cache", sizes, log=log)
         results = {}
         for method in methods:
-            run = world_dir / f"seed-{seed}" / "runs" / method
-            summary = train_method(train_config(cache=cache, out=run, method=method, seed=seed, sizes=sizes), log=log)
+            arch, _, name = method.rpartition(":")
+            folder = method.replace(":", "-")
+            run = world_dir / f"seed-{seed}" / "runs" / folder
+            summary = train_method(
+                train_config(cache=cache, out=run, method=name, seed=seed, sizes=sizes, arch=arch or "dflash"), log=log
+            )
             evals = {
                 t: evaluate_method(
-                    world=world, drafter=run / "drafter", out=world_dir / f"seed-{seed}" / "evals" / f"{method}-T{t:g}",
+                    world=world, drafter=run / "drafter", out=world_dir / f"seed-{seed}" / "evals" / f"{folder}-T{t:g}",
                     temperature=t, seed=seed, sizes=sizes, log=log,
                 )  # fmt: skip
                 for t in args.temperatures
             }
             results[method] = method_results(train_summary=summary, evals=evals)
+            results[method]["slot_acceptance"] = {f"T{t:g}": e.get("slot_acceptance") for t, e in evals.items()}
             taus = ", ".join(f"tau {results[method][f'T{t:g}']['tau']:.3f} (T={t:g})" for t in args.temperatures)
             log(f"world {world_seed} seed {seed} {method}: {taus}")
         world_stats = {k: v for k, v in world.stats.items() if k != "config"}

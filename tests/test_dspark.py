@@ -251,3 +251,76 @@ def test_a_dflash_checkpoint_starts_the_backbone_of_a_dspark_run(k7_cache, tmp_p
     assert "markov_head.markov_w1.weight" in after and "markov_head.markov_w1.weight" not in before
     with pytest.raises(ValueError, match="is a DSpark drafter: train it with --arch dspark"):
         train(_train_config(k7_cache, tmp_path / "back", arch="dflash", drafter_init=str(tmp_path / "dspark" / "drafter")))
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation: real speculative decoding and replay
+
+PROMPTS = [
+    {"benchmark": "alpha", "prompt": "tell me a story about the river ."},
+    {"benchmark": "alpha", "prompt": "what is the name of the city ?"},
+    {"benchmark": "beta", "prompt": "write about the house , the door and the light ."},
+]
+
+
+@pytest.fixture(scope="module")
+def dspark_drafter(k7_cache, tmp_path_factory) -> Path:
+    from pipeline.train.loop import train
+
+    run = tmp_path_factory.mktemp("dspark-run") / "alr"
+    train(_train_config(k7_cache, run, method="alr", epochs=3, dspark_block=5))
+    return run / "drafter"
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    from tests.conftest import write_jsonl
+
+    return write_jsonl(tmp_path_factory.mktemp("dspark-prompts") / "prompts.jsonl", PROMPTS)
+
+
+def _eval(toy_target, drafter, prompts, out, **overrides):
+    from pipeline.eval.evaluate import EvalConfig, run_eval
+
+    base = dict(target=str(toy_target), drafter=str(drafter), prompts=str(prompts), out=str(out), max_new_tokens=24, device="cpu",
+                progress=False, dtype="float32")  # fmt: skip
+    return run_eval(EvalConfig(**{**base, **overrides}))
+
+
+def test_dspark_decoding_is_lossless_and_reports_slots_and_calibration(toy_target, dspark_drafter, prompts_file, tmp_path):
+    greedy = _eval(toy_target, dspark_drafter, prompts_file, tmp_path / "t0")
+    assert greedy["arch"] == "dspark" and greedy["num_drafts"] == 5 and greedy["block_size"] == 5
+    assert greedy["lossless_mismatches"] == 0 and greedy["lossless_exact"]
+    slots = greedy["slot_acceptance"]
+    assert [s["slot"] for s in slots] == list(range(5)) and slots[0]["reached"] == greedy["rounds"]
+    assert all(s["predicted"] is None or 0 <= s["predicted"] <= 1 for s in slots) and slots[0]["predicted"] is not None
+    # Every round drafts all B slots without a threshold; tau counts them.
+    assert greedy["mean_proposed"] == 5
+    assert greedy["tau_geomean"] > 1.0  # the trained drafter gets some drafts accepted
+    # At T = 1 the committed tokens are the target's own samples: every round commits accepted + 1.
+    sampled = _eval(toy_target, dspark_drafter, prompts_file, tmp_path / "t1", temperature=1.0)
+    assert sampled["lossless_mismatches"] is None and sampled["rounds"] > 0
+
+
+def test_confidence_threshold_cuts_proposals(toy_target, dspark_drafter, prompts_file, tmp_path):
+    always = _eval(toy_target, dspark_drafter, prompts_file, tmp_path / "never", confidence_threshold=1.0)
+    assert always["mean_proposed"] == 0 and always["tau_geomean"] == 1.0 and always["lossless_mismatches"] == 0
+    some = _eval(toy_target, dspark_drafter, prompts_file, tmp_path / "half", confidence_threshold=0.3)
+    assert 0 <= some["mean_proposed"] <= 5 and some["lossless_mismatches"] == 0
+
+
+def test_dspark_replay_equals_real_decoding(toy_target, dspark_drafter, prompts_file, tmp_path):
+    import csv
+
+    from pipeline.eval.replay import run_replay
+
+    real = tmp_path / "real"
+    _eval(toy_target, dspark_drafter, prompts_file, real)
+    run_replay(target=str(toy_target), drafters={"d": str(dspark_drafter)}, prompts=str(prompts_file), out=str(tmp_path / "replay"),
+               max_new_tokens=24)  # fmt: skip
+
+    def rows(path):
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+
+    assert rows(tmp_path / "replay" / "d" / "rounds.csv") == rows(real / "rounds.csv")
