@@ -4,6 +4,8 @@ Each component keeps its own config dataclass next to it (`CorpusConfig` beside 
 `ObjectiveConfig` beside the labels, ...); a command's config nests them. On the command line (and
 in `from_flags`) the nesting is flattened: every leaf field is one flag named after the field (or
 its `flag=`), so leaf names are unique within a command. Help text lives once, in `opt(help=...)`.
+A recipe (`--config FILE.yaml`, docs/recipes.md) is that flat form in YAML: `recipe_flags` reads
+and type-checks one.
 """
 
 from __future__ import annotations
