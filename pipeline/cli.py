@@ -123,7 +123,7 @@ def _with_recipe(cls, func):
     the command line; with --dump-config the resolved config is printed and `func` never runs."""
 
     @functools.wraps(func)
-    def command(*args, recipe_file: str | None, dump_config: bool, **kwargs):
+    def command(*args, recipe_file: str | None = None, dump_config: bool = False, **kwargs):
         ctx = click.get_current_context()
         for name, value in ctx.meta.get(_RECIPE, {}).items():
             if ctx.get_parameter_source(name) in _NOT_TYPED:
@@ -151,7 +151,9 @@ def dump_recipe(config) -> str:
 
 def config_from_flags(cls, kwargs):
     """The config of a command's flags; a URL with credentials in any flag is refused, redacted
-    (docs/failure-modes.md), before the config (and train_config.json, logs) could hold it."""
+    (docs/failure-modes.md), before the config (and train_config.json, logs) could hold it.
+    --config and --dump-config, which config_options adds, are not settings: left out."""
+    kwargs = {name: value for name, value in kwargs.items() if name not in ("recipe_file", "dump_config")}
     try:
         for name, value in kwargs.items():
             refuse_userinfo(value, flag="--" + name.replace("_", "-"))

@@ -110,6 +110,14 @@ def test_dump_config_runs_nothing():
     assert result.exit_code == 1 and "manifest.json" in result.output
 
 
+def test_parsed_flags_without_the_command_still_give_its_config():
+    """pipeline/demo/run.py parses `alrira-cache build` flags with make_context, which leaves
+    --config's and --dump-config's own values among the settings."""
+    from pipeline.demo.run import _build_config
+
+    assert _build_config(["--target", "/m", "--corpus", "c.jsonl", "--out", "/o", "--anchors", "16"]).run.anchors_per_sequence == 16
+
+
 # ----------------------------------------------------------------------------------------------
 # --dump-config's round trip
 
