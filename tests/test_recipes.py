@@ -110,6 +110,14 @@ def test_dump_config_runs_nothing():
     assert result.exit_code == 1 and "manifest.json" in result.output
 
 
+def test_a_run_gets_the_recipes_settings(tmp_path):
+    """Without --dump-config the command runs with the file's settings: the cache it fails to
+    open is the recipe's."""
+    recipe = write(tmp_path, f"cache: {tmp_path / 'recipe-cache'}\nout: {tmp_path / 'run'}\n")
+    result = invoke("train", "--config", recipe)
+    assert result.exit_code == 1 and "recipe-cache" in result.output and "manifest.json" in result.output
+
+
 def test_parsed_flags_without_the_command_still_give_its_config():
     """pipeline/demo/run.py parses `alrira-cache build` flags with make_context, which leaves
     --config's and --dump-config's own values among the settings."""
