@@ -7,6 +7,7 @@ Options are generated from the typed config dataclasses, nested configs flattene
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import types
@@ -14,8 +15,9 @@ import typing
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from pipeline.config import flag_name, from_flags, is_required, leaf_fields
+from pipeline.config import flag_name, from_flags, is_required, leaf_fields, recipe_flags, recipe_keys, to_flags
 from pipeline.eval.evaluate import EvalConfig
 from pipeline.train.config import TrainConfig
 from storage.errors import first_line
@@ -51,9 +53,12 @@ def _parse_int_list(value):
 
 def config_options(cls):
     """Decorator: one click option per leaf field of a (nested) config dataclass (type, default and
-    help from the field); the command receives them flat, keyed by flag name with underscores."""
+    help from the field); the command receives them flat, keyed by flag name with underscores.
+    Also --config FILE (a recipe: those flags in YAML, overridden by the flags typed) and
+    --dump-config (print the resolved settings as a recipe and exit); docs/recipes.md."""
 
     def decorate(func):
+        command = _with_recipe(cls, func)
         for f, kind in reversed(list(leaf_fields(cls))):
             name = flag_name(f)
             flag = "--" + name.replace("_", "-")
@@ -69,18 +74,86 @@ def config_options(cls):
                 opt = click.option(flag, name, default=None, callback=lambda c, p, v: _parse_int_list(v), help=help_text)
             else:
                 kind = FiniteFloat() if base is float else base
-                opt = click.option(
-                    flag, name, type=kind, required=required, default=default, show_default=not required, help=help_text
-                )
-            func = opt(func)
-        return func
+                # A required option is given no default at all: click >= 8.3 takes an explicit
+                # default=None as a value, so a missing required flag would not be reported.
+                given = {"required": True} if required else {"default": default, "show_default": True}
+                opt = click.option(flag, name, type=kind, help=help_text, **given)
+            command = opt(command)
+        command = click.option(
+            "--dump-config", "dump_config", is_flag=True,
+            help="Print the resolved settings (every key, as a recipe --config reads) and exit without running anything.",
+        )(command)  # fmt: skip
+        return click.option(
+            "--config", "recipe_file", type=click.Path(exists=True, dir_okay=False), is_eager=True,
+            callback=lambda ctx, param, path: _read_recipe(cls, ctx, path),
+            help="A recipe: YAML {flag name: value} of this command's settings (docs/recipes.md). Flags typed on the "
+            "command line override it; it overrides the defaults.",
+        )(command)  # fmt: skip
 
     return decorate
 
 
+_RECIPE = "alrira.recipe"  # ctx.meta key: the checked flags of --config's file
+# Where a value came from that a recipe's value replaces: only flags the user typed override the file.
+_NOT_TYPED = (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _read_recipe(cls, ctx: click.Context, path: str | None) -> str | None:
+    """--config's callback, run before the other options (eager): read and check the recipe, keep it
+    for the command (ctx.meta) and give its required settings to click as defaults (ctx.default_map)
+    so that a required flag the file sets is not reported missing."""
+    if path is None:
+        return None
+    keys = recipe_keys(cls)
+    command_only = {p.name for p in ctx.command.params if p.name not in keys} - {"recipe_file", "dump_config", "help"}
+    try:
+        flags = recipe_flags(cls, path, command_only=command_only)
+    except ImportError:  # pyyaml: a dependency of transformers and ray, so nearly always there
+        raise click.UsageError("--config needs PyYAML: pip install pyyaml") from None
+    except ValueError as error:
+        raise click.UsageError(f"--config {error}") from None
+    ctx.meta[_RECIPE] = flags
+    required = {name: value for name, value in flags.items() if is_required(keys[name][0]) and value is not None}
+    ctx.default_map = {**(ctx.default_map or {}), **required}
+    return path
+
+
+def _with_recipe(cls, func):
+    """`func` behind --config / --dump-config: the recipe's values replace every setting not typed on
+    the command line; with --dump-config the resolved config is printed and `func` never runs."""
+
+    @functools.wraps(func)
+    def command(*args, recipe_file: str | None = None, dump_config: bool = False, **kwargs):
+        ctx = click.get_current_context()
+        for name, value in ctx.meta.get(_RECIPE, {}).items():
+            if ctx.get_parameter_source(name) in _NOT_TYPED:
+                kwargs[name] = value
+        if dump_config:
+            config = config_from_flags(cls, {name: kwargs[name] for name in recipe_keys(cls)})
+            click.echo(dump_recipe(config), nl=False)
+            ctx.exit(0)
+        return func(*args, **kwargs)
+
+    return command
+
+
+def dump_recipe(config) -> str:
+    """The YAML recipe of a resolved config: every leaf, flag names with underscores, in the
+    command's flag order; `--config` reads it back to the same config."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):  # one key per line; a list on its key's line ([1, 9, 17])
+        pass
+
+    Dumper.add_representer(list, lambda dumper, value: dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=True))
+    return yaml.dump(to_flags(config), Dumper=Dumper, sort_keys=False, allow_unicode=True, width=1000)
+
+
 def config_from_flags(cls, kwargs):
     """The config of a command's flags; a URL with credentials in any flag is refused, redacted
-    (docs/failure-modes.md), before the config (and train_config.json, logs) could hold it."""
+    (docs/failure-modes.md), before the config (and train_config.json, logs) could hold it.
+    --config and --dump-config, which config_options adds, are not settings: left out."""
+    kwargs = {name: value for name, value in kwargs.items() if name not in ("recipe_file", "dump_config")}
     try:
         for name, value in kwargs.items():
             refuse_userinfo(value, flag="--" + name.replace("_", "-"))
