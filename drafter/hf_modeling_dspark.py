@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, Qwen3Config
 
 # Relative imports: in the package these are drafter/dspark.py and drafter/model.py; the export
 # renames them (dspark_model.py, dflash_model.py) and rewrites these lines to match.
+from .config import DFlashConfig  # noqa: F401 (transformers 4.x copies only this file's direct relative imports)
 from .dspark import DSPARK_KEYS, DSparkConfig, DSparkDrafter
 from .model import RMSNorm
 

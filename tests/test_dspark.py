@@ -324,3 +324,51 @@ def test_dspark_replay_equals_real_decoding(toy_target, dspark_drafter, prompts_
             return list(csv.DictReader(f))
 
     assert rows(tmp_path / "replay" / "d" / "rounds.csv") == rows(real / "rounds.csv")
+
+
+# ----------------------------------------------------------------------------------------------
+# The export as the servers and HF users load it
+
+
+@pytest.mark.parametrize("transformers_457", [False, True], ids=["transformers-5", "transformers-4.57"])
+def test_automodel_loads_the_dspark_export(tmp_path, transformers_457):
+    from drafter.masks import visibility_mask
+    from tests.test_export import TRANSFORMERS_457, _load_with_automodel
+
+    if transformers_457 and not TRANSFORMERS_457.is_dir():
+        pytest.skip(f"transformers 4.57 not installed at {TRANSFORMERS_457} (.ci/install puts it there)")
+    torch.manual_seed(0)
+    model = DSparkDrafter(_config()).eval()
+    out = tmp_path / "drafter"
+    save_drafter(model, out, dtype=torch.float32)
+    for name in ("modeling_dspark.py", "dspark_model.py", "dflash_model.py"):
+        imports = "".join(line for line in (out / name).read_text().splitlines() if line.startswith(("from ", "import ")))
+        assert "drafter" not in imports, name
+    num_context, block = 6, 4
+    inputs = dict(
+        context_features=torch.randn(1, num_context, 128), context_positions=torch.arange(num_context)[None],
+        block_embeds=torch.randn(1, block, 64), block_positions=torch.arange(num_context, num_context + block)[None],
+        attention_mask=visibility_mask(
+            context_positions=torch.arange(num_context)[None], context_owner=torch.full((1, num_context), -1),
+            context_valid=torch.ones(1, num_context, dtype=torch.bool), block_corpus_limit=torch.tensor([[num_context]]),
+            block_valid=torch.ones(1, 1, dtype=torch.bool), block_size=block,
+        ),
+    )  # fmt: skip
+    torch.save(inputs, tmp_path / "inputs.pt")
+    with torch.no_grad():
+        expected = model(**inputs)
+    info, hidden = _load_with_automodel(out, tmp_path / "inputs.pt", extra_path=TRANSFORMERS_457 if transformers_457 else None)
+    assert info["class"] == "Qwen3DSparkModel"
+    assert info["missing"] == [] and info["unexpected"] == [] and set(info["keys"]) == set(model.state_dict())
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=1e-6)
+
+
+def test_dspark_drafter_for_a_llama_target(llama_cache, tmp_path):
+    """A Llama-family target (SmolLM2's shape): the drafter is Qwen3-style whatever the target, as
+    in DeepSpec's contract; it trains from the Llama cache and exports as Qwen3DSparkModel."""
+    from pipeline.train.loop import train
+
+    train(_train_config(llama_cache, tmp_path / "run", method="alr", max_steps=2))
+    config = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
+    assert isinstance(load_drafter(tmp_path / "run" / "drafter"), DSparkDrafter)

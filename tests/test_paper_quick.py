@@ -42,7 +42,7 @@ def test_paper_quick(tmp_path):
     # Greedy replay scored the head and every arm; real decoding of alr_ira was lossless, replay
     # reproduced its rounds on every prompt, and vLLM's dflash serving of it equals greedy HF.
     evals = report["evals"]
-    assert {k.rsplit("-s", 1)[0] for k in evals} == {"head", "dflash", "erase", "alr", "alr_ira", "ref_window"}
+    assert {k.rsplit("-s", 1)[0] for k in evals} == {"head", "dflash", "erase", "alr", "alr_ira", "ref_window", "dspark_alr_ira"}
     assert all(e["mode"] == "greedy_replay" and e["tau"] >= 1.0 for e in evals.values())
     assert set(report["decoded"]) == {"alr_ira-s0-T0"} and report["decoded"]["alr_ira-s0-T0"]["lossless_mismatches"] == 0
     assert report["quick_checks"] == {"lossless_evals": 1, "lossless_mismatches": 0, "replay_equal": 2, "vllm_prompts": 2}

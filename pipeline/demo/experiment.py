@@ -62,6 +62,7 @@ class Arm:
     cache: str = "offpolicy"  # which corpus's cache: offpolicy, truncate, window
     epochs: int | None = None  # None: the recipe's
     rollout_depth: int = 14
+    arch: str = "dflash"  # dspark: a DSpark drafter whose backbone starts from the DFlash head (docs/dspark.md)
 
 
 # The target's dtype for regeneration and stage 1: the fastest where it runs (bf16 on CUDA and on a
@@ -84,9 +85,11 @@ ARMS = (
     Arm(name="erase_1ep", method="erase", epochs=1),
     Arm(name="alr_r4_1ep", method="alr", rollout_depth=4, epochs=1),
     Arm(name="alr_ira_1ep", method="alr_ira", epochs=1),
+    Arm(name="dspark_alr_ira", method="alr_ira", arch="dspark"),
+    Arm(name="dspark_dflash", method="dflash", arch="dspark"),
 )
 MAIN_ARMS = ("dflash", "kd", "erase", "alr", "alr_ira")  # trained with every seed
-QUICK_ARMS = ("dflash", "erase", "alr", "alr_ira", "ref_window")
+QUICK_ARMS = ("dflash", "erase", "alr", "alr_ira", "ref_window", "dspark_alr_ira")
 
 
 @dataclass(kw_only=True)
@@ -331,7 +334,7 @@ def corpus_greedy_agreement(cache: Path) -> float:
 def arm_config(arm: Arm, *, paths: Paths, sizes: PaperSizes, seed: int, head: Path | None) -> TrainConfig:
     """The one recipe: only the method, its rollout depth and (for the one-epoch arms) epochs differ."""
     return TrainConfig.from_flags(
-        cache=str(paths.cache(arm.cache)), out=str(paths.out / "runs" / f"{arm.name}-s{seed}"), method=arm.method,
+        cache=str(paths.cache(arm.cache)), out=str(paths.out / "runs" / f"{arm.name}-s{seed}"), method=arm.method, arch=arm.arch,
         rollout_depth=arm.rollout_depth, epochs=arm.epochs or sizes.epochs, lr=sizes.lr,
         batch_size=(sizes.head_batch_size or sizes.batch_size) if arm.name == "head" else sizes.batch_size,
         anchors_per_step=sizes.anchors_per_step, gamma=2.0, dflash_gamma=2.0, seed=seed, max_steps=sizes.max_steps,
