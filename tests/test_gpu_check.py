@@ -43,7 +43,7 @@ def test_gpu_check_cpu_smoke_runs_every_section_and_writes_out(tmp_path):
     result = _gpu_check("--cpu-smoke", out=out)
     log = result.stdout
     assert result.returncode == 0, log[-4000:] + result.stderr[-3000:]
-    for need in ("torch", "alrira", "psutil", "paper packages", "paper GGUF"):
+    for need in ("torch", "alrira", "psutil", "paper packages", "paper GGUF", "vllm"):
         assert re.search(rf"^need {need}: ok, ", log, re.M), need
     for section, header in HEADERS.items():
         assert re.search(rf"^== {section}: ok, \d+ s$", log, re.M), section
@@ -53,7 +53,10 @@ def test_gpu_check_cpu_smoke_runs_every_section_and_writes_out(tmp_path):
     assert re.search(r"^== paper: ok, \d+ s$", log, re.M) and "### Main table" in log
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "paper.json", "paper_results.tgz", "real_model.md", "sections.json"]
     assert (out / "gpu_check.log").read_text().count("== paper: ok") == 1
-    assert set(json.loads((out / "sections.json").read_text())) == {"attention", "step", "loader", "stage1"}
+    assert set(json.loads((out / "sections.json").read_text())) == {"attention", "step", "loader", "stage1", "dspark"}
+    dspark = json.loads((out / "sections.json").read_text())["dspark"]
+    assert dspark["alrira_lossless_mismatches"] == 0 and dspark["vllm"] == "refused on CPU"
+    assert re.search(r"^vLLM dspark: refused on this CPU as expected", log, re.M)
 
     report = json.loads((out / "paper.json").read_text())
     assert report["profile"] == "gpu-smoke" and report["sizes"]["install"] is False and report["sizes"]["head_samples"] == 1
