@@ -135,9 +135,20 @@ def test_score_table(greedy_run):
     out, summary = greedy_run
     table = score_table(out / "results.csv")
     lines = table.splitlines()
-    assert lines[0].split() == ["benchmark", "prompts", "tau", "speedup"]
-    by_name = {line.split()[0]: line.split() for line in lines[1:]}
-    assert set(by_name) == {"alpha", "beta", "geomean"}
+    assert lines[0].split() == ["benchmark", "prompts", "tau", "speedup", "per-request"]
+    by_name = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert set(by_name) == {"alpha", "beta", "geomean", "all"}
+    # tau two ways over every prompt: pooled over the rounds, and the mean of the requests' own tau.
+    assert float(by_name["all"][2]) == pytest.approx(summary["tau_pooled"], abs=1e-3)
+    assert float(by_name["all"][4]) == pytest.approx(summary["tau_mean_per_request"], abs=1e-3)
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    taus = [float(r["tau"]) for r in rows if r["tau"]]
+    assert summary["tau_mean_per_request"] == pytest.approx(sum(taus) / len(taus))
+    rounds = sum(int(r["rounds"]) for r in rows)
+    assert summary["tau_pooled"] == pytest.approx((sum(int(r["accepted_tokens"]) for r in rows) + rounds) / rounds)
+    # Per position i, the share of rounds accepting >= i drafts; their sum is tau_pooled - 1.
+    assert lines[-1].startswith("acceptance per position: ")
+    assert sum(summary["acceptance_per_position"]) == pytest.approx(summary["tau_pooled"] - 1, abs=1e-3)
     assert by_name["alpha"][1] == "2" and by_name["geomean"][1] == "4"
     assert float(by_name["beta"][2]) == pytest.approx(summary["groups"]["beta"]["tau"], abs=1e-3)
     assert float(by_name["geomean"][2]) == pytest.approx(summary["tau_geomean"], abs=1e-3)

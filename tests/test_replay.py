@@ -40,7 +40,7 @@ def test_replay_rounds_walk_as_speculative_decoding_commits(toy_target):
         return drafts[anchor_pos - len(prompt)]
 
     class Config:  # the drafter's settings speculative_decode reads; the drafts come from draft_fn
-        block_size, target_layer_ids = NUM_DRAFT + 1, [0]
+        block_size, target_layer_ids, num_drafts = NUM_DRAFT + 1, [0], NUM_DRAFT
 
     spec = speculative_decode(
         target, type("Drafter", (), {"config": Config})(), embed_tokens=None, lm_head=None, prompt_ids=prompt, max_new_tokens=40,

@@ -306,11 +306,32 @@ def _decode_totals(rows: list[dict]) -> tuple[float, int, float, int]:
     return ar_ms, ar_tokens, spec_ms, spec_tokens
 
 
+def _tau_aggregates(rows: list[dict]) -> dict:
+    """tau two ways (docs/design.md, "Evaluation", how tau is aggregated): pooled over every round
+    of the rows, (accepted + rounds) / rounds, as vLLM's and SGLang's counters report it; and the
+    mean of each request's own tau, which weighs a short response as much as a long one."""
+    rounds = sum(int(r["rounds"]) for r in rows)
+    accepted = sum(int(r["accepted_tokens"]) for r in rows)
+    per_request = [float(r["tau"]) for r in rows if r.get("tau") not in (None, "")]
+    return {
+        "tau_pooled": (accepted + rounds) / rounds if rounds else None,
+        "tau_mean_per_request": sum(per_request) / len(per_request) if per_request else None,
+    }
+
+
+def position_acceptance(accepted_lengths: list[int], *, num_drafts: int) -> list[float | None]:
+    """Per draft position i = 1..num_drafts, the share of rounds that accepted at least i drafts
+    (vLLM's `spec_decode_num_accepted_tokens_per_pos` over its `num_drafts`). tau_pooled - 1 is their sum."""
+    rounds = len(accepted_lengths)
+    return [round(sum(n >= i for n in accepted_lengths) / rounds, 5) if rounds else None for i in range(1, num_drafts + 1)]
+
+
 def summarize(rows: list[dict], *, group: str = "benchmark") -> dict:
-    """Per group: prompts, rounds, tau pooled over the group's rounds, ms/token of each decoder as
-    total decode time over total decode tokens, and speedup = their ratio (the same committed
-    tokens at T = 0, so total AR time / total speculative time); geometric means of tau and
-    speedup across groups. Rows with no decode tokens are left out of the speed figures, so a
+    """Per group: prompts, rounds, tau pooled over the group's rounds and the mean of its requests'
+    tau, ms/token of each decoder as total decode time over total decode tokens, and speedup =
+    their ratio (the same committed tokens at T = 0, so total AR time / total speculative time);
+    geometric means of tau and speedup across groups; over all rows, tau pooled over every round
+    and the mean per request. Rows with no decode tokens are left out of the speed figures, so a
     prompt that stops after one token cannot decide the mean (docs/design.md, "Evaluation")."""
     groups: dict[str, dict] = {}
     for name in dict.fromkeys(str(r[group]) for r in rows):
@@ -327,6 +348,7 @@ def summarize(rows: list[dict], *, group: str = "benchmark") -> dict:
             "rounds": rounds,
             "accepted_tokens": accepted,
             "tau": (accepted + rounds) / rounds if rounds else None,
+            "tau_mean_per_request": _tau_aggregates(members)["tau_mean_per_request"],
             "ar_ms_per_token": ar_per_token,
             "spec_ms_per_token": spec_per_token,
             "speedup": ar_per_token / spec_per_token if ar_per_token and spec_per_token else None,
@@ -335,6 +357,7 @@ def summarize(rows: list[dict], *, group: str = "benchmark") -> dict:
         "groups": groups,
         "tau_geomean": geometric_mean([g["tau"] for g in groups.values()]),
         "speedup_geomean": geometric_mean([g["speedup"] for g in groups.values()]),
+        **_tau_aggregates(rows),
     }
 
 
@@ -372,12 +395,30 @@ def score_table(csv_path: str | os.PathLike, *, group: str = "benchmark") -> str
     def fmt(value: float | None, suffix: str = "") -> str:
         return "-" if value is None else f"{value:.3f}{suffix}"
 
-    lines = [(group, "prompts", "tau", "speedup")]
+    # tau: pooled over the group's rounds; per-request: the mean of its requests' own tau.
+    lines = [(group, "prompts", "tau", "speedup", "per-request")]
     for name, g in summary["groups"].items():
-        lines.append((name, str(g["prompts"]), fmt(g["tau"]), fmt(g["speedup"], "x")))
-    lines.append(("geomean", str(len(rows)), fmt(summary["tau_geomean"]), fmt(summary["speedup_geomean"], "x")))
+        lines.append((name, str(g["prompts"]), fmt(g["tau"]), fmt(g["speedup"], "x"), fmt(g["tau_mean_per_request"])))
+    lines.append(("geomean", str(len(rows)), fmt(summary["tau_geomean"]), fmt(summary["speedup_geomean"], "x"), "-"))
+    lines.append(("all", str(len(rows)), fmt(summary["tau_pooled"]), "-", fmt(summary["tau_mean_per_request"])))
     width = max(len(line[0]) for line in lines)
-    return "\n".join(f"{a:<{width}}  {b:>7}  {c:>7}  {d:>8}" for a, b, c, d in lines)
+    table = [f"{a:<{width}}  {b:>7}  {c:>7}  {d:>8}  {e:>11}" for a, b, c, d, e in lines]
+    rounds_csv = Path(csv_path).parent / "rounds.csv"
+    if rounds_csv.is_file():  # acceptance per draft position, from the rounds beside the results
+        with open(rounds_csv, newline="") as f:
+            accepted = [int(r["accepted"]) for r in csv.DictReader(f)]
+        num_drafts = _num_drafts(Path(csv_path).parent, accepted)
+        rates = position_acceptance(accepted, num_drafts=num_drafts)
+        table.append("acceptance per position: " + " ".join("-" if r is None else f"{r:.2f}" for r in rates))
+    return "\n".join(table)
+
+
+def _num_drafts(out: Path, accepted: list[int]) -> int:
+    """Drafts per round of an evaluation folder: its accept_hist.json's, else the most accepted."""
+    try:
+        return int(json.loads((out / "accept_hist.json").read_text())["num_draft_tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return max(accepted, default=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -656,6 +697,9 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     summary["arch"] = "dspark" if dspark else "dflash"
     summary["num_drafts"] = num_draft
     summary["slot_acceptance"] = slot_acceptance(spec_results, num_drafts=num_draft)
+    summary["acceptance_per_position"] = position_acceptance(
+        [n for r in spec_results for n in r.accepted_lengths], num_drafts=num_draft
+    )
     if dspark:
         summary["confidence_threshold"] = config.confidence_threshold
         summary["mean_proposed"] = (

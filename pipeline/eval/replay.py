@@ -34,6 +34,7 @@ from pipeline.eval.evaluate import (
     _write_rows_and_histogram,
     load_prompts,
     load_target_and_stops,
+    position_acceptance,
     round_rows,
     summarize,
     write_csv_rows,
@@ -180,7 +181,8 @@ def _replay(*, target: str, todo: dict[str, str], prompts: str, outputs: dict, m
             log(f"replay: prompt {prompt.prompt_id} ({prompt.benchmark}), {len(ar.tokens)} tokens, {len(models)} drafters")
     for name, model in models.items():
         output = outputs[name]
-        plotted = _write_rows_and_histogram(output.path, rows[name], accepted_by_group[name], num_draft=model.config.block_size - 1)
+        num_drafts = model.config.num_drafts
+        plotted = _write_rows_and_histogram(output.path, rows[name], accepted_by_group[name], num_draft=num_drafts)
         write_csv_rows(output.path / "rounds.csv", rounds[name], columns=ROUND_COLUMNS)
         summary = {
             "mode": "greedy_replay", "target": str(Path(target).resolve()), "drafter": str(Path(todo[name]).resolve()),
@@ -189,7 +191,10 @@ def _replay(*, target: str, todo: dict[str, str], prompts: str, outputs: dict, m
             "num_groups": len(accepted_by_group[name]), "committed_tokens": sum(r["committed"] for r in rows[name]),
             "rounds": sum(r["rounds"] for r in rows[name]), **summarize(rows[name]), "lossless_mismatches": None,
             "lossless_exact": None, "lossless_note": "greedy replay: the committed tokens are the target's greedy tokens",
-            "accept_hist_png": plotted, "inputs": output.inputs,
+            "accept_hist_png": plotted, "inputs": output.inputs, "num_drafts": num_drafts,
+            "acceptance_per_position": position_acceptance(
+                [n for lengths in accepted_by_group[name].values() for n in lengths], num_drafts=num_drafts
+            ),
         }  # fmt: skip
         (output.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         output.finish()
