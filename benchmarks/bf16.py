@@ -36,7 +36,8 @@ from pipeline.target import load_target, load_tokenizer
 from pipeline.train.batching import CacheTrainDataset, StepSampler, collate
 from pipeline.train.config import TrainConfig
 from pipeline.train.labels import ObjectiveConfig
-from pipeline.train.loop import build_drafter, forward_loss
+from pipeline.train.setup import build_drafter
+from pipeline.train.step import forward_loss
 from storage.manifest import load_target_head
 from storage.reader import open_cache
 

@@ -130,7 +130,7 @@ class Trainer:
     """The default drafter, its optimizer and the frozen head, stepping the way the loop does."""
 
     def __init__(self, sizes: CheckSizes, device: torch.device, *, attention: str):
-        from pipeline.train.loop import forward_loss
+        from pipeline.train.step import forward_loss
 
         shapes = sizes.cache
         torch.manual_seed(0)
@@ -306,7 +306,7 @@ def loader_section(sizes: CheckSizes, work: Path, device: torch.device) -> dict:
 
 
 def _data_loader_rate(cache: Path, *, method: str, sizes: CheckSizes, workers: int, pin: bool) -> float:
-    from pipeline.train.loop import _single_threaded_worker
+    from pipeline.train.data import single_threaded_worker as _single_threaded_worker
 
     reader = open_cache(cache)
     dataset = CacheTrainDataset(reader, objective=objective(method, reader), seed=0)

@@ -63,7 +63,7 @@ from drafter.model import DFlashDrafter
 from pipeline.demo.toy import make_toy_target
 from pipeline.train.batching import CacheTrainDataset, collate
 from pipeline.train.labels import ObjectiveConfig
-from pipeline.train.loop import forward_loss
+from pipeline.train.step import forward_loss
 from pipeline.train.methods import required_arrays
 from storage.format import SHARD_DIR
 from storage.manifest import CacheSettings, Manifest, save_manifest

@@ -45,7 +45,8 @@ from pipeline.train.labels import ObjectiveConfig
 from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, run_target_batch
 from pipeline.target import load_target
 from pipeline.train.config import TrainConfig
-from pipeline.train.loop import build_drafter, forward_loss
+from pipeline.train.setup import build_drafter
+from pipeline.train.step import forward_loss
 from storage.manifest import load_target_head
 from storage.reader import open_cache
 

@@ -221,7 +221,8 @@ def _set_threads(ctx, param, threads: int | None) -> int | None:
 @config_options(TrainConfig)
 @threads_option
 def train_cli(threads: int | None, **kwargs):
-    from pipeline.train.loop import format_summary, train
+    from pipeline.train.loop import train
+    from pipeline.train.run_dir import format_summary
 
     config = config_from_flags(TrainConfig, kwargs)
     loader = config.loader

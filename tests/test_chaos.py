@@ -166,7 +166,7 @@ def test_a_full_disk_at_the_final_drafter_is_one_line_not_a_traceback(full_disk)
     which alrira-train showed as a traceback (chaos, seed 2027, train round 23). Now the OSError
     naming the file, and from the trainer's save the one-line ValueError with what to do."""
     from drafter.checkpoint import save_drafter
-    from pipeline.train.loop import save_drafter_to
+    from pipeline.train.run_dir import save_drafter_to
     from storage.location import resolve
 
     with pytest.raises(OSError) as failed:
@@ -226,7 +226,7 @@ def test_a_lock_naming_no_holder_is_taken_over_once_old(tmp_path):
 WORKER_SCRIPT = """
 import os, signal, sys, time
 import torch
-from pipeline.train.loop import stop_map_loader_workers
+from pipeline.train.data import stop_map_loader_workers
 
 loader = torch.utils.data.DataLoader(list(range(64)), batch_sampler=[[0, 1], [2, 3], [4, 5]], num_workers=1)
 batches = iter(loader)

@@ -17,7 +17,8 @@ from pipeline.train.batching import steps_per_epoch
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.train.methods import METHODS
 from pipeline.train.config import TrainConfig
-from pipeline.train.loop import lr_at, train
+from pipeline.train.loop import train
+from pipeline.train.step import lr_at
 from storage.reader import open_cache
 from tests.waits import HANG_CAP_S
 
@@ -239,7 +240,7 @@ def test_resume_from_a_truncated_checkpoint_falls_back_to_the_previous_one(cache
 
 
 def _stats_on(s, batch, **overrides):
-    from pipeline.train.loop import forward_loss
+    from pipeline.train.step import forward_loss
 
     kwargs = dict(embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=s.num_slots + 1, loss_chunk=4096,
                   autocast=s.autocast, attention=s.attention)  # fmt: skip
@@ -247,7 +248,7 @@ def _stats_on(s, batch, **overrides):
 
 
 def test_attention_flag_resolves_per_device_and_refuses_flex_without_cuda(cache, tmp_path):
-    from pipeline.train.loop import setup
+    from pipeline.train.setup import setup
 
     assert setup(_config(cache, tmp_path / "auto")).attention == ("flex" if torch.cuda.is_available() else "sdpa")
     assert setup(_config(cache, tmp_path / "sdpa", attention="sdpa")).attention == "sdpa"
@@ -273,7 +274,7 @@ def test_bf16_runs_the_lm_head_gemm_in_bf16_and_the_loss_in_fp32(cache, tmp_path
     chunk's [slots, V] GEMM runs in bf16 (forward and the backward's recompute), log-softmax in fp32."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from pipeline.train.loop import setup
+    from pipeline.train.setup import setup
 
     s = setup(_config(cache, tmp_path / "run", precision="bf16"))
     assert s.lm_head.dtype == s.embed_tokens.dtype == torch.bfloat16
@@ -316,7 +317,7 @@ def test_train_batch_pin_memory_pins_every_tensor(cache, tmp_path, monkeypatch):
     from torch.utils.data._utils.pin_memory import pin_memory
 
     from pipeline.train.batching import TrainBatch
-    from pipeline.train.loop import setup
+    from pipeline.train.setup import setup
 
     batch = next(setup(_config(cache, tmp_path / "run")).batches)
     tensor_fields = [name for name, value in vars(batch).items() if isinstance(value, torch.Tensor)]
@@ -337,11 +338,11 @@ def test_train_batch_pin_memory_pins_every_tensor(cache, tmp_path, monkeypatch):
             assert getattr(pinned, name) == value, name
     if not torch.cuda.is_available():
         assert sorted(pinned_ids) == sorted(id(getattr(batch, name)) for name in tensor_fields)
-    assert len(tensor_fields) == 12
+    assert len(tensor_fields) == 13  # with prev_tokens (a DSpark Markov head's input; dist_* only when set)
 
 
 def test_a_collective_refuses_a_tensor_off_the_training_device():
-    from pipeline.train.loop import all_reduce_on
+    from pipeline.train.step import all_reduce_on
 
     with pytest.raises(RuntimeError, match="collective on a meta tensor while training on cpu"):
         all_reduce_on(torch.zeros(3, device="meta"), device=torch.device("cpu"), world_size=1)
@@ -358,6 +359,7 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
     import ast
 
     import pipeline.train.loop as loop
+    import pipeline.train.step as step
 
     collectives = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                    "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
@@ -369,7 +371,7 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
                 continue
             for node in ast.walk(function):
                 if isinstance(node, ast.Attribute) and node.attr in collectives and getattr(node.value, "id", "") == "dist":
-                    assert (path.name, function.name) == ("loop.py", "all_reduce_on"), (path.name, function.name)
+                    assert (path.name, function.name) == ("step.py", "all_reduce_on"), (path.name, function.name)
 
     calls, original = [], loop.all_reduce_on
 
@@ -377,7 +379,8 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
         calls.append((t.device, torch.device(device)))
         return original(t, device=device, world_size=world_size)
 
-    monkeypatch.setattr(loop, "all_reduce_on", recording)
+    monkeypatch.setattr(loop, "all_reduce_on", recording)  # the loop's calls (weight total, token count)
+    monkeypatch.setattr(step, "all_reduce_on", recording)  # StepStats.all_reduced's
     trained_on = []
     real_setup = loop.setup
     monkeypatch.setattr(loop, "setup", lambda config: trained_on.append(s := real_setup(config)) or s)
@@ -504,7 +507,7 @@ def test_a_micro_batch_needs_no_host_sync_and_keeps_its_loss_and_gradients(cache
     """The loss of a padded batch with the collate's indices equals the unpadded, boolean-masked one
     (values and gradients, fp32 rounding), and its forward, backward and clip run none of the ops
     that wait on the device, which the boolean-masked loss runs (so the detector detects)."""
-    from pipeline.train.loop import setup
+    from pipeline.train.setup import setup
 
     s = setup(_config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32"))
     batch = next(s.batches).to(s.device)
@@ -553,7 +556,7 @@ def test_flex_equals_sdpa_on_real_batches_of_ten_lengths_with_at_most_two_compil
     from torch._dynamo.utils import counters
 
     from pipeline.train.batching import CacheTrainDataset, collate
-    from pipeline.train.loop import setup
+    from pipeline.train.setup import setup
 
     config = _config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32")
     s, reader = setup(config), open_cache(cache)

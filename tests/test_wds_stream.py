@@ -18,7 +18,8 @@ import torch
 from drafter.checkpoint import load_drafter
 from pipeline.train.batching import CacheTrainDataset, collate
 from pipeline.train.config import TrainConfig
-from pipeline.train.loop import setup, train
+from pipeline.train.loop import train
+from pipeline.train.setup import setup
 from storage.format import SHARD_DIR, TARGET_HEAD_FILE, shard_name
 from storage.manifest import ShardRecord, save_manifest
 from storage.reader import open_cache
@@ -220,7 +221,7 @@ def test_resume_refuses_what_changes_a_stream_but_not_what_the_map_loader_ignore
 def test_the_plan_every_rank_computes_alike():
     """Pure planning, no data: the DataLoader's turn order, epochs of uneven shards sized by the
     slowest rank, and a checkpoint's data position that does not depend on the rank computing it."""
-    from pipeline.train.loop import _data_position
+    from pipeline.train.data import data_position as _data_position
     from pipeline.train.streaming import StreamPlan, StreamShard, stream_position, turn_order, wholly_consumed_shards
 
     assert turn_order([3, 1, 2]) == [0, 1, 2, 0, 2, 0]
@@ -251,7 +252,7 @@ def _free_port() -> int:
 PROBE = """
 import json, os, sys
 from pipeline.train import TrainConfig, train
-from pipeline.train.loop import setup
+from pipeline.train.setup import setup
 
 config = TrainConfig.from_flags(**json.loads(sys.argv[1]))
 if len(sys.argv) > 2:  # record each rank's batches first

@@ -190,7 +190,7 @@ def code_paths(sizes: PaperSizes) -> dict:
     """Which device paths this profile takes, from the settings the phases are given: stage 1 and
     regeneration on `device_and_dtype` (on CUDA: device-side finite checks and pinned copies in the
     shard builder), the trainer's auto precision and attention (bf16 autocast and compiled flex
-    attention on CUDA, pinned loader batches; pipeline/train/loop.py `setup`), replay and decoding."""
+    attention on CUDA, pinned loader batches; pipeline/train/setup.py `setup`), replay and decoding."""
     import torch
 
     from pipeline.cache_build.config import WorkerConfig

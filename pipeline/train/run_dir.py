@@ -1,0 +1,143 @@
+"""What a run leaves in --out besides its checkpoints (pipeline/train/checkpoints.py): rank 0's
+metrics.jsonl and tensorboard events (`RunLogs`), the exported drafter (`save_drafter_to`) and the
+summary's figures (`summarize_history`, `format_summary`). A local run writes in place; a run on
+an object store stages files locally and uploads each whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from drafter.checkpoint import CONFIG_FILE, save_drafter
+from storage.atomic import atomic_write_text, remove_path_tolerant
+from storage.errors import DISK_FULL_ERRNOS
+from storage.location import Location, resolve
+
+
+class RunLogs:
+    """Rank 0's metrics.jsonl and tensorboard events. A local run appends them in place; a run on
+    an object store writes them to a node-local staging directory and `publish` uploads them, one
+    whole object per file, before each checkpoint and at the end. A resume from a checkpoint keeps
+    the metrics of the steps up to it (a crash may have logged later steps) and appends."""
+
+    def __init__(self, run: Location, staging: Path):
+        self.run, self.staging = run, staging
+        self.metrics = open(staging / "metrics.jsonl", "a")
+        self.writer = _tensorboard(staging)
+
+    @classmethod
+    def open(cls, run: Location, *, start_step: int) -> RunLogs:
+        if run.is_local:
+            staging = run.local_path
+            staging.mkdir(parents=True, exist_ok=True)
+        else:
+            staging = Path(tempfile.mkdtemp(prefix="alrira-run-"))
+        # The metrics of this run: none at step 0 (a new run, or a resume with no checkpoint yet).
+        kept = []
+        if start_step and run.is_file("metrics.jsonl"):
+            kept = [line for line in run.read_bytes("metrics.jsonl").decode().splitlines() if _step_of(line) <= start_step]
+        atomic_write_text(staging / "metrics.jsonl", "".join(line + "\n" for line in kept))
+        return cls(run, staging)
+
+    def add(self, record: dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        if self.writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                self.writer.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def publish(self) -> None:
+        if self.run.is_local:
+            return
+        if self.writer is not None:
+            self.writer.flush()
+        for path in sorted(self.staging.rglob("*")):
+            if path.is_file():
+                self.run.put_file(path, path.relative_to(self.staging).as_posix())
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.publish()
+
+    def discard(self) -> None:
+        """Close the files; a store run's staging directory goes (what matters is on the store)."""
+        if not self.metrics.closed:
+            self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()  # idempotent; its thread writes into the staging directory
+        if not self.run.is_local:
+            with contextlib.suppress(OSError):
+                remove_path_tolerant(self.staging)
+
+
+def _step_of(line: str) -> float:
+    """A metrics line's step; a torn line (a crash mid-write) sorts after every step, so it is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
+def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
+    """RUN/drafter/: written in place locally; on a store, written locally and uploaded file by file.
+    A full disk is one line: the checkpoints are kept, a rerun with --resume writes it again."""
+    try:
+        _save_drafter_to(run, drafter, dtype=dtype)
+    except OSError as error:
+        if error.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise ValueError(
+            f"{error.filename or run.join('drafter')}: {error.strerror}; the checkpoints are kept: free space and rerun the same "
+            "command with --resume"
+        ) from None
+
+
+def _save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
+    if run.is_local:
+        save_drafter(drafter, run.local_path / "drafter", dtype=dtype)
+        return
+    with tempfile.TemporaryDirectory(prefix="alrira-drafter-") as tmp:
+        save_drafter(drafter, tmp, dtype=dtype)
+        # config.json last, as save_drafter writes it: a drafter/ whose config is new has new weights.
+        for path in sorted(Path(tmp).iterdir(), key=lambda p: (p.name == CONFIG_FILE, p.name)):
+            run.put_file(path, f"drafter/{path.name}")
+
+
+def _tensorboard(directory: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(directory / "tensorboard"))
+
+
+def summarize_history(history: list[dict], *, num_slots: int) -> dict:
+    if not history:
+        return {}
+    tail = history[-max(1, len(history) // 10) :]
+    return {
+        "final_loss": history[-1]["loss"],
+        "mean_loss_last_10pct": sum(h["loss"] for h in tail) / len(tail),
+        "slot_acc_last_10pct": [round(sum(h["slot_acc"][k] for h in tail) / len(tail), 4) for k in range(num_slots)],
+        "mean_tokens_per_s": sum(h["tokens_per_s"] for h in history) / len(history),
+    }
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"run        {summary['run']}", f"method     {summary['method']}", f"steps      {summary['steps']}  ({summary['elapsed_s']:.1f}s)"]
+    if "final_loss" in summary:
+        lines += [
+            f"loss       final {summary['final_loss']:.4f}, mean of last 10% {summary['mean_loss_last_10pct']:.4f}",
+            f"tokens/s   {summary['mean_tokens_per_s']:.0f}",
+            "slot acc   " + " ".join(f"{a:.2f}" for a in summary["slot_acc_last_10pct"]),
+            f"drafter    {resolve(summary['run']).join('drafter')}",
+        ]
+    return "\n".join(lines)
