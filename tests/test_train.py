@@ -235,6 +235,46 @@ def test_resume_from_a_truncated_checkpoint_falls_back_to_the_previous_one(cache
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 2 * per_epoch + 1))
 
 
+def test_resume_never_quietly_becomes_another_run(cache, tmp_path):
+    """Every checkpoint damaged and no readable train_config.json: refused (the flags given could be
+    another run's), and --overwrite starts it again; --max-steps below the latest checkpoint:
+    refused, so the summary never names one step while the weights are another's."""
+    run = tmp_path / "run"
+    train(_config(cache, run, epochs=1, save_every=1))
+    steps = len(_losses(run))
+    for state in run.glob("checkpoints/step-*/state.pt"):
+        state.write_bytes(b"")
+    for damage in (lambda p: p.unlink(), lambda p: p.write_text("{not json")):
+        if (run / "train_config.json").exists():
+            damage(run / "train_config.json")
+        with pytest.raises(ValueError, match="train_config.json is missing or unreadable, so this run's settings cannot be checked"):
+            train(_config(cache, run, method="alr", epochs=1, resume=True))
+    train(_config(cache, run, epochs=1, overwrite=True, save_every=1))
+    with pytest.raises(ValueError, match=rf"--max-steps 1 is below the latest checkpoint's step {steps}"):
+        train(_config(cache, run, epochs=1, resume=True, max_steps=1))
+    summary = train(_config(cache, run, epochs=1, resume=True, max_steps=steps))
+    assert summary["steps"] == steps
+
+
+def test_resume_ignores_settings_the_method_never_reads_and_checks_the_resolved_dtype(cache, tmp_path, monkeypatch):
+    from pipeline.train import setup as setup_module
+
+    run = tmp_path / "run"
+    train(_config(cache, run, method="alr", epochs=1))
+    recorded = json.loads((run / "train_config.json").read_text())
+    assert recorded["compute_dtype"] == "float32" and recorded["device_kind"] == "cpu"  # ALRIRA_CPU_BF16=0 in tests
+    # alr never reads --dflash-gamma (the dflash method's envelope) nor the DSpark loss weights.
+    train(_config(cache, run, method="alr", epochs=2, resume=True, dflash_gamma=5.0, l1_alpha=0.5))
+    with pytest.raises(ValueError, match="--gamma was 2.0, now 3.0"):  # one it reads
+        train(_config(cache, run, method="alr", epochs=2, resume=True, gamma=3.0))
+    # A machine where auto resolves to bf16: refused naming both dtypes, and the flag that continues.
+    monkeypatch.setattr(setup_module, "auto_bf16", lambda device_type, stage: True)
+    with pytest.raises(ValueError, match=r"this run computed in float32 \(on cpu\); here --precision auto resolves to bfloat16 on cpu: "
+                                         r"resume with --precision fp32"):
+        train(_config(cache, run, method="alr", epochs=3, resume=True))
+    train(_config(cache, run, method="alr", epochs=3, resume=True, precision="fp32"))  # continues in float32
+
+
 # ----------------------------------------------------------------------------------------------
 # Real scale: the attention kernel, bf16 on the lm_head, pinned batches, collectives on the device
 

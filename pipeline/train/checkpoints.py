@@ -34,8 +34,16 @@ LATEST_FILE = "latest"
 # (--attention picks a kernel, not the math: flex and sdpa agree to 1e-5.)
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "max_steps", "save_every", "resume", "overwrite", "progress", "num_workers", "prefetch", "out", "attention",
-     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every"}
+     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every",
+     # --precision may change while the dtype it resolves to does not (compute_dtype, checked on its own)
+     "precision", "device_kind"}
 )  # fmt: skip
+# Settings that change nothing for a run of this method and architecture (a different value is no
+# reason to refuse its resume): the DSpark heads and loss of a DFlash run, the DFlash envelopes of a
+# DSpark run, the envelope a method does not use, the rollout depth of a corpus-labelled method.
+DSPARK_SETTINGS = frozenset(
+    {"dspark_block", "markov_rank", "confidence_head", "dspark_gamma", "ce_alpha", "l1_alpha", "confidence_alpha", "confidence_target"}
+)
 # Settings added after checkpoints were first written: the value an older checkpoint's run had.
 ADDED_SETTINGS = {
     "loader": "map",
@@ -164,14 +172,20 @@ def restart_settings_check(run: Location, current: dict, error: NoReadableCheckp
     """A resume whose every checkpoint is damaged starts again from step 0, the oldest state there
     is: the seed makes it the same run, bit for bit (found by benchmarks/chaos.py, seed 2029: a
     run's only checkpoint truncated refused every rerun). The settings are still checked, against
-    the run's train_config.json, as a checkpoint's would be."""
+    the run's train_config.json, as a checkpoint's would be; without a readable one the resume is
+    refused: starting with whatever flags were given could quietly become another run."""
+    saved = None
     if run.is_file("train_config.json"):
         try:
             saved = json.loads(run.read_bytes("train_config.json"))
         except ValueError:
             saved = None
-        if isinstance(saved, dict):
-            check_resume_settings(saved, current, run=run)
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"{error}, and {run.join('train_config.json')} is missing or unreadable, so this run's settings cannot be checked: "
+            "rerun with --overwrite to start it again with these flags, or use a new --out"
+        )
+    check_resume_settings(saved, current, run=run)
     log(f"{error}; starting again from step 0 (the same seed: the same run)")
 
 
@@ -183,10 +197,36 @@ def _resolved_cache(settings: dict) -> dict:
     return settings
 
 
+def unused_settings(settings: dict) -> set[str]:
+    """The settings a run with these flags never reads (see DSPARK_SETTINGS)."""
+    from pipeline.train.methods import RECIPES
+
+    recipe = RECIPES.get(settings.get("method"))
+    if recipe is None:
+        return set()
+    if settings.get("arch", "dflash") == "dspark":
+        unused = {"gamma", "dflash_gamma"}
+    else:
+        unused = set(DSPARK_SETTINGS) | {"gamma" if recipe.dflash_envelope else "dflash_gamma"}
+    if recipe.label_source != "rollout":
+        unused.add("rollout_depth")
+    return unused
+
+
 def check_resume_settings(saved: dict, current: dict, *, run: Location) -> None:
-    """Refuse a resume whose settings change the objective or the data (one line naming them)."""
+    """Refuse a resume whose settings change the objective or the data (one line naming them); a
+    resume that would compute in another dtype than the run did (`auto` resolves per machine) is
+    refused naming both. Settings the run's method and architecture never read are not compared."""
     saved, current = {**ADDED_SETTINGS, **_resolved_cache(saved)}, _resolved_cache(current)
+    recorded, here = saved.pop("compute_dtype", None), current.pop("compute_dtype", None)
+    if recorded is not None and here is not None and recorded != here:
+        raise ValueError(
+            f"{run}: this run computed in {recorded} (on {saved.get('device_kind', '?')}); here --precision "
+            f"{current.get('precision')} resolves to {here} on {current.get('device_kind', '?')}: resume with --precision "
+            f"{'bf16' if recorded == 'bfloat16' else 'fp32'} to continue in {recorded}, or use a new --out"
+        )
     resumable = resumable_changes(saved["loader"]) & resumable_changes(current.get("loader", "map"))
+    resumable = resumable | (unused_settings(saved) & unused_settings(current))
     changed = [
         name for name in sorted(set(saved) | set(current))
         if name not in resumable and saved.get(name) != current.get(name)

@@ -192,6 +192,10 @@ def setup(config: TrainConfig) -> TrainState:
     resolved = replace(config.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
     resolved_drafter = replace(config.drafter, dspark_block=dspark_block, markov_rank=markov_rank)
     run_settings = to_flags(replace(config, objective=resolved, drafter=resolved_drafter))
+    # What `auto` resolved to on this machine is part of the run (a resume elsewhere must match it).
+    use_bf16 = optim.precision == "bf16" or (optim.precision == "auto" and auto_bf16(device.type, stage="train"))
+    compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    run_settings |= {"compute_dtype": str(compute_dtype).removeprefix("torch."), "device_kind": device.type}
     per_epoch = steps_per_epoch(len(reader), batch_size=optim.batch_size)
     epoch_steps = stream_epoch_steps(plan, optim.epochs) if stream else [per_epoch] * optim.epochs
     epoch_ends = list(itertools.accumulate(epoch_steps))
@@ -206,15 +210,19 @@ def setup(config: TrainConfig) -> TrainState:
     except NoReadableCheckpoint as error:
         restart_settings_check(run, run_settings, error)
         state = None
+    last_step = min(epoch_ends[-1], config.max_steps) if config.max_steps else epoch_ends[-1]
     if state is not None:
         check_resume_settings(state["config"], run_settings, run=run)
         check_data_position(state, position_after(state["step"]), run=run)
+        if state["step"] > last_step:  # the weights there are a later step's than this run would end at
+            raise ValueError(
+                f"{run}: --max-steps {config.max_steps} is below the latest checkpoint's step {state['step']}; its weights are "
+                f"step {state['step']}'s: resume with --max-steps {state['step']} or more, or train step {config.max_steps} in a new --out"
+            )
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         start_step = state["step"]
-    use_bf16 = optim.precision == "bf16" or (optim.precision == "auto" and auto_bf16(device.type, stage="train"))
-    compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     attention = "flex" if optim.attention == "flex" or (optim.attention == "auto" and device.type == "cuda") else "sdpa"
     if attention == "flex" and device.type != "cuda":
         raise ValueError(f"--attention flex needs a CUDA device (PyTorch has no flex-attention backward on {device.type}); use sdpa or auto")
@@ -243,6 +251,6 @@ def setup(config: TrainConfig) -> TrainState:
         epoch_ends=epoch_ends,
         data_position=position_after,
         total_steps=total_steps,
-        last_step=min(total_steps, config.max_steps) if config.max_steps else total_steps,
+        last_step=last_step,
         settings=run_settings,
     )  # fmt: skip
