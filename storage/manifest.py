@@ -22,6 +22,7 @@ from storage.format import (
     FEATURE_CODECS,
     FORMAT_NAME,
     READABLE_FORMAT_VERSIONS,
+    is_readable_format_version,
     MANIFEST_FILE,
     SHARD_COMPLETE,
     SHARD_STATUSES,
@@ -326,7 +327,7 @@ class Manifest:
             raise ValueError(f"settings must be a CacheSettings, got {type(self.settings).__name__}")
         if self.format_version is None:
             self.format_version = self.settings.format_version
-        if self.format_version not in READABLE_FORMAT_VERSIONS:
+        if not is_readable_format_version(self.format_version):
             raise ValueError(f"format_version {self.format_version!r} is not supported (this code reads {READABLE_FORMAT_VERSIONS})")
         if self.format_version < self.settings.format_version:
             raise ValueError(
@@ -427,7 +428,7 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
         raise ValueError(f"{path}: corrupt manifest (top level is not a JSON object)")
     if data.get("format") != FORMAT_NAME:
         raise ValueError(f"{path}: not an {FORMAT_NAME} manifest (format is {data.get('format')!r})")
-    if data.get("format_version") not in READABLE_FORMAT_VERSIONS:
+    if not is_readable_format_version(data.get("format_version")):
         raise ValueError(
             f"{path}: unsupported format_version {data.get('format_version')!r} (this code reads versions "
             f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}; a newer alrira wrote it, or it is not a cache)"
