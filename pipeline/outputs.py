@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.format import OUTPUT_LOCK_FILE
 
 RECORD_FILE = ".alrira-output.json"
@@ -72,6 +73,40 @@ def check_out_path(out: str | os.PathLike, *, flag: str = "--out") -> Path:
                 raise ValueError(f"{flag} {out}: is a file, not a directory; give the output its own directory")
             raise ValueError(f"{flag} {out}: {place} is a file, not a directory; give the output its own directory")
     return out
+
+
+def cannot_write(out: str | os.PathLike, error: OSError, *, flag: str = "--out", what: str | None = None) -> ValueError:
+    """The one line of a failed write in --out, with the advice its errno calls for: free space for a
+    full disk or quota, a writable --out for a read-only filesystem or a missing permission."""
+    where = what or (error.filename if error.filename is not None else out)
+    reason = error.strerror or first_line(error)
+    if error.errno in DISK_FULL_ERRNOS:
+        advice = "free space and rerun the same command"
+    elif error.errno == errno.EROFS:
+        advice = f"it is on a read-only filesystem: give a writable {flag}"
+    elif error.errno in (errno.EACCES, errno.EPERM):
+        advice = f"this user may not write there: give a writable {flag}"
+    else:
+        advice = f"give another {flag}"
+    return ValueError(f"{flag} {out}: cannot write {where}: {reason}; {advice}")
+
+
+def _inside(filename, out: str | os.PathLike) -> bool:
+    if not isinstance(filename, (str, os.PathLike)):
+        return False
+    return Path(os.path.abspath(filename)).is_relative_to(os.path.abspath(out))
+
+
+def not_a_regular_file(path: Path) -> str | None:
+    """"a directory", "a symlink", "a FIFO or device" when `path` exists and is not a regular file
+    (which this tool writes for its lock and record, and which alone it opens), else None."""
+    if path.is_symlink():
+        return "a symlink"
+    if not path.exists():
+        return None
+    if path.is_dir():
+        return "a directory"
+    return None if path.is_file() else "a FIFO, socket or device"
 
 
 def _shown(names: list[str]) -> str:
@@ -147,13 +182,20 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
     process holds it. A directory this call created is removed again if it is left empty."""
     out = check_out_path(out, flag=flag)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a read-only filesystem, a folder this user may not write
+        raise cannot_write(out, error, flag=flag) from None
     path = out / LOCK_FILE
+    if (kind := not_a_regular_file(path)) is not None:
+        raise ValueError(f"{flag} {out}: {path} is {kind}, not a lock this tool wrote; remove it and rerun")
     me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for _ in range(3):
         try:
             _create_lock(path, me)
         except FileExistsError:
+            if (kind := not_a_regular_file(path)) is not None:  # made between the check above and the link
+                raise ValueError(f"{flag} {out}: {path} is {kind}, not a lock this tool wrote; remove it and rerun") from None
             holder = _read_lock(path)
             pid, host = holder.get("pid"), holder.get("host")
             if (host == me["host"] and isinstance(pid, int) and not _alive(pid)) or _holderless(path, holder):
@@ -167,7 +209,7 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
                 f"{holder.get('started')}); wait for it to finish, or if that process is gone, remove {path}"
             ) from None
         except OSError as error:  # a full disk, a read-only one: nothing was left behind (_create_lock)
-            raise ValueError(f"{flag} {out}: cannot write its lock {LOCK_FILE}: {error.strerror}; free space and rerun the same command") from None
+            raise cannot_write(out, error, flag=flag, what=f"its lock {LOCK_FILE}") from None
         break
     else:
         raise ValueError(f"{flag} {out}: could not take {path} (another process keeps taking it)")
@@ -187,6 +229,8 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
 
 def read_record(out: str | os.PathLike) -> dict | None:
     path = Path(out) / RECORD_FILE
+    if (kind := not_a_regular_file(path)) is not None:
+        raise ValueError(f"{path}: is {kind}, not a record this tool wrote; move it or use another --out")
     if not path.is_file():
         return None
     try:
@@ -281,7 +325,12 @@ def claim_output(
 ) -> Iterator[Output]:  # fmt: skip
     """`prepare_output` under `output_lock`: the block writes the output and calls `finish()`."""
     with output_lock(out, command=command, flag=flag):
-        yield prepare_output(out, command=command, inputs=inputs, own=own, overwrite=overwrite, log=log, flag=flag, keep=keep)
+        try:
+            yield prepare_output(out, command=command, inputs=inputs, own=own, overwrite=overwrite, log=log, flag=flag, keep=keep)
+        except OSError as error:  # a write in --out failed (a disk filling, a folder made read-only meanwhile)
+            if not _inside(error.filename, out):
+                raise  # an input's error: the command's own message
+            raise cannot_write(out, error, flag=flag) from None
 
 
 def owns(*names: str) -> Callable[[str], bool]:
