@@ -93,6 +93,27 @@ def _check_dict(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def check_compute(name: str, value: Any) -> None:
+    """None (a cache built before it was recorded) or {"dtype": "float32" | "bfloat16", "device":
+    "cpu" | "cuda" | ...}: what the target computed the cache in, `auto` resolved on the machine
+    that computed it."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or set(value) != {"dtype", "device"}:
+        raise ValueError(f"{name} must be {{'dtype': ..., 'device': ...}}, got {value!r}")
+    if value["dtype"] not in COMPUTE_DTYPES:
+        raise ValueError(f"{name}.dtype must be one of {COMPUTE_DTYPES}, got {value['dtype']!r}")
+    _check_str(f"{name}.device", value["device"], nonempty=True)
+
+
+def describe_compute(compute: dict | None) -> str:
+    """"bfloat16 on cuda", or what an older cache without the record says."""
+    return "not recorded (built before the compute dtype was)" if compute is None else f"{compute['dtype']} on {compute['device']}"
+
+
 def _check_keys(cls: type, data: Any) -> None:
     """Reject unknown keys and missing required keys of a dict for dataclass `cls`."""
     if not isinstance(data, dict):
@@ -257,6 +278,9 @@ class ShardRecord:
     # Rows of rollout features (caches with settings.ira_parents: P = min(ira_parents, A) per
     # sequence); None (no key): one per anchor.
     parents: int | None = None
+    # What the target computed this shard in ({"dtype": "bfloat16", "device": "cuda"}, `auto`
+    # resolved on the worker's machine); None (no key): built before it was recorded.
+    compute: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_str("name", self.name, nonempty=True)
@@ -282,6 +306,7 @@ class ShardRecord:
             raise ValueError(f"build_seconds must map parts to seconds >= 0, got {self.build_seconds!r}")
         if self.parents is not None:
             _check_int("parents", self.parents, minimum=0)
+        check_compute("compute", self.compute)
 
     @property
     def is_complete(self) -> bool:
@@ -289,7 +314,7 @@ class ShardRecord:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("node", "object_tags", "build_seconds", "parents"):  # absent rather than null: such manifests read as before
+        for optional in ("node", "object_tags", "build_seconds", "parents", "compute"):  # absent rather than null: such manifests read as before
             if data[optional] is None:
                 del data[optional]
         return data
@@ -319,6 +344,10 @@ class Manifest:
     shards: list[ShardRecord]
     num_shards_planned: int
     created_with: str = field(default_factory=package_version)
+    # What the target computed the cache in ({"dtype": "bfloat16", "device": "cuda"}): `auto`
+    # resolves per machine, so a build resumed elsewhere could mix dtypes; every shard's record
+    # must match it. None (no key): a cache built before it was recorded.
+    compute: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.format != FORMAT_NAME:
@@ -345,6 +374,7 @@ class Manifest:
         _check_dict("corpus_stats", self.corpus_stats)
         _check_int("num_shards_planned", self.num_shards_planned, minimum=0, maximum=MAX_SHARDS_PLANNED)
         _check_str("created_with", self.created_with)
+        check_compute("compute", self.compute)
         bad_layers = [i for i in self.settings.layer_ids if i >= self.num_target_layers]
         if bad_layers:
             raise ValueError(f"settings.layer_ids {bad_layers} out of range for num_target_layers={self.num_target_layers}")
@@ -360,6 +390,11 @@ class Manifest:
                 raise ValueError(f"shards: shard {shard.index} is named {shard.name!r}, expected {expected!r}")
             if shard.index >= self.num_shards_planned:
                 raise ValueError(f"shards: index {shard.index} >= num_shards_planned={self.num_shards_planned}")
+            if self.compute is not None and shard.compute is not None and shard.compute != self.compute:
+                raise ValueError(
+                    f"shards: {shard.name} was computed in {describe_compute(shard.compute)}, the cache in "
+                    f"{describe_compute(self.compute)}; rebuild it (alrira-cache build --overwrite)"
+                )
 
     @property
     def feature_dim(self) -> int:
@@ -391,6 +426,8 @@ class Manifest:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["settings"] = self.settings.to_dict()
         data["shards"] = [s.to_dict() for s in self.shards]
+        if data["compute"] is None:  # absent rather than null: such manifests read as before
+            del data["compute"]
         return data
 
     @classmethod
