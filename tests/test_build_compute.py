@@ -29,8 +29,8 @@ FP32_CPU = {"dtype": "float32", "device": "cpu"}
 
 
 def _config(toy_target: Path, corpus: Path, out: Path, **flags) -> CacheBuildConfig:
-    return CacheBuildConfig.from_flags(target=str(toy_target), corpus=str(corpus), out=str(out), anchors=4, shard_size=2,
-                                       max_length=128, layers=[0, 2], top_k=4, num_slots=4, **flags)  # fmt: skip
+    small = {"anchors": 4, "shard_size": 2, "max_length": 128, "layers": [0, 2], "top_k": 4, "num_slots": 4}
+    return CacheBuildConfig.from_flags(target=str(toy_target), corpus=str(corpus), out=str(out), **{**small, **flags})
 
 
 def _build(config: CacheBuildConfig, run_shards=run_shards_here):
