@@ -16,6 +16,7 @@ relies on. Atomic writes of a local file (temp, fsync, rename) are storage.atomi
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -118,15 +119,21 @@ def _client_versions(protocol: str) -> str:
 def check_store_client(protocol: str, *, where: str) -> None:
     """One-line ValueError naming the package and the version found when the client of `protocol`
     (and fsspec) is missing or older than the release tested."""
+    problem = _client_problem(protocol)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+
+
+@functools.cache
+def _client_problem(protocol: str) -> str | None:
+    """What is wrong with the installed client of `protocol`, looked up once per process."""
     for package in ("fsspec", *([STORE_CLIENTS[protocol]] if protocol in STORE_CLIENTS else [])):
         found, minimum = _installed(package), MIN_CLIENT_VERSIONS[package]
         if found is None:
-            raise ValueError(f"{where}: needs the package {package} (>= {minimum}), which is not installed; pip install '{package}>={minimum}'")
+            return f"needs the package {package} (>= {minimum}), which is not installed; pip install '{package}>={minimum}'"
         if _version_tuple(found) < _version_tuple(minimum):
-            raise ValueError(
-                f"{where}: needs {package} >= {minimum} (the oldest release tested), found {package} {found}; "
-                f"pip install -U '{package}>={minimum}'"
-            )
+            return f"needs {package} >= {minimum} (the oldest release tested), found {package} {found}; pip install -U '{package}>={minimum}'"
+    return None
 
 
 def is_url(where: str | os.PathLike) -> bool:
