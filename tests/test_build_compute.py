@@ -132,3 +132,17 @@ def test_a_store_corpus_is_fetched_once_and_hashed_from_its_rows(toy_target, sma
     manifest = _build(_config(toy_target, url, tmp_path / "cache"))
     assert manifest.settings.corpus_hash == file_sha256(small_corpus)
     assert manifest.corpus_stats["rows"] == 4
+
+
+def test_verify_names_a_shard_computed_in_another_dtype(toy_target, small_corpus, tmp_path, monkeypatch):
+    """A shard whose attributes say bf16 in an fp32 cache (one copied in from a bf16 build): verify names it."""
+    from storage.verify import verify_cache
+
+    monkeypatch.setenv(CPU_BF16_ENV, "0")
+    out = tmp_path / "fp32"
+    _build(_config(toy_target, small_corpus, out))
+    name = load_manifest(out).shards[0].name
+    group = zarr.open_group(str(out / SHARD_DIR / name), mode="r+")
+    group.update_attributes({"compute": {"dtype": "bfloat16", "device": "cpu"}})
+    problems = verify_cache(out)
+    assert any(name in p and "attribute compute" in p and "another dtype" in p for p in problems), problems
