@@ -9,11 +9,15 @@ cost | compare`, `python -m pipeline.demo`) claims it here before it writes anyt
   holder. A lock whose pid is gone on this host is stale and taken over, as is one naming no holder
   after 30 s; one from another host is left to the user (its path is named).
 - `.alrira-output.json` records the command and its inputs (hashes of the target, the drafter and
-  the prompts file, and every setting that changes a number), and whether the output is complete.
-  A rerun with equal inputs keeps a complete output ("kept (same inputs)"); other inputs are refused
-  in one line naming what differs, or recomputed under --overwrite.
+  the prompts file, and every setting that changes a number), whether the output is complete, and
+  the sha256 of every file it vouches for (`files`). A rerun with equal inputs keeps a complete
+  output ("kept (same inputs)") only when each file still has its recorded checksum: an edited one
+  is refused in one line naming it (recomputed under --overwrite), a record without checksums (an
+  older version's) is recomputed. Other inputs are refused in one line naming what differs, or
+  recomputed under --overwrite. Only regular files are opened (`read_regular_file`).
 - A directory holding names the command does not write is refused, --overwrite or not, and
-  --overwrite removes only the command's own names: nothing of the user's is touched.
+  --overwrite removes only the command's own names, and refuses (naming them) when one of those is
+  a directory holding files the command did not write: nothing of the user's is touched.
 
 `alrira-cache build` and `regenerate` keep their own claims (storage/ownership.py, the regeneration
 manifest); they share `differences` and `check_out_path` from here.
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -34,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.format import OUTPUT_LOCK_FILE
 
 RECORD_FILE = ".alrira-output.json"
@@ -72,6 +79,40 @@ def check_out_path(out: str | os.PathLike, *, flag: str = "--out") -> Path:
                 raise ValueError(f"{flag} {out}: is a file, not a directory; give the output its own directory")
             raise ValueError(f"{flag} {out}: {place} is a file, not a directory; give the output its own directory")
     return out
+
+
+def cannot_write(out: str | os.PathLike, error: OSError, *, flag: str = "--out", what: str | None = None) -> ValueError:
+    """The one line of a failed write in --out, with the advice its errno calls for: free space for a
+    full disk or quota, a writable --out for a read-only filesystem or a missing permission."""
+    where = what or (error.filename if error.filename is not None else out)
+    reason = error.strerror or first_line(error)
+    if error.errno in DISK_FULL_ERRNOS:
+        advice = "free space and rerun the same command"
+    elif error.errno == errno.EROFS:
+        advice = f"it is on a read-only filesystem: give a writable {flag}"
+    elif error.errno in (errno.EACCES, errno.EPERM):
+        advice = f"this user may not write there: give a writable {flag}"
+    else:
+        advice = f"give another {flag}"
+    return ValueError(f"{flag} {out}: cannot write {where}: {reason}; {advice}")
+
+
+def _inside(filename, out: str | os.PathLike) -> bool:
+    if not isinstance(filename, (str, os.PathLike)):
+        return False
+    return Path(os.path.abspath(filename)).is_relative_to(os.path.abspath(out))
+
+
+def not_a_regular_file(path: Path) -> str | None:
+    """"a directory", "a symlink", "a FIFO or device" when `path` exists and is not a regular file
+    (which this tool writes for its lock and record, and which alone it opens), else None."""
+    if path.is_symlink():
+        return "a symlink"
+    if not path.exists():
+        return None
+    if path.is_dir():
+        return "a directory"
+    return None if path.is_file() else "a FIFO, socket or device"
 
 
 def _shown(names: list[str]) -> str:
@@ -147,13 +188,20 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
     process holds it. A directory this call created is removed again if it is left empty."""
     out = check_out_path(out, flag=flag)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a read-only filesystem, a folder this user may not write
+        raise cannot_write(out, error, flag=flag) from None
     path = out / LOCK_FILE
+    if (kind := not_a_regular_file(path)) is not None:
+        raise ValueError(f"{flag} {out}: {path} is {kind}, not a lock this tool wrote; remove it and rerun")
     me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for _ in range(3):
         try:
             _create_lock(path, me)
         except FileExistsError:
+            if (kind := not_a_regular_file(path)) is not None:  # made between the check above and the link
+                raise ValueError(f"{flag} {out}: {path} is {kind}, not a lock this tool wrote; remove it and rerun") from None
             holder = _read_lock(path)
             pid, host = holder.get("pid"), holder.get("host")
             if (host == me["host"] and isinstance(pid, int) and not _alive(pid)) or _holderless(path, holder):
@@ -167,7 +215,7 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
                 f"{holder.get('started')}); wait for it to finish, or if that process is gone, remove {path}"
             ) from None
         except OSError as error:  # a full disk, a read-only one: nothing was left behind (_create_lock)
-            raise ValueError(f"{flag} {out}: cannot write its lock {LOCK_FILE}: {error.strerror}; free space and rerun the same command") from None
+            raise cannot_write(out, error, flag=flag, what=f"its lock {LOCK_FILE}") from None
         break
     else:
         raise ValueError(f"{flag} {out}: could not take {path} (another process keeps taking it)")
@@ -185,12 +233,61 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
 # The record of the inputs
 
 
+def read_regular_file(path: str | os.PathLike) -> bytes:
+    """The bytes of `path`, a regular file (a link to one is followed); OSError otherwise. Opened
+    without blocking and checked before it is read, so a FIFO planted at the name (which an open
+    for reading waits on forever) is refused, as are devices and directories."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def sha256_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def file_checksums(out: Path, own: Callable[[str], bool]) -> dict[str, str]:
+    """{name: sha256} of the regular files at `out`'s top level that `own` claims (what a record vouches for)."""
+    names = sorted(n for n in os.listdir(out) if own(n) and n not in (RECORD_FILE, LOCK_FILE))
+    return {n: sha256_of(read_regular_file(out / n)) for n in names if (out / n).is_file() and not (out / n).is_symlink()}
+
+
+def unproven(out: Path, record: dict, names: list[str]) -> str | None:
+    """Why the files of `out` (its own `names`) are not the ones its record vouches for, or None."""
+    recorded = record.get("files")
+    if not isinstance(recorded, dict):
+        return "its record holds no checksums of its files"
+    for name in names:
+        if name not in recorded:
+            return f"{out / name} is not among the files its record vouches for"
+    for name, checksum in sorted(recorded.items()):
+        path = out / name
+        if path.is_symlink() or not path.is_file():
+            return f"{path}, which its record vouches for, is missing or not a regular file"
+        try:
+            found = sha256_of(read_regular_file(path))
+        except OSError as error:
+            return f"{path}: unreadable ({error.strerror})"
+        if found != checksum:
+            return f"{path} differs from the checksum its record holds (changed after it was written)"
+    return None
+
+
 def read_record(out: str | os.PathLike) -> dict | None:
     path = Path(out) / RECORD_FILE
+    if (kind := not_a_regular_file(path)) is not None:
+        raise ValueError(f"{path}: is {kind}, not a record this tool wrote; move it or use another --out")
     if not path.is_file():
         return None
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(read_regular_file(path))
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: unreadable record of the output's inputs ({error}); move the output or use another --out") from None
     if not isinstance(record, dict) or not isinstance(record.get("inputs"), dict) or not isinstance(record.get("command"), str):
@@ -213,10 +310,51 @@ class Output:
     command: str
     inputs: dict
     kept: bool
+    own: Callable[[str], bool]
 
     def finish(self, **extra) -> None:
-        """Mark the output complete (last, after every file it holds is written)."""
-        write_record(self.path, {"command": self.command, "inputs": self.inputs, "complete": True, **extra})
+        """Mark the output complete (last, after every file it holds is written), with the checksum
+        of each of its files: a later "kept" or a reuse of one is checked against them."""
+        files = file_checksums(self.path, self.own)
+        write_record(self.path, {"command": self.command, "inputs": self.inputs, "complete": True, "files": files, **extra})
+
+
+def foreign_inside(out: Path, names: list[str], own_path: Callable[[str], bool] | None = None) -> list[str]:
+    """The paths (relative to `out`, a directory's ending in "/") below the directories among `names`
+    that `own_path` does not claim as written by the command: a user's notes in RUN/drafter/, a
+    folder of theirs where the command writes a file. Without `own_path` nothing below a top-level
+    name is the command's. Links are not followed, and an unclaimed directory is named whole."""
+    found = []
+    for name in names:
+        top = out / name
+        if top.is_symlink() or not top.is_dir():
+            continue
+        if own_path is None:
+            found.append(f"{name}/")
+            continue
+        for root, dirs, files in os.walk(top):
+            here = Path(root).relative_to(out)
+            for directory in list(dirs):
+                relative = (here / directory).as_posix()
+                if os.path.islink(os.path.join(root, directory)):  # a link: never the command's
+                    found.append(relative)
+                    dirs.remove(directory)
+                elif not own_path(f"{relative}/"):
+                    found.append(f"{relative}/")
+                    dirs.remove(directory)
+            found += [(here / f).as_posix() for f in files if not own_path((here / f).as_posix())]
+    return sorted(found)
+
+
+def refuse_foreign_inside(out: Path, names: list[str], *, command: str, own_path: Callable[[str], bool] | None = None,
+                          flag: str = "--out") -> None:  # fmt: skip
+    """One-line ValueError naming what removing `names` would take that `command` did not write."""
+    foreign = foreign_inside(out, names, own_path)
+    if foreign:
+        raise ValueError(
+            f"{flag} {out}: replacing it would remove files {command} did not write ({_shown(foreign)}); "
+            f"move them or use another {flag}"
+        )
 
 
 def remove_names(out: Path, names: list[str]) -> None:
@@ -251,14 +389,20 @@ def prepare_output(
                 f"{flag} {out}: holds {_shown(names)} with no record of the inputs they were computed from; "
                 "pass --overwrite to replace them, or use another " + flag
             )
+        refuse_foreign_inside(out, names, command=command, flag=flag)
         log(f"{flag} {out}: --overwrite: replacing {_shown(names)}")
         remove_names(out, names)
     elif record is not None and (names or record.get("complete")):  # (a claim that wrote nothing is no output)
         changed = differences(record["inputs"], inputs)
         if not changed and record.get("complete"):
             if not overwrite and keep:
-                log(f"{out}: kept (same inputs)")
-                return Output(path=out, command=command, inputs=inputs, kept=True)
+                problem = unproven(out, record, names)
+                if problem is None:
+                    log(f"{out}: kept (same inputs)")
+                    return Output(path=out, command=command, inputs=inputs, kept=True, own=own)
+                if isinstance(record.get("files"), dict):
+                    raise ValueError(f"{flag} {out}: not kept: {problem}; pass --overwrite to recompute it, or use another {flag}")
+                log(f"{out}: same inputs, but {problem} (an older alrira's): recomputing")
             if overwrite:
                 log(f"{flag} {out}: --overwrite: recomputing (same inputs)")
         elif changed and not overwrite:
@@ -268,10 +412,11 @@ def prepare_output(
             )
         elif changed:
             log(f"{flag} {out}: --overwrite: replacing an output of other inputs ({'; '.join(changed)})")
+        refuse_foreign_inside(out, names, command=command, flag=flag)
         remove_names(out, names)  # ours: an unfinished run of the same inputs, or replaced under --overwrite
     out.mkdir(parents=True, exist_ok=True)
     write_record(out, {"command": command, "inputs": inputs, "complete": False})
-    return Output(path=out, command=command, inputs=inputs, kept=False)
+    return Output(path=out, command=command, inputs=inputs, kept=False, own=own)
 
 
 @contextlib.contextmanager
@@ -281,7 +426,12 @@ def claim_output(
 ) -> Iterator[Output]:  # fmt: skip
     """`prepare_output` under `output_lock`: the block writes the output and calls `finish()`."""
     with output_lock(out, command=command, flag=flag):
-        yield prepare_output(out, command=command, inputs=inputs, own=own, overwrite=overwrite, log=log, flag=flag, keep=keep)
+        try:
+            yield prepare_output(out, command=command, inputs=inputs, own=own, overwrite=overwrite, log=log, flag=flag, keep=keep)
+        except OSError as error:  # a write in --out failed (a disk filling, a folder made read-only meanwhile)
+            if not _inside(error.filename, out):
+                raise  # an input's error: the command's own message
+            raise cannot_write(out, error, flag=flag) from None
 
 
 def owns(*names: str) -> Callable[[str], bool]:

@@ -115,6 +115,7 @@ def cache_info(cache: str, as_json: bool):
 def _cache_info(cache: str):
     """What `info` prints, and the opened cache's reader."""
     from pipeline.train.methods import METHODS, required_arrays
+    from storage.manifest import describe_compute
     from storage.reader import available_arrays, cache_group_bytes, cache_stats, open_cache
 
     reader = open_cache(cache)
@@ -132,6 +133,7 @@ def _cache_info(cache: str):
     return {
         "cache": cache if is_url(cache) else str(Path(cache).resolve()),
         "format": f"{manifest.format} v{manifest.format_version} ({settings.storage_format}, {layout})",
+        "compute": describe_compute(manifest.compute),  # the target's dtype and device, `auto` resolved
         "profile": settings.profile or "-",
         "target": manifest.target_path,
         "layer_ids": settings.layer_ids,

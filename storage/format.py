@@ -56,6 +56,11 @@ FORMAT_NAME = "alrira-cache"
 FORMAT_VERSION = 2  # the newest layout this code writes and reads
 READABLE_FORMAT_VERSIONS = (1, 2)
 
+
+def is_readable_format_version(value) -> bool:
+    """An int this code reads: JSON's `true` is a Python int equal to 1, and must not pass for version 1."""
+    return type(value) is int and value in READABLE_FORMAT_VERSIONS
+
 MANIFEST_FILE = "manifest.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
 SHARD_DIR = "shards"

@@ -16,6 +16,7 @@ relies on. Atomic writes of a local file (temp, fsync, rename) are storage.atomi
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -81,6 +82,60 @@ def _store_options(protocol: str) -> dict:
     return options
 
 
+# The store clients whose API this module relies on, and the oldest release tested (pyproject.toml
+# declares the same bounds; tests/test_dependencies.py keeps the two equal). An older one can be
+# picked by a resolver that has boto3 pinned: s3fs 0.4.2's session cannot even start.
+STORE_CLIENTS = {"s3": "s3fs", "s3a": "s3fs"}
+MIN_CLIENT_VERSIONS = {"fsspec": "2026.9.0", "s3fs": "2026.9.0"}
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """(2026, 9, 0) from "2026.9.0" (or "2026.9.0.post1", "0.4.2"): enough to compare calendar versions."""
+    numbers = []
+    for part in version.split("."):
+        digits = len(part) - len(part.lstrip("0123456789"))
+        if not digits:
+            break
+        numbers.append(int(part[:digits]))
+        if digits < len(part):  # "0rc1": a pre-release of 0
+            break
+    return tuple(numbers)
+
+
+def _installed(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _client_versions(protocol: str) -> str:
+    packages = ["fsspec", *([STORE_CLIENTS[protocol]] if protocol in STORE_CLIENTS else [])]
+    return ", ".join(f"{p} {_installed(p) or 'not installed'}" for p in packages)
+
+
+def check_store_client(protocol: str, *, where: str) -> None:
+    """One-line ValueError naming the package and the version found when the client of `protocol`
+    (and fsspec) is missing or older than the release tested."""
+    problem = _client_problem(protocol)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+
+
+@functools.cache
+def _client_problem(protocol: str) -> str | None:
+    """What is wrong with the installed client of `protocol`, looked up once per process."""
+    for package in ("fsspec", *([STORE_CLIENTS[protocol]] if protocol in STORE_CLIENTS else [])):
+        found, minimum = _installed(package), MIN_CLIENT_VERSIONS[package]
+        if found is None:
+            return f"needs the package {package} (>= {minimum}), which is not installed; pip install '{package}>={minimum}'"
+        if _version_tuple(found) < _version_tuple(minimum):
+            return f"needs {package} >= {minimum} (the oldest release tested), found {package} {found}; pip install -U '{package}>={minimum}'"
+    return None
+
+
 def is_url(where: str | os.PathLike) -> bool:
     """Whether `where` names a store URL (`proto://...`) rather than a local path."""
     return not isinstance(where, os.PathLike) and "://" in str(where)
@@ -99,11 +154,15 @@ def resolve(where: str | os.PathLike | Location) -> Location:
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    options = _store_options(url.split("://", 1)[0])
+    protocol = url.split("://", 1)[0]
+    check_store_client(protocol, where=url)
+    options = _store_options(protocol)
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
     except (ValueError, ImportError) as error:
         raise ValueError(f"{url}: not a storage location fsspec can open ({first_line(error)})") from None
+    except Exception as error:  # a client whose API is not the one tested (its constructor's arguments, say)
+        raise ValueError(f"{url}: the store client failed to start ({_client_versions(protocol)}): {type(error).__name__}: {first_line(error)}") from None
     if isinstance(fs, LocalFileSystem):
         return LocalDir(Path(root))
     if "config_kwargs" in options:

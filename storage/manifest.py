@@ -22,6 +22,7 @@ from storage.format import (
     FEATURE_CODECS,
     FORMAT_NAME,
     READABLE_FORMAT_VERSIONS,
+    is_readable_format_version,
     MANIFEST_FILE,
     SHARD_COMPLETE,
     SHARD_STATUSES,
@@ -90,6 +91,27 @@ def _check_int_list(name: str, value: Any, *, minimum: int | None = None) -> Non
 def _check_dict(name: str, value: Any) -> None:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def check_compute(name: str, value: Any) -> None:
+    """None (a cache built before it was recorded) or {"dtype": "float32" | "bfloat16", "device":
+    "cpu" | "cuda" | ...}: what the target computed the cache in, `auto` resolved on the machine
+    that computed it."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or set(value) != {"dtype", "device"}:
+        raise ValueError(f"{name} must be {{'dtype': ..., 'device': ...}}, got {value!r}")
+    if value["dtype"] not in COMPUTE_DTYPES:
+        raise ValueError(f"{name}.dtype must be one of {COMPUTE_DTYPES}, got {value['dtype']!r}")
+    _check_str(f"{name}.device", value["device"], nonempty=True)
+
+
+def describe_compute(compute: dict | None) -> str:
+    """"bfloat16 on cuda", or what an older cache without the record says."""
+    return "not recorded (built before the compute dtype was)" if compute is None else f"{compute['dtype']} on {compute['device']}"
 
 
 def _check_keys(cls: type, data: Any) -> None:
@@ -256,6 +278,9 @@ class ShardRecord:
     # Rows of rollout features (caches with settings.ira_parents: P = min(ira_parents, A) per
     # sequence); None (no key): one per anchor.
     parents: int | None = None
+    # What the target computed this shard in ({"dtype": "bfloat16", "device": "cuda"}, `auto`
+    # resolved on the worker's machine); None (no key): built before it was recorded.
+    compute: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_str("name", self.name, nonempty=True)
@@ -281,6 +306,7 @@ class ShardRecord:
             raise ValueError(f"build_seconds must map parts to seconds >= 0, got {self.build_seconds!r}")
         if self.parents is not None:
             _check_int("parents", self.parents, minimum=0)
+        check_compute("compute", self.compute)
 
     @property
     def is_complete(self) -> bool:
@@ -288,7 +314,7 @@ class ShardRecord:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("node", "object_tags", "build_seconds", "parents"):  # absent rather than null: such manifests read as before
+        for optional in ("node", "object_tags", "build_seconds", "parents", "compute"):  # absent rather than null: such manifests read as before
             if data[optional] is None:
                 del data[optional]
         return data
@@ -318,6 +344,10 @@ class Manifest:
     shards: list[ShardRecord]
     num_shards_planned: int
     created_with: str = field(default_factory=package_version)
+    # What the target computed the cache in ({"dtype": "bfloat16", "device": "cuda"}): `auto`
+    # resolves per machine, so a build resumed elsewhere could mix dtypes; every shard's record
+    # must match it. None (no key): a cache built before it was recorded.
+    compute: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.format != FORMAT_NAME:
@@ -326,7 +356,7 @@ class Manifest:
             raise ValueError(f"settings must be a CacheSettings, got {type(self.settings).__name__}")
         if self.format_version is None:
             self.format_version = self.settings.format_version
-        if self.format_version not in READABLE_FORMAT_VERSIONS:
+        if not is_readable_format_version(self.format_version):
             raise ValueError(f"format_version {self.format_version!r} is not supported (this code reads {READABLE_FORMAT_VERSIONS})")
         if self.format_version < self.settings.format_version:
             raise ValueError(
@@ -344,6 +374,7 @@ class Manifest:
         _check_dict("corpus_stats", self.corpus_stats)
         _check_int("num_shards_planned", self.num_shards_planned, minimum=0, maximum=MAX_SHARDS_PLANNED)
         _check_str("created_with", self.created_with)
+        check_compute("compute", self.compute)
         bad_layers = [i for i in self.settings.layer_ids if i >= self.num_target_layers]
         if bad_layers:
             raise ValueError(f"settings.layer_ids {bad_layers} out of range for num_target_layers={self.num_target_layers}")
@@ -359,6 +390,11 @@ class Manifest:
                 raise ValueError(f"shards: shard {shard.index} is named {shard.name!r}, expected {expected!r}")
             if shard.index >= self.num_shards_planned:
                 raise ValueError(f"shards: index {shard.index} >= num_shards_planned={self.num_shards_planned}")
+            if self.compute is not None and shard.compute is not None and shard.compute != self.compute:
+                raise ValueError(
+                    f"shards: {shard.name} was computed in {describe_compute(shard.compute)}, the cache in "
+                    f"{describe_compute(self.compute)}; rebuild it (alrira-cache build --overwrite)"
+                )
 
     @property
     def feature_dim(self) -> int:
@@ -390,6 +426,8 @@ class Manifest:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["settings"] = self.settings.to_dict()
         data["shards"] = [s.to_dict() for s in self.shards]
+        if data["compute"] is None:  # absent rather than null: such manifests read as before
+            del data["compute"]
         return data
 
     @classmethod
@@ -427,7 +465,7 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
         raise ValueError(f"{path}: corrupt manifest (top level is not a JSON object)")
     if data.get("format") != FORMAT_NAME:
         raise ValueError(f"{path}: not an {FORMAT_NAME} manifest (format is {data.get('format')!r})")
-    if data.get("format_version") not in READABLE_FORMAT_VERSIONS:
+    if not is_readable_format_version(data.get("format_version")):
         raise ValueError(
             f"{path}: unsupported format_version {data.get('format_version')!r} (this code reads versions "
             f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}; a newer alrira wrote it, or it is not a cache)"

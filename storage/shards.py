@@ -69,7 +69,7 @@ from storage.format import (
 from storage.atomic import fsync_path, fsync_tree
 from storage.errors import CorruptShardError, first_line
 from storage.location import Location, StorePrefix, remove_path, remove_path_tolerant, resolve
-from storage.manifest import ShardRecord
+from storage.manifest import ShardRecord, check_compute
 from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
 from storage.wds import BLOSC_BLOCK_BYTES, WdsShard, WdsShardWriter, encode_member
 from storage.zarr_rows import ChunkFileEncoder
@@ -493,8 +493,11 @@ class ShardWriter:
         num_threads: int = 1,
         rollout_feature_codec: str | None = None,
         ira_parents: int | None = None,
+        compute: dict[str, str] | None = None,
     ):
         _check_choice("storage_format", storage_format, STORAGE_FORMATS)
+        check_compute("compute", compute)
+        self.compute = compute  # what the target computed the records in: the shard's metadata and record
         _check_choice("feature_codec", feature_codec, FEATURE_CODECS)
         array_codecs(feature_codec, rollout_feature_codec)
         self.rollout_feature_codec, self.ira_parents = rollout_feature_codec, check_ira_parents(ira_parents)
@@ -527,7 +530,7 @@ class ShardWriter:
                 self.body = _ZarrBody(
                     self.target, size, feature_codec=feature_codec, chunk_checksums=chunk_checksums,
                     before_write=before_write, writes=self.writes, rollout_feature_codec=rollout_feature_codec,
-                    ira_parents=ira_parents,
+                    ira_parents=ira_parents, compute=compute,
                 )  # fmt: skip
             else:
                 self.body = _WdsBody(
@@ -600,6 +603,7 @@ class ShardWriter:
             status=SHARD_COMPLETE,
             object_tags=tags,
             parents=None if self.ira_parents is None else self.size.parent_rows,
+            compute=self.compute,
         )
 
     def abort(self) -> None:
@@ -765,8 +769,10 @@ class _ZarrBody:
     def __init__(
         self, target: Path | StorePrefix, size: ShardSize, *, feature_codec: str, chunk_checksums: bool,
         writes: BackgroundWrites, before_write=None, rollout_feature_codec: str | None = None, ira_parents: int | None = None,
+        compute: dict[str, str] | None = None,
     ):  # fmt: skip
         self.size, self.feature_codec, self.before_write, self.writes = size, feature_codec, before_write, writes
+        self.compute = compute
         self.rollout_feature_codec, self.ira_parents = rollout_feature_codec, ira_parents
         self.local_dir = None if isinstance(target, StorePrefix) else Path(target)
         self.group = zarr.open_group(store=_zarr_store(target, read_only=False), mode="w-", zarr_format=3)
@@ -838,6 +844,8 @@ class _ZarrBody:
         if version >= 2:  # absent in a version-1 layout: such a shard is byte for byte as before
             attributes["rollout_feature_codec"] = self.rollout_feature_codec or self.feature_codec
             attributes["ira_parents"] = self.ira_parents
+        if self.compute is not None:  # absent in a shard built before it was recorded
+            attributes["compute"] = self.compute
         self.group.update_attributes(attributes)
 
     def checksum(self, final: Path | StorePrefix) -> str:

@@ -126,6 +126,9 @@ def _zarr_structure_problems(shard: ZarrShard, manifest: Manifest, record: Shard
         problems.append(f"arrays {sorted(stored ^ names)} missing or unexpected")
     if shard.attrs.get("feature_codec") != codec:
         problems.append(f"attribute feature_codec {shard.attrs.get('feature_codec')!r}, manifest says {codec!r}")
+    computed = shard.attrs.get("compute")  # absent in a shard built before it was recorded
+    if manifest.compute is not None and computed is not None and computed != manifest.compute:
+        problems.append(f"attribute compute {computed!r}: computed in another dtype than the cache's {manifest.compute!r}")
     if (settings.ira_parents is not None) != (ZARR_PARENT_OFFSETS in shard.arrays):
         problems.append(f"index array {ZARR_PARENT_OFFSETS} {'missing' if settings.ira_parents else 'unexpected'}")
     elif settings.ira_parents is not None:

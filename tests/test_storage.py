@@ -508,6 +508,17 @@ def test_manifest_rejects_unknown_keys_and_versions(tmp_path):
         load_manifest(tmp_path)
 
 
+@pytest.mark.parametrize("version", [True, 1.0, "1", [1]])
+def test_manifest_format_version_must_be_an_int(tmp_path, version):
+    """JSON's `true` is a Python int equal to 1 (and 1.0 == 1): a version that is not an int is refused."""
+    data = make_manifest(make_settings(), []).to_dict()
+    path = _write_manifest_dict(tmp_path, {**data, "format_version": version})
+    with pytest.raises(ValueError, match=rf"{path}: unsupported format_version"):
+        load_manifest(tmp_path)
+    with pytest.raises(ValueError, match=r"format_version .* is not supported"):
+        Manifest.from_dict({**data, "format_version": version})
+
+
 def test_settings_validation_and_diff():
     with pytest.raises(ValueError, match="num_slots"):
         make_settings(num_slots=2)

@@ -135,6 +135,22 @@ class WorkerConfig:
             return device, torch.bfloat16 if auto_bf16(device, stage="build") else torch.float32
         return device, getattr(torch, self.target_dtype)
 
+    def planned_compute(self) -> dict[str, str]:
+        """What a worker will compute in, resolved where the build is planned: CUDA with
+        --gpus-per-worker (the driver may have no GPU), `auto` as this machine resolves it on a CPU.
+        A worker that resolves otherwise (another CPU, no CUDA) is caught by its shard's record."""
+        device = "cuda" if self.gpus_per_worker > 0 else "cpu"
+        if self.target_dtype == "auto":
+            dtype = torch.bfloat16 if auto_bf16(device, stage="build") else torch.float32
+        else:
+            dtype = getattr(torch, self.target_dtype)
+        return compute_record(device, dtype)
+
+
+def compute_record(device: str, dtype: torch.dtype) -> dict[str, str]:
+    """{"dtype": "bfloat16", "device": "cuda"}: the manifest's and each shard's record of it."""
+    return {"dtype": str(dtype).removeprefix("torch."), "device": str(device).split(":")[0]}
+
 
 @dataclass(kw_only=True)
 class CacheBuildConfig:

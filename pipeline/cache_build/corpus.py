@@ -305,15 +305,16 @@ def tokenize_row(
 
 
 def ingest_corpus(
-    config: CorpusConfig, tokenizer, *, progress: bool = True, vision: VisionInputs | None = None
+    config: CorpusConfig, tokenizer, *, progress: bool = True, vision: VisionInputs | None = None, local_path: Path | None = None
 ) -> TokenizedCorpus:
-    """Read, render and filter every row of `config.path` (with `vision`, images included). A bad
+    """Read, render and filter every row of `config.path` (with `vision`, images included), or of
+    `local_path`, the build's one local copy of it (whose bytes its hash was taken from). A bad
     row raises CorpusError, or with `skip_bad_rows` is counted in stats["dropped"] under its
     reason; so are short sequences."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target tokenizer has no chat template; the corpus cannot be rendered")
     system_prompt = effective_system_prompt(config.vision_input.system_prompt, vision=vision)
-    path = local_corpus(config.path)  # a store corpus: this node's copy (pipeline/corpus_source.py)
+    path = local_path or local_corpus(config.path)  # a store corpus: this node's copy (pipeline/corpus_source.py)
     rows = iter_corpus_rows(path)
     locate = row_locator(path)
     source_rows: list[int] = []

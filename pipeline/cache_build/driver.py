@@ -58,6 +58,7 @@ from storage.manifest import (
     CacheSettings,
     Manifest,
     ShardRecord,
+    describe_compute,
     load_manifest,
     save_manifest,
     save_target_head,
@@ -184,8 +185,9 @@ def resolve_build_mask_token_id(config: CacheBuildConfig, tokenizer, *, vocab_si
     return mask_token_id
 
 
-def cache_settings(config: CacheBuildConfig, *, layer_ids: list[int]) -> CacheSettings:
-    """What the manifest records of the settings: everything that changes the cache's content."""
+def cache_settings(config: CacheBuildConfig, *, layer_ids: list[int], corpus_hash: str | None = None) -> CacheSettings:
+    """What the manifest records of the settings: everything that changes the cache's content
+    (`corpus_hash`: of the build's one local copy of the corpus; default: hashed here)."""
     run, storage, corpus = config.run, config.storage, config.corpus
     return CacheSettings(
         target_hash=target_hash(config.target),
@@ -198,7 +200,7 @@ def cache_settings(config: CacheBuildConfig, *, layer_ids: list[int]) -> CacheSe
         min_supervised_tokens=corpus.min_supervised_tokens,
         storage_format=storage.storage_format,
         shard_size=storage.shard_size,
-        corpus_hash=file_sha256(corpus.path),
+        corpus_hash=corpus_hash or file_sha256(corpus.path),
         skip_bad_rows=corpus.skip_bad_rows,
         contents=config.contents,
         backend=config.compute.backend,
@@ -256,19 +258,25 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
     started = time.time()
     out = resolve(config.out)
     check_out_dir(out)
-    iter_corpus_rows(local_corpus(config.corpus.path))  # a missing or unreadable corpus stops here, before --out is touched
+    # One local copy of the corpus per build (a store corpus: this node's copy, fetched once): its
+    # hash identifies the cache and its rows are tokenized, so both come from the same bytes.
+    corpus_copy = local_corpus(config.corpus.path)
+    iter_corpus_rows(corpus_copy)  # a missing or unreadable corpus stops here, before --out is touched
     target_config = read_target_config(config.target)
     num_layers = int(target_config["num_hidden_layers"])
     layer_ids = resolve_layer_ids(config, num_target_layers=num_layers)
     config = config.with_taps(layer_ids)
-    settings = cache_settings(config, layer_ids=layer_ids)
+    settings = cache_settings(config, layer_ids=layer_ids, corpus_hash=file_sha256(corpus_copy))
+    compute = config.compute.planned_compute()
     tokenizer = load_tokenizer(config.target)
     stop_ids = stop_token_ids(tokenizer, read_generation_config(config.target))
     mask_token_id = resolve_build_mask_token_id(
         config, tokenizer, vocab_size=int(target_config["vocab_size"]), stop_ids=stop_ids
     )
 
-    previous, replacing = _previous_manifest(out, settings, mask_token_id=mask_token_id, overwrite=config.overwrite)
+    previous, replacing = _previous_manifest(
+        out, settings, mask_token_id=mask_token_id, compute=compute, target_dtype=config.compute.target_dtype, overwrite=config.overwrite
+    )  # fmt: skip
     if previous is not None and config.overwrite and _images_changed(out, config, log=log):
         previous, replacing = None, True  # the tokenized corpus and its shards are stale: start over
     reuse_corpus = previous is not None and out.is_dir(CORPUS_DIR)
@@ -295,6 +303,7 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
             config, out=out, owner=owner, settings=settings, target_config=target_config, previous=previous,
             tokenizer=tokenizer, stop_ids=stop_ids, mask_token_id=mask_token_id, reuse_corpus=reuse_corpus,
             run_shards=run_shards, num_published=num_published, progress=progress, log=log, times=times,
+            corpus_copy=corpus_copy, compute=compute,
         )  # fmt: skip
     except Exception as error:
         if not had_cache and num_published[0] == 0 and not isinstance(error, CacheOwnershipLost):
@@ -307,16 +316,17 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
 def _build_claimed(
     config: CacheBuildConfig, *, out: Location, owner: str, settings: CacheSettings, target_config: dict,
     previous: Manifest | None, tokenizer, stop_ids: list[int], mask_token_id: int, reuse_corpus: bool,
-    run_shards: RunShards, num_published: list[int], progress: bool, log, times: BuildTimes,
+    run_shards: RunShards, num_published: list[int], progress: bool, log, times: BuildTimes, corpus_copy: Path,
+    compute: dict[str, str],
 ) -> Manifest:  # fmt: skip
     """The build once `owner` has claimed `out`: corpus, head, shard plan, manifest, shards (the
     workers' BuildTimes are added to `times`)."""
-    corpus = _tokenized_corpus(config, tokenizer, reuse=reuse_corpus, progress=progress)
+    corpus = _tokenized_corpus(
+        config, tokenizer, reuse=reuse_corpus, progress=progress, corpus_copy=corpus_copy, corpus_hash=settings.corpus_hash
+    )  # fmt: skip
     if len(corpus) == 0:
         raise ValueError(f"{config.corpus.path}: no sequences left after filtering ({corpus.stats['dropped']})")
-    check_corpus_lacks_mask_token(
-        corpus, mask_token_id=mask_token_id, tokenizer=tokenizer, corpus_path=local_corpus(config.corpus.path)
-    )
+    check_corpus_lacks_mask_token(corpus, mask_token_id=mask_token_id, tokenizer=tokenizer, corpus_path=corpus_copy)
     vocab_size = int(target_config["vocab_size"])
     if target_head_hash(out) != settings.target_hash:  # missing, or written for another target
         embed_tokens, lm_head = read_target_head(config.target)
@@ -346,11 +356,20 @@ def _build_claimed(
         shards=sorted(done.values(), key=lambda s: s.index),
         num_shards_planned=len(specs),
         created_with=f"alrira {pipeline.__version__}",
+        # An older cache resumed: its shards' compute is unknown, so the manifest vouches for none.
+        compute=None if previous is not None and previous.compute is None and done else compute,
     )
     check_owner(out, owner)
     save_manifest(out, manifest)
 
     def publish(spec: ShardSpec, record: ShardRecord) -> None:
+        if record.compute != compute:  # a worker whose machine resolved `auto` (or found CUDA) otherwise
+            raise ValueError(
+                f"{out.join(SHARD_DIR)}/{record.name}: computed in {describe_compute(record.compute)}"
+                f"{f' on node {record.node}' if record.node else ''}, the cache in {describe_compute(compute)} "
+                f"(--target-dtype {config.compute.target_dtype}); give every worker the same machine kind or pass "
+                f"--target-dtype {compute['dtype']}"
+            )
         manifest.shards = sorted([*manifest.shards, record], key=lambda s: s.index)
         check_owner(out, spec.owner)  # a build that lost the directory must not write its manifest
         save_manifest(out, manifest)
@@ -388,18 +407,28 @@ def run_shards_here(config: CacheBuildConfig, pending: list[ShardSpec], publish,
 
 
 def _previous_manifest(
-    out: Location, settings: CacheSettings, *, mask_token_id: int, overwrite: bool
+    out: Location, settings: CacheSettings, *, mask_token_id: int, compute: dict[str, str], target_dtype: str, overwrite: bool
 ) -> tuple[Manifest | None, bool]:
     """(the manifest to resume from or None, whether the existing cache is to be replaced);
     refuses a changed setting without --overwrite. The mask token is compared as the id it
     resolves to (the manifest's `mask_token_id`): `--mask-token 128002` and the token it names
-    are one setting, and so are the default and the first unused row given by id."""
+    are one setting, and so are the default and the first unused row given by id. The compute
+    dtype is compared as resolved (`auto` is bf16 on one machine, fp32 on another); a cache
+    without the record (built before it) resumes in whatever this machine resolves."""
     if not out.exists(MANIFEST_FILE):
         return None, False
     previous = load_manifest(out)
     changed = settings_diff(previous.settings, settings)
     if previous.mask_token_id != mask_token_id:
         changed.append(f"mask_token_id (--mask-token): {previous.mask_token_id} -> {mask_token_id}")
+    if previous.compute is not None and previous.compute["dtype"] != compute["dtype"] and not overwrite:
+        raise ValueError(
+            f"{out}: the cache was computed in {describe_compute(previous.compute)}, this build would compute in "
+            f"{describe_compute(compute)} (--target-dtype {target_dtype}); pass --target-dtype {previous.compute['dtype']} "
+            "to continue it, --overwrite to replace it, or use a new --out"
+        )
+    if previous.compute is not None and previous.compute["dtype"] != compute["dtype"]:
+        changed.append(f"compute dtype: {previous.compute['dtype']} -> {compute['dtype']}")
     if not changed:
         return previous, False
     if not overwrite:
@@ -450,7 +479,7 @@ def check_corpus_lacks_mask_token(corpus, *, mask_token_id: int, tokenizer, corp
     )
 
 
-def _tokenized_corpus(config: CacheBuildConfig, tokenizer, *, reuse: bool, progress: bool):
+def _tokenized_corpus(config: CacheBuildConfig, tokenizer, *, reuse: bool, progress: bool, corpus_copy: Path, corpus_hash: str):
     """Tokenize the corpus once per cache; a resumed build reuses the saved copy. On a store the
     corpus is saved to a local temp directory and uploaded (one object per file, published with
     the cache by the manifest written after it), and read, as the workers read it, from a
@@ -459,7 +488,12 @@ def _tokenized_corpus(config: CacheBuildConfig, tokenizer, *, reuse: bool, progr
     if reuse and corpus_dir.exists():
         return load_tokenized_corpus(corpus_dir.local_copy(), mmap=True)
     vision = corpus_vision_inputs(config.target, config.corpus)  # None for a text target
-    corpus = ingest_corpus(config.corpus, tokenizer, progress=progress, vision=vision)
+    corpus = ingest_corpus(config.corpus, tokenizer, progress=progress, vision=vision, local_path=corpus_copy)
+    if (after := file_sha256(corpus_copy)) != corpus_hash:  # rewritten while it was read: rows and hash would differ
+        raise ValueError(
+            f"{config.corpus.path}: changed while the build read it ({corpus_hash[:19]}... when hashed, {after[:19]}... "
+            "after tokenizing); rerun the build once the corpus stays put"
+        )
     if corpus_dir.is_local:
         save_tokenized_corpus(corpus, corpus_dir.local_path)
     else:

@@ -10,6 +10,9 @@ tests/test_cache_compact.py): bf16 features compress 1.27-1.41x (toy target, ran
 SmolLM2-135M activations), fp8 features 1.0-1.2x. The projection is within 10% of what the toy
 build writes (tested); a real target's activations may compress differently, which is the
 estimate's one unknown: `alrira-cache info` prints the measured bytes by group once shards exist.
+So `--estimate` states its band: the projection, and as the upper bound the exact uncompressed
+bytes of every array plus the index (what a build writes when nothing compresses; tested against
+the arrays a build writes).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.corpus import corpus_vision_inputs, ingest_corpus
 from pipeline.cache_build.rollouts import anchor_pool_size
-from storage.format import num_parents
+from storage.format import num_parents, record_array_names
 from storage.reader import BYTE_GROUPS
 
 # Assumed compressed / raw ratio divisors per encoded kind (docs/benchmarks.md, "Cache settings").
@@ -52,6 +55,26 @@ def raw_group_bytes(
     return out
 
 
+# What a format adds at most beyond the arrays' raw bytes, for the upper bound (when nothing
+# compresses, Blosc stores a chunk as is behind its 16-byte header): a Zarr array's metadata
+# document and its shard index per shard file, and per chunk (>= ~4 KiB, storage/shards.py) the
+# Blosc header, its CRC32C and its index entry; a tar member's header, npy header, Blosc header and
+# CRC, and padding to 512 bytes; the tar's end blocks, padded to tarfile's 10 KiB record.
+ZARR_ARRAY_BOUND, ZARR_CHUNK_OVERHEAD, ZARR_MIN_CHUNK = 4 << 10, 16 + 4 + 16, 4 << 10
+TAR_MEMBER_BOUND, TAR_END_BOUND = 512 + 256 + 32 + 511, 10 << 10
+
+
+def format_overhead_bound(raw: dict[str, int], *, storage_format: str, num_shards: int, num_sequences: int,
+                          num_arrays: int) -> int:  # fmt: skip
+    """The most bytes `storage_format` adds to `raw` (nothing compressed): with the raw bytes, the
+    band's upper bound. `num_arrays`: arrays per record (storage.format.record_array_names)."""
+    if storage_format == "wds":
+        return num_sequences * num_arrays * TAR_MEMBER_BOUND + num_shards * TAR_END_BOUND
+    index_arrays = 4  # seq/anchor/parent offsets, source_rows
+    per_shard = (num_arrays + index_arrays) * ZARR_ARRAY_BOUND
+    return num_shards * per_shard + -(-sum(raw.values()) // ZARR_MIN_CHUNK) * ZARR_CHUNK_OVERHEAD
+
+
 def projected_bytes(raw: dict[str, int], *, codecs: dict[str, str], storage_format: str, num_shards: int,
                     num_sequences: int) -> dict[str, int]:  # fmt: skip
     """`raw` divided by each group's expected compression, plus the per-shard index bytes."""
@@ -82,13 +105,13 @@ def estimate_cache(config: CacheBuildConfig, *, feature_dim: int, progress: bool
     if len(corpus) == 0:
         raise ValueError(f"{config.corpus.path}: no sequences left after filtering ({corpus.stats['dropped']})")
     lengths = np.diff(corpus.offsets)
-    rollouts = "rollouts" in config.contents
     pools = np.array([
         anchor_pool_size(corpus.loss_mask[corpus.offsets[i] : corpus.offsets[i + 1]], num_anchors=config.run.anchors_per_sequence)
         for i in range(len(corpus))
     ])  # fmt: skip
     layout = config.layout
-    parents = np.array([num_parents(a, layout["ira_parents"]) for a in pools]) if rollouts else np.zeros_like(pools)
+    # Rows of rollout features: none without them (--no-rollout-features, --no-rollouts).
+    parents = np.array([num_parents(a, layout["ira_parents"]) for a in pools]) if "rollout_features" in config.contents else np.zeros_like(pools)
     codecs = {"features": layout["feature_codec"], "rollout_features": layout["rollout_feature_codec"] or layout["feature_codec"]}
     raw = raw_group_bytes(
         lengths=lengths, pools=pools, parents=parents, feature_dim=feature_dim, top_k=config.run.top_k,
@@ -98,11 +121,19 @@ def estimate_cache(config: CacheBuildConfig, *, feature_dim: int, progress: bool
     projected = projected_bytes(
         raw, codecs=codecs, storage_format=config.storage.storage_format, num_shards=num_shards, num_sequences=len(corpus)
     )  # fmt: skip
+    num_arrays = len(record_array_names(layout["feature_codec"], config.contents, layout["rollout_feature_codec"]))
+    overhead = format_overhead_bound(
+        raw, storage_format=config.storage.storage_format, num_shards=num_shards, num_sequences=len(corpus), num_arrays=num_arrays
+    )  # fmt: skip
     total, tokens = sum(projected.values()), int(lengths.sum())
     return {
         "sequences": len(corpus), "tokens": tokens, "anchors": int(pools.sum()), "ira_parents": int(parents.sum()),
         "shards": num_shards, "feature_dim": feature_dim, "codecs": codecs, "profile": layout["profile"],
-        "raw_bytes": sum(raw.values()), "bytes": total, "bytes_per_token": total / tokens,
+        "contents": list(config.contents),
+        # The band: every array's exact uncompressed bytes plus the most the format adds is what a
+        # build writes at most (Blosc stores a chunk it cannot shrink as is); `bytes` assumes COMPRESSION's ratios.
+        "raw_bytes": sum(raw.values()), "raw_bytes_by_group": raw, "upper_bytes": sum(raw.values()) + overhead,
+        "bytes": total, "bytes_per_token": total / tokens,
         "bytes_per_sequence": total / len(corpus), "bytes_by_group": projected,
         "bytes_per_token_by_group": {g: b / tokens for g, b in projected.items()},
     }  # fmt: skip
@@ -121,13 +152,18 @@ def estimate_build(config: CacheBuildConfig, *, progress: bool = False) -> dict:
 def estimate_lines(estimate: dict) -> list[str]:
     """What `--estimate` prints: the totals, then one line per array group."""
     e, mib = estimate, 1 << 20
+    if "rollout_features" in e["contents"]:
+        rollout = f"{e['ira_parents']:,} with rollout features; features {e['codecs']['features']}, rollout features {e['codecs']['rollout_features']}"
+    else:
+        without = "no rollouts" if "rollouts" not in e["contents"] else "no rollout features"
+        rollout = f"{without}; features {e['codecs']['features']}"
     lines = [
         f"estimate: {e['sequences']:,} sequences, {e['tokens']:,} tokens, {e['anchors']:,} pool anchors, "
-        f"{e['ira_parents']:,} with rollout features; features {e['codecs']['features']}, rollout features "
-        f"{e['codecs']['rollout_features']}{', --compact' if e['profile'] else ''}",
-        f"projected: {e['bytes'] / mib:,.1f} MiB in {e['shards']} shard(s); {e['bytes_per_token'] / 1024:,.2f} KiB per "
-        f"corpus token, {e['bytes_per_sequence'] / mib:,.2f} MiB per sequence (no target forward: compression assumed, "
-        "docs/cache-format.md 'Size')",
+        f"{rollout}{', --compact' if e['profile'] else ''}",
+        f"projected: {e['bytes'] / mib:,.1f} MiB in {e['shards']} shard(s), at most {e['upper_bytes'] / mib:,.1f} MiB "
+        f"({e['raw_bytes']:,} bytes of arrays uncompressed, exact, plus the format's most); {e['bytes_per_token'] / 1024:,.2f} KiB "
+        f"per corpus token, {e['bytes_per_sequence'] / mib:,.2f} MiB per sequence (no target forward: the projection "
+        "assumes each group's compression, docs/cache-format.md 'Size'; the bound assumes none)",
     ]
     for group, size in e["bytes_by_group"].items():
         lines.append(f"  {group:<17} {e['bytes_per_token_by_group'][group] / 1024:>10,.2f} KiB/token  {size / mib:>12,.2f} MiB")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.cache_build.config import CacheBuildConfig
+from pipeline.cache_build.config import CacheBuildConfig, compute_record
 from pipeline.cache_build.corpus import corpus_vision_inputs, load_tokenized_corpus
 from pipeline.cache_build.rollouts import TargetSequence, anchor_pool_size, run_target_batch
 from pipeline.target import load_target
@@ -186,6 +186,7 @@ class ShardBuilder:
         set_codec_threads(config.compute.cpus_per_worker)  # before this process's first Zarr write
         self.times = BuildTimes()  # of the last shard built
         device, dtype = config.compute.device_and_dtype()
+        self.compute = compute_record(device, dtype)  # recorded in each shard (`auto` resolved on this machine)
         if config.compute.backend == "vllm":
             from pipeline.cache_build.vllm_runner import VllmTargetRunner
 
@@ -241,7 +242,7 @@ class ShardBuilder:
         with ShardWriter(
             self.config.out, shard_index=shard_index, size=size, storage_format=storage.storage_format,
             contents=contents, owner=owner, num_threads=self.config.compute.cpus_per_worker, ira_parents=ira_parents,
-            **codecs,
+            compute=self.compute, **codecs,
         ) as writer:  # fmt: skip
             # The pool is left (its write finished) before the writer aborts on an error.
             seconds: dict[str, float] = {}  # target time per part of the cache (docs/design.md, "A cache build")

@@ -11,6 +11,12 @@ temperature, max new tokens, seed, dtype, device, torch threads), so nothing is 
 only the speculative side; those tokens are the reference of the lossless check and those times the
 AR side of the speedup. `--no-reuse-ar-baseline` decodes it again, alternating with the drafter per
 prompt as before.
+
+A baseline is reused only when it is proven to be what its run wrote: the folder's record
+(pipeline/outputs.py) is a complete `alrira-eval run` whose checksum of ar_baseline.json matches
+the bytes read, which are the bytes parsed. An edited file (a speedup 80x off was printed from one),
+a run still writing, or anything but a regular file (a FIFO would block the open forever) is passed
+over, and the run decodes the baseline itself.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 
 from pipeline.eval.speculative import DecodeResult
+from pipeline.outputs import log_line, read_record, read_regular_file, sha256_of
 from pipeline.target import target_hash
 from storage.atomic import atomic_write_text
 
@@ -59,25 +66,43 @@ def ar_baseline_candidates(out: str | Path, reuse_from: str | Path | None = None
     return list(dict.fromkeys(places))  # each once, first place first
 
 
-def find_ar_baseline(places: list[Path], key: str, prompts: list) -> tuple[Path, dict[int, DecodeResult]] | None:
-    """(the file, {prompt_id: its AR decode}) of the first place holding the baseline of `key` for
-    every prompt; None when none does (then the run decodes the baseline itself)."""
+def find_ar_baseline(places: list[Path], key: str, prompts: list, *, log=log_line) -> tuple[Path, dict[int, DecodeResult]] | None:
+    """(the file, {prompt_id: its AR decode}) of the first place holding the proven baseline of `key`
+    for every prompt; None when none does (then the run decodes the baseline itself)."""
     for path in places:
-        results = read_ar_baseline(path, key, prompts)
+        results = read_ar_baseline(path, key, prompts, log=log)
         if results is not None:
             return path, results
     return None
 
 
-def read_ar_baseline(path: Path, key: str, prompts: list) -> dict[int, DecodeResult] | None:
-    """{prompt_id: its AR decode} from `path`, or None when it is missing, unreadable, of another
-    key or does not hold every prompt."""
+def read_ar_baseline(path: Path, key: str, prompts: list, *, log=log_line) -> dict[int, DecodeResult] | None:
+    """{prompt_id: its AR decode} from `path`, or None when it is missing, not a regular file,
+    unproven by its folder's record, unreadable, of another key or does not hold every prompt."""
     try:
-        data = json.loads(path.read_text())
-        if data.get("version") != AR_BASELINE_VERSION or data.get("key") != key:
+        data = read_regular_file(path)
+    except OSError as error:
+        if not isinstance(error, FileNotFoundError):
+            log(f"{path}: not reused as the AR baseline ({error.strerror})")
+        return None
+    try:
+        record = read_record(path.parent)
+    except ValueError:
+        record = None
+    proven = (
+        record is not None and record.get("command") == "alrira-eval run" and record.get("complete") is True
+        and isinstance(record.get("files"), dict) and record["files"].get(AR_BASELINE_FILE) == sha256_of(data)
+    )  # fmt: skip
+    try:
+        parsed = json.loads(data)
+        if parsed.get("version") != AR_BASELINE_VERSION or parsed.get("key") != key:
             return None
-        results = {int(prompt_id): DecodeResult(**result) for prompt_id, result in data["results"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        results = {int(prompt_id): DecodeResult(**result) for prompt_id, result in parsed["results"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not proven:  # the right key, but not what a finished run wrote (edited, or its run not finished)
+        log(f"{path}: not reused as the AR baseline: its folder's record does not vouch for these bytes "
+            "(changed after its run wrote it, or the run did not finish); decoding the baseline here")  # fmt: skip
         return None
     return results if all(p.prompt_id in results for p in prompts) else None
 

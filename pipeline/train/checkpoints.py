@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.outputs import LOCK_FILE, RECORD_FILE, differences, read_record, remove_names, write_record
+from drafter.checkpoint import CONFIG_FILE, MODELING_FILES, WEIGHTS_FILE
+from pipeline.outputs import LOCK_FILE, RECORD_FILE, differences, read_record, refuse_foreign_inside, remove_names, write_record
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.location import Location, is_url
@@ -257,6 +258,15 @@ RUN_NAMES = re.compile(
 )  # what a run writes at its top level (and the temp names of storage.atomic's writes of them)
 
 
+_DRAFTER_FILES = "|".join(re.escape(name) for name in (CONFIG_FILE, WEIGHTS_FILE, *(shipped for _, shipped in MODELING_FILES)))
+RUN_PATHS = re.compile(
+    rf"^drafter/\.?({_DRAFTER_FILES})(\..*\.tmp)?$"
+    r"|^checkpoints/\.?latest(\..*\.tmp)?$"
+    r"|^checkpoints/\.?step-\d{8}(\.tmp-[0-9a-f]{8}|\.old-[0-9a-f]{8})?/(state\.pt)?$"
+    r"|^tensorboard/events\.out\.tfevents\.[^/]+$"
+)  # what a run writes below its top level (drafter/checkpoint.py, save_checkpoint, tensorboard), temp names included
+
+
 def run_inputs(manifest, *, cache: str) -> dict:
     """What a run's drafter depends on besides its flags (checked on --resume): the cache by place
     and by what it was built from."""
@@ -288,6 +298,7 @@ def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log
     if earlier and overwrite:
         if not run.is_local:
             raise ValueError(f"--out {run}: --overwrite removes a run only on a local disk; use a new prefix")
+        refuse_foreign_inside(run.local_path, [n for n in names if n != LOCK_FILE], command=TRAIN_COMMAND, own_path=RUN_PATHS.match)
         log(f"--out {run}: --overwrite: removing the earlier run ({', '.join(n for n in names if n != LOCK_FILE)})")
         remove_names(run.local_path, [n for n in names if n != LOCK_FILE])
     record = {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False}
