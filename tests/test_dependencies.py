@@ -19,6 +19,9 @@ from storage.location import MIN_CLIENT_VERSIONS, _version_tuple
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 LOCAL = {"pipeline", "storage", "ray_jobs", "drafter", "tests", "benchmarks"}
+# Imported from a checkout named at run time, not installed: DeepSpec's reference code
+# (benchmarks/deepspec_check.py puts $ALRIRA_DEEPSPEC on sys.path; it is no package on the index).
+CHECKOUTS = {"deepspec"}
 
 
 def _name(requirement: str) -> str:
@@ -48,7 +51,7 @@ def _imports(folder: Path) -> dict[str, str]:
                 continue
             for module in modules:
                 top = module.split(".")[0]
-                if top not in sys.stdlib_module_names and top not in local and top != "__future__":
+                if top not in sys.stdlib_module_names and top not in local | CHECKOUTS and top != "__future__":
                     found.setdefault(top, str(path.relative_to(ROOT)))
     return found
 
