@@ -35,7 +35,7 @@ LATEST_FILE = "latest"
 # (--attention picks a kernel, not the math: flex and sdpa agree to 1e-5.)
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "max_steps", "save_every", "resume", "overwrite", "progress", "num_workers", "prefetch", "out", "attention",
-     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every",
+     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every", "eval_every",
      # --precision may change while the dtype it resolves to does not (compute_dtype, checked on its own)
      "precision", "device_kind"}
 )  # fmt: skip

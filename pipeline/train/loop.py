@@ -29,6 +29,7 @@ from pipeline.train.batching import ReadFailure, TrainBatch
 from pipeline.train.checkpoints import save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import stop_map_loader_workers
+from pipeline.train.eval_split import evaluate_split
 from pipeline.train.preflight import check_run_dir
 from pipeline.train.run_dir import RunLogs, save_drafter_to, summarize_history
 from pipeline.train.setup import TrainState, setup
@@ -78,6 +79,11 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> StepResult:
 def is_logged(step: int, *, log_every: int, last_step: int) -> bool:
     """Whether 0-based `step` is read and logged: every log_every-th step and the run's last."""
     return (step + 1) % log_every == 0 or step + 1 == last_step
+
+
+def is_evaluated(step: int, *, eval_every: int, last_step: int) -> bool:
+    """Whether 0-based `step` is followed by a tau evaluation on the split: every eval_every-th and the run's last."""
+    return (eval_every > 0 and (step + 1) % eval_every == 0) or step + 1 == last_step
 
 
 def step_record(s: TrainState, window: list[StepResult], *, seconds: float) -> dict:
@@ -138,8 +144,14 @@ def _train(config: TrainConfig) -> dict:
         window, window_start = [], time.time()
         for step in range(s.start_step, s.last_step):
             window.append(train_step(s, config, step))
-            if is_logged(step, log_every=config.log_every, last_step=s.last_step):
+            evaluated = is_evaluated(step, eval_every=config.eval_every, last_step=s.last_step) and s.eval_split is not None
+            if evaluated or is_logged(step, log_every=config.log_every, last_step=s.last_step):
                 record = step_record(s, window, seconds=time.time() - window_start)
+                if evaluated and s.rank == 0:  # the split is rank 0's; nothing collective in it
+                    record["eval"] = evaluate_split(
+                        s.drafter, s.eval_split, embed_tokens=s.head["embed_tokens.weight"], lm_head=s.head["lm_head.weight"],
+                        device=s.device,
+                    )  # fmt: skip
                 window, window_start = [], time.time()
                 history.append(record)
                 if logs is not None:
