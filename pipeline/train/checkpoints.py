@@ -171,8 +171,8 @@ class NoReadableCheckpoint(ValueError):
 
 def restart_settings_check(run: Location, current: dict, error: NoReadableCheckpoint, *, log=print) -> None:
     """A resume whose every checkpoint is damaged starts again from step 0, the oldest state there
-    is: the seed makes it the same run, bit for bit (found by benchmarks/chaos.py, seed 2029: a
-    run's only checkpoint truncated refused every rerun). The settings are still checked, against
+    is: the seed makes it the same run, bit for bit (so a run whose only checkpoint is truncated is
+    not refused on every rerun). The settings are still checked, against
     the run's train_config.json, as a checkpoint's would be; without a readable one the resume is
     refused: starting with whatever flags were given could quietly become another run."""
     saved = None
