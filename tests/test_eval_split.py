@@ -63,6 +63,12 @@ def test_the_split_holds_replays_greedy_responses_and_is_kept_by_a_rebuild(split
     )  # fmt: skip
     build_cache(config, progress=False, log=logs.append)
     assert any("eval split: kept" in line for line in logs)
+    from click.testing import CliRunner
+
+    from ray_jobs.cli import cache_cli
+
+    result = CliRunner().invoke(cache_cli, ["info", str(cache)])
+    assert result.exit_code == 0 and f"{len(PROMPTS)} prompts, {record['num_tokens']} tokens (max new tokens {NEW_TOKENS})" in result.output
 
 
 @pytest.mark.parametrize("arch", ["dflash", "dspark"])
