@@ -253,7 +253,7 @@ def check_data_position(state: dict, expected: dict, *, run: Location) -> None:
 
 TRAIN_COMMAND = "alrira-train"
 RUN_NAMES = re.compile(
-    r"^\.?(train_config\.json|summary\.json|metrics\.jsonl|checkpoints|drafter|tensorboard)(\..*\.tmp|\.tmp.*)?$"
+    r"^\.?(train_config\.json|provenance\.json|summary\.json|metrics\.jsonl|checkpoints|drafter|tensorboard)(\..*\.tmp|\.tmp.*)?$"
     r"|^events\.out\.tfevents\..+$"
 )  # what a run writes at its top level (and the temp names of storage.atomic's writes of them)
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from pipeline.outputs import output_lock
+from pipeline.provenance import provenance_record
 from pipeline.train.batching import ReadFailure, TrainBatch
 from pipeline.train.checkpoints import save_checkpoint
 from pipeline.train.config import TrainConfig
@@ -37,6 +38,8 @@ from pipeline.train.step import StepStats, all_reduce_on, forward_loss, lr_at
 from storage.atomic import atomic_write_text
 from storage.local_cache import sweep_orphans
 from storage.location import is_url, resolve
+
+PROVENANCE_FILE = "provenance.json"
 
 
 @dataclass(kw_only=True)
@@ -131,6 +134,19 @@ def train(config: TrainConfig) -> dict:
         return _train(config)
 
 
+def record_provenance(s: TrainState) -> None:
+    """RUN/provenance.json: one entry per invocation of this run (a resume adds one) with the exact
+    command, package versions, source revision and the resolved config, `auto` resolved (precision,
+    attention kernel, loader workers) (pipeline/provenance.py)."""
+    resolved = {**s.settings, "attention_kernel": s.attention, "start_step": s.start_step}
+    entries = []
+    if s.start_step and s.run.is_file(PROVENANCE_FILE):
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            entries = list(json.loads(s.run.read_bytes(PROVENANCE_FILE))["invocations"])
+    entries.append(provenance_record(resolved))
+    atomic_write_text(s.run.join(PROVENANCE_FILE), json.dumps({"invocations": entries}, indent=2))
+
+
 def _train(config: TrainConfig) -> dict:
     s = setup(config)  # the map loader's workers run from here on: every exit below stops them (finally)
     settings, logs, method = s.settings, None, config.objective.method
@@ -139,6 +155,7 @@ def _train(config: TrainConfig) -> dict:
         if s.rank == 0:  # first: what marks --out as a run (pipeline/train/preflight.py) for the other ranks' checks
             s.run.make_dirs()
             atomic_write_text(s.run.join("train_config.json"), json.dumps(settings, indent=2))
+            record_provenance(s)
         logs = RunLogs.open(s.run, start_step=s.start_step) if s.rank == 0 else None
         bar = tqdm(total=s.last_step, initial=s.start_step, unit="step", desc=method, disable=s.rank != 0 or not config.progress)
         window, window_start = [], time.time()
