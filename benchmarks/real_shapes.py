@@ -291,11 +291,11 @@ def measure_loader(reader, *, method: str, shapes: Shapes, anchors_per_step: int
 def sequence_chunk_bytes(cache: Path, *, index: int, arrays: set[str], parent_rows) -> list[bytes]:
     """The compressed Blosc frames the map loader decodes for sequence `index` of the
     (single-shard) cache: every chunk of `arrays` that its rows touch, and the chunks of the
-    rollout_features rows `parent_rows` of its pool (read, crc32c checked, by storage/zarr_rows.py)."""
+    rollout_features rows `parent_rows` of its pool (read, crc32c checked, by storage/formats/zarr/rows.py)."""
     import zarr
 
-    from storage.shards import ANCHOR_INDEXED_ARRAYS
-    from storage.zarr_rows import ZarrRows
+    from storage.formats.zarr.rows import ZarrRows
+    from storage.records import ANCHOR_INDEXED_ARRAYS
 
     shard = cache / SHARD_DIR / "shard-00000.zarr"
     chunks = ZarrRows(shard)
@@ -553,7 +553,8 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
     fsync and checksum), i.e. the part no writer thread can take; zarr's threads' CPU is read from
     /proc (its event-loop thread is one thread whatever `threads` is)."""
     import storage.shards
-    from storage.shards import ShardSize, ShardWriter, set_codec_threads
+    from storage.formats.zarr.write import set_codec_threads
+    from storage.shards import ShardSize, ShardWriter
 
     set_codec_threads(threads)
     torch.set_num_threads(1)

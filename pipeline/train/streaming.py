@@ -5,7 +5,7 @@ In epoch e, on rank r of R, in DataLoader worker w of W (docs/design.md, "A trai
     SimpleShardList(the complete shards in a permutation seeded (seed, e))
       -> split_by_node (shards r, r + R, ...) -> split_by_worker (every W-th of those)
       -> samples, only the members of the method's arrays (webdataset's tar_file_expander and
-         group_by_keys, the tar opened by storage.wds.open_tar: a local file, or for a cache on
+         group_by_keys, the tar opened by storage.formats.wds.open_tar: a local file, or for a cache on
          an object store the worker's local copy, downloaded ahead by storage.local_cache)
       -> shuffle buffer of --shuffle-buffer samples, seeded (seed, e, r, w)
       -> decode, labels (batching.example_from_record) -> micro-batches, a partial last one dropped
@@ -55,7 +55,7 @@ from storage.format import FP8_SCALE_ARRAYS
 from storage.local_cache import CachedObject, LocalCache, read_ahead
 from storage.location import is_url
 from storage.reader import SWAPPED_HINT, CacheReader
-from storage.wds import decode_sample, member_selector, open_tar
+from storage.formats.wds import decode_sample, member_selector, open_tar
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ order; one member per record array, named `{key}.{array}.npy.blosc.crc32`, read 
     crc32   numcodecs' CRC32 codec: 4 bytes, the little-endian CRC32 of what follows, checked on
             every read (TarWriter sets no PAX headers, so the checksum travels inside the member)
     blosc   numcodecs' Blosc frame (self-describing): zstd level 1 (3 before 2026-12-03), byte
-            shuffle over the array's item size, as the Zarr shards' chunks (storage/shards.py), in
+            shuffle over the array's item size, as the Zarr shards' chunks (storage/formats/zarr/write.py), in
             256 KiB blocks
     npy     the array's np.save bytes, no pickle (the header is padded to 64 bytes, so the data
             stays aligned to its item size for the shuffle)
@@ -24,12 +24,15 @@ build's resume rule compares shard checksums.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import tarfile
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
@@ -37,13 +40,17 @@ import numcodecs.blosc
 import webdataset
 from numcodecs import CRC32, Blosc
 
+from storage.background_writes import BackgroundWrites
+from storage.checksums import CHECKSUM_STREAM, HashingWriter
 from storage.errors import CorruptShardError, first_line
 from storage.format import record_array_names
-from storage.location import Location, resolve
+from storage.formats.protocol import BodySettings, ShardFormat, ShardSize
+from storage.location import Location, StorePrefix, resolve
 from storage.paths import unsafe_name_reason
+from storage.records import RecordDims
 
 BLOSC_CNAME = "zstd"
-BLOSC_CLEVEL = 1  # the Zarr shards' ZARR_CLEVEL: one codec for both formats (its reason: storage/shards.py)
+BLOSC_CLEVEL = 1  # the Zarr shards' ZARR_CLEVEL: one codec for both formats (its reason: storage/formats/zarr/write.py)
 # Blosc compresses a buffer in independent blocks. A member is one sequence's array (a Zarr chunk
 # ~256 KiB of rows); 256 KiB blocks, the Zarr chunk's size, make bf16 features 7% smaller than
 # Blosc's automatic choice (docs/benchmarks.md, "WebDataset shards").
@@ -55,6 +62,9 @@ MEMBER_MODE = 0o644
 # Reading a tar's member headers from a store: each read past the buffer is one ranged GET.
 STORE_TAR_INDEX_BLOCK = 1 << 20
 VERIFY_HINT = "`alrira-cache verify` checks the whole cache"
+# A tar being written is handed to BackgroundWrites.sync_soon every this many bytes.
+SYNC_EVERY_BYTES = 64 << 20
+TAR_BLOCK = 512
 
 # Called from the main thread, numcodecs' Blosc compresses one buffer on several internal threads
 # that place its blocks in the order they finish: the same array gave 6 different frames in 6 tries.
@@ -171,7 +181,7 @@ class WdsShardWriter:
 
     `file_obj_or_path`: a path (created; an existing file is an error) or a binary file object
     opened for writing (a local file, an fsspec/S3 file), which the writer does not close.
-    Records must already be validated and encoded (storage.shards.check_record,
+    Records must already be validated and encoded (storage.records.check_record,
     storage.codecs.encode_features) and hold exactly the arrays of `feature_codec` and `contents`.
     Memory does not grow with the number of records: each sample goes out on `append`."""
 
@@ -231,6 +241,89 @@ class WdsShardWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing one shard of a cache
+
+
+class WdsBody:
+    """The tar of a shard being written (WdsShardWriter: webdataset's TarWriter, compressed
+    members): each record's members are encoded on the writer's threads as it is appended, and
+    its sample goes into the tar, in append order, once they are done. On a store the tar is one
+    object, created only when `commit` closes its file (an upload that is never committed leaves
+    no object)."""
+
+    def __init__(
+        self, target: Path | StorePrefix, size: ShardSize, settings: BodySettings, *, writes: BackgroundWrites,
+        before_write=None,
+    ):  # fmt: skip
+        chunk_checksums = settings.chunk_checksums
+        self.on_store = isinstance(target, StorePrefix)
+        self.file = target.open("", "wb") if self.on_store else open(target, "xb")
+        # A local tar is hashed as it is written (`checksum`): publish need not read it back.
+        self.hashed = None if self.on_store else HashingWriter(self.file)
+        self.writer = WdsShardWriter(
+            self.hashed or self.file, feature_codec=settings.feature_codec, contents=settings.contents,
+            chunk_checksums=chunk_checksums, rollout_feature_codec=settings.rollout_feature_codec,
+        )  # fmt: skip
+        self.writes, self.chunk_checksums, self.target = writes, chunk_checksums, target
+        self.unsynced = 0  # bytes written since the last sync_soon
+        self.encoding: collections.deque[tuple[int, list[Future]]] = collections.deque()  # in append order
+
+    def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
+        arrays = self.writer.member_arrays(record)
+        members = [self.writes.submit(encode_member, array, chunk_checksums=self.chunk_checksums) for array in arrays]
+        self.encoding.append((int(record["source_row"]), members))
+        # Samples whose members are done go out; beyond a record per thread waiting, the oldest is awaited.
+        while self.encoding and (len(self.encoding) > self.writes.num_threads or all(m.done() for m in self.encoding[0][1])):
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        source_row, members = self.encoding.popleft()
+        encoded = [member.result() for member in members]
+        self.writer.append_encoded(source_row, encoded)
+        self.unsynced += sum(len(data) for _, data in encoded)
+        if self.hashed is not None and self.unsynced >= SYNC_EVERY_BYTES:
+            self.file.flush()
+            self.writes.sync_soon(self.target)
+            self.unsynced = 0
+
+    def checksum(self, final: Path | StorePrefix) -> str | None:
+        """shard_checksum of the published tar, from the bytes as they were written (None on a
+        store: there it is read back). The tar was created here (exclusive open), written only
+        through `hashed`, closed and renamed, so those bytes are the file's; its size is checked."""
+        if self.hashed is None:
+            return None
+        if os.path.getsize(final) != self.hashed.size:
+            raise ValueError(f"{final}: {os.path.getsize(final)} bytes on disk, {self.hashed.size} written")
+        return f"{CHECKSUM_STREAM}:{self.hashed.digest.hexdigest()}"
+
+    def finish(self, source_rows: np.ndarray, dims: list[RecordDims]) -> None:
+        while self.encoding:
+            self._write_oldest()
+        self.writer.close()  # the end-of-archive blocks; the file stays the body's
+        if not self.on_store:
+            self.file.close()  # on a store it stays open until commit
+
+    def commit(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+
+    def close(self) -> None:
+        if self.file.closed:
+            return
+        if self.on_store:
+            # End the tar into the upload's buffer first (else its stream flushes into a closed file
+            # when collected), then abort the upload: no object appears.
+            try:
+                self.writer.close()
+            finally:
+                self.file.discard()
+                self.file.closed = True
+        else:
+            self.writer.close()
+            self.file.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,5 +435,25 @@ class WdsShard:
         """Rows `rows` of anchor array `name` (a tar member is read whole, and checked)."""
         return self.read(local, {name})[name][np.asarray(rows, dtype=np.int64)]
 
+    def layout(self) -> dict | None:
+        return None
+
+    def array_bytes(self) -> dict[str, int]:
+        """Bytes of the tar each record array takes (member headers and padding included)."""
+        out: dict[str, int] = {}
+        for _, members in self.samples:
+            for name, member in members.items():
+                out[name] = out.get(name, 0) + TAR_BLOCK + -(-member.size // TAR_BLOCK) * TAR_BLOCK
+        return out
+
+    def recorded_sizes(self) -> None:
+        return None  # a tar has no index: its sizes are the sum of its records'
+
+    def structure_problems(self, manifest, record) -> list[str]:
+        return []
+
     def close(self) -> None:
         self.file.close()
+
+
+FORMAT = ShardFormat("wds", open=WdsShard, body=WdsBody)
