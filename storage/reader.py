@@ -34,6 +34,7 @@ from storage.manifest import Manifest, ShardRecord, load_manifest
 from storage.checksums import shard_bytes
 from storage.formats import open_shard
 from storage.formats.protocol import ShardHandle
+from storage.layout import expected_layout, layout_problem
 
 # The tokenized corpus's sequence -> corpus row map (pipeline/cache_build/corpus.py writes it): what
 # rows each shard must hold, the build giving shard i sequences [i * shard_size, (i + 1) * shard_size).
@@ -67,6 +68,7 @@ class CacheReader:
         self.feature_codec = manifest.settings.feature_codec
         self.rollout_feature_codec = manifest.settings.codecs["rollout_features"]
         self.ira_parents = manifest.settings.ira_parents  # None: every pool anchor keeps its rollout features
+        self.layout = expected_layout(manifest)  # what every shard's own layout record must say
         self._shards: list[ShardRecord] = manifest.complete_shards
         self._position = {shard.index: pos for pos, shard in enumerate(self._shards)}
         self._starts = np.cumsum([0] + [s.sequences for s in self._shards])  # [num_shards + 1]
@@ -137,12 +139,16 @@ class CacheReader:
         return np.sort(np.asarray(self._corpus_rows[shard.index * size : (shard.index + 1) * size], dtype=np.int64))
 
     def identity_problem(self, shard: ShardRecord, handle: ShardHandle) -> str | None:
-        """Whether an opened shard is the one the manifest lists under its name: its records' source
+        """Whether an opened shard is the one the manifest lists under its name: the layout it
+        records is the manifest's (storage/layout.py), its records' source
         rows (the Zarr source_rows array, the tar's sample keys: read at open anyway) are the rows
         the build planned for it, and a Zarr shard's sizes are the manifest's. A valid shard of
         another index or another cache put in its place trains on wrong rows and passes every
         other cheap check (docs/design.md, "The cache contract")."""
         where = self.shard_path(shard)
+        problem = layout_problem(handle.layout(), self.layout, where=str(where))
+        if problem is not None:
+            return problem
         for what, value in (handle.recorded_sizes() or {}).items():
             if value != getattr(shard, what):
                 return f"{where}: holds {value} {what}, the manifest records {getattr(shard, what)} for {shard.name}; {SWAPPED_HINT}"

@@ -44,6 +44,7 @@ from storage.formats.protocol import BodySettings, ShardBody, ShardSize
 from storage.location import Location, remove_path, remove_path_tolerant, resolve
 from storage.manifest import ShardRecord, check_compute
 from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
+from storage.layout import shard_layout
 from storage.records import RecordDims, check_record
 
 __all__ = [
@@ -119,6 +120,7 @@ class ShardWriter:
         compute: dict[str, str] | None = None,
     ):
         shard_format(storage_format)  # a known format
+        self.storage_format = storage_format
         check_compute("compute", compute)
         self.compute = compute  # what the target computed the records in: the shard's metadata and record
         if feature_codec not in FEATURE_CODECS:
@@ -151,7 +153,7 @@ class ShardWriter:
         self.writes = BackgroundWrites(num_threads)
         settings = BodySettings(
             feature_codec=feature_codec, rollout_feature_codec=rollout_feature_codec, contents=self.contents,
-            ira_parents=self.ira_parents, compute=compute, chunk_checksums=chunk_checksums, layout=None,
+            ira_parents=self.ira_parents, compute=compute, chunk_checksums=chunk_checksums,
         )  # fmt: skip
         try:
             self.body: ShardBody = shard_format(storage_format).body(
@@ -177,6 +179,12 @@ class ShardWriter:
         source_row = int(record["source_row"])
         if source_row in self.seen_rows:
             raise ValueError(f"shard {self.name}: source_row {source_row} appears in more than one record")
+        if i == 0:  # the first record gives F, k and K: the shard's layout record (storage/layout.py)
+            self.body.start(shard_layout(
+                storage_format=self.storage_format, feature_codec=self.feature_codec,
+                rollout_feature_codec=self.rollout_feature_codec, contents=self.contents, ira_parents=self.ira_parents,
+                compute=self.compute, feature_dim=dims.feature_dim, top_k=dims.top_k, num_slots=dims.num_slots,
+            ))  # fmt: skip
         self.body.append(record, dims, names=self.names)
         self.dims.append(dims)
         self.source_rows.append(source_row)

@@ -29,6 +29,7 @@ from storage.manifest import (
 from storage.reader import CORPUS_SOURCE_ROWS, CacheReader
 from storage.checksums import checksum_scheme, shard_bytes, shard_checksum
 from storage.formats import open_shard
+from storage.layout import expected_layout, layout_problem
 from storage.records import RecordDims, check_record
 
 PROB_TOLERANCE = 1e-3
@@ -125,6 +126,10 @@ def _shard_problems(cache: Location, manifest: Manifest, record: ShardRecord) ->
         shard = open_shard(path, storage_format=manifest.settings.storage_format)
     except Exception as e:  # a broken shard can fail in zarr, tarfile or numpy
         return problems + [f"unreadable ({_one_line(e)})"]
+    layout = layout_problem(shard.layout(), expected_layout(manifest), where="shard")
+    if layout is not None:  # another cache's or build's shard: its rows are not read
+        shard.close()
+        return problems + [layout.removeprefix("shard: ")]
     try:
         if shard.num_sequences != record.sequences:
             problems.append(f"holds {shard.num_sequences} sequences, manifest says {record.sequences}")

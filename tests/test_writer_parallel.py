@@ -30,10 +30,11 @@ from test_storage import make_record, make_shard_records
 
 # The tar of make_shard_records(7, first_row=0, num=6, codec=...) as the serial writer wrote it
 # (storage/shards.py at 26e4228), with zstd level 1 since 2026-12-03 (at level 3:
-# bf16 sha256:f04744c7..., fp8 sha256:76d1c347...).
+# bf16 sha256:f04744c7..., fp8 sha256:76d1c347...), and the shard's layout record in its first
+# sample (storage/layout.py; without it: bf16 sha256:ca68d518..., fp8 sha256:b54f7993...).
 WDS_CHECKSUMS = {
-    "bf16": "sha256:ca68d518cac9631a0df459d516a305e1771b0eddb7efbbaaa2893da1fba6bd43",
-    "fp8": "sha256:b54f79934af44d0d9fa9d296d80d7b18b6921746080d1580bb59c0682cbef52c",
+    "bf16": "sha256:a4046de2f9030511ca831d4390a0ef18d50b5d359163e3d7785a0c9e41470d52",
+    "fp8": "sha256:fef573b96fa60fe5c4bea4eee8a304ff338990dee612415406e123f8add189a8",
 }
 SMALL = dict(layers=[0, 2], anchors=6, top_k=4, max_length=128, shard_size=5, batch_tokens=128)
 

@@ -1,7 +1,7 @@
 """The one interface every shard format implements (storage/formats/__init__.py registers them).
 
 Writing: storage.shards.ShardWriter validates records, plans the shard and publishes it; a
-format's `ShardBody` only lays the records out: `append` each record, `finish` (index arrays,
+format's `ShardBody` only lays the records out: `start` with the shard's layout record, `append` each record, `finish` (index arrays,
 metadata), `checksum` of what it wrote, `commit` (on a store: the object appears), `close` (abort).
 Reading: `open` gives a `ShardHandle`: its sequences by local index (`read` rows, `read_anchor_rows`
 for a few anchors' arrays), the layout the shard records for itself (`layout`, checked against the
@@ -66,11 +66,13 @@ class BodySettings:
     ira_parents: int | None
     compute: dict[str, str] | None
     chunk_checksums: bool
-    layout: dict | None  # the shard's own layout record (storage.formats.shard_layout); None: none written
 
 
 class ShardBody(Protocol):
     """The bytes of one shard being written, under `target` (a temp path, or a store prefix)."""
+
+    def start(self, layout: dict) -> None:
+        """Record the shard's layout (storage/layout.py), before the first record is appended."""
 
     def append(self, record: dict[str, np.ndarray], dims: RecordDims, *, names: list[str]) -> None: ...
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import os
 import tarfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ from storage.checksums import CHECKSUM_STREAM, HashingWriter
 from storage.errors import CorruptShardError, first_line
 from storage.format import record_array_names
 from storage.formats.protocol import BodySettings, ShardFormat, ShardSize
+from storage.layout import layout_problem
 from storage.location import Location, StorePrefix, resolve
 from storage.paths import unsafe_name_reason
 from storage.records import RecordDims
@@ -59,6 +61,11 @@ NPY, NPY_BLOSC, NPY_BLOSC_CRC32 = "npy", "npy.blosc", "npy.blosc.crc32"
 MEMBER_ENCODINGS = (NPY_BLOSC_CRC32, NPY_BLOSC, NPY)  # longest first: matched as name suffixes
 LEGACY_CRC_HEADER = "ALRIRA.crc32"  # PAX header of an uncompressed `.npy` member: its CRC32 (hex)
 MEMBER_MODE = 0o644
+# The layout record (storage/layout.py) of a tar written since shards record it: a member of its
+# first sample, `{key}.__layout__.json`, first by name; webdataset's samples carry it as a
+# `__`-field, which decode_sample and plain webdataset pipelines pass over.
+LAYOUT_FIELD = "__layout__.json"
+MAX_LAYOUT_BYTES = 1 << 20
 # Reading a tar's member headers from a store: each read past the buffer is one ranged GET.
 STORE_TAR_INDEX_BLOCK = 1 << 20
 VERIFY_HINT = "`alrira-cache verify` checks the whole cache"
@@ -172,6 +179,26 @@ def decode_sample(sample: dict, *, arrays: set[str] | None = None) -> dict[str, 
     return record
 
 
+def stream_samples(stream: BinaryIO, *, url: str, select: Callable[[str], bool] | None, layout: dict | None) -> Iterator[dict]:
+    """The samples of a tar read front to back by webdataset's expander and grouping (`select`:
+    member_selector's predicate), as `decode_sample` takes them. The tar's layout record, in its
+    first sample when it has one, is checked against `layout` (the manifest's,
+    storage.layout.expected_layout) before that sample is yielded."""
+    keep = None if select is None else (lambda name: name.endswith(f".{LAYOUT_FIELD}") or select(name))
+    files = webdataset.tariterators.tar_file_expander([{"url": url, "stream": stream}], select_files=keep)
+    for sample in webdataset.tariterators.group_by_keys(files):
+        recorded = sample.pop(LAYOUT_FIELD, None)
+        if recorded is not None and layout is not None:
+            try:
+                found = json.loads(recorded)
+            except (ValueError, UnicodeError) as error:
+                raise ValueError(f"{url}: layout member unreadable ({first_line(error)}); {VERIFY_HINT}") from None
+            problem = layout_problem(found, layout, where=url)
+            if problem is not None:
+                raise ValueError(problem)
+        yield sample
+
+
 # ---------------------------------------------------------------------------------------------
 # Writing
 
@@ -192,11 +219,12 @@ class WdsShardWriter:
         self.names = sorted(record_array_names(feature_codec, contents, rollout_feature_codec))
         self.chunk_checksums = chunk_checksums
         self.num_records = 0
+        self.layout: dict | None = None  # the shard's layout record, written with the first sample
         self._owned = isinstance(file_obj_or_path, (str, os.PathLike))
         self._file = open(file_obj_or_path, "xb") if self._owned else file_obj_or_path
         try:
             # encoder=False: members are given as bytes. Fixed metadata: bytes depend on records only.
-            self._tar = webdataset.TarWriter(self._file, user="", group="", mode=MEMBER_MODE, mtime=0, encoder=False)
+            self._tar = webdataset.TarWriter(self._file, user="", group="", mode=MEMBER_MODE, mtime=0, encoder=False, keep_meta=True)
         except BaseException:
             if self._owned:
                 self._file.close()
@@ -216,6 +244,8 @@ class WdsShardWriter:
         """Write the sample of a record whose members (encode_member of each of `member_arrays`)
         are encoded already."""
         sample = {"__key__": sample_key(source_row)}
+        if self.layout is not None and self.num_records == 0:
+            sample[LAYOUT_FIELD] = json.dumps(self.layout, sort_keys=True).encode()
         for name, (encoding, data) in zip(self.names, members, strict=True):
             sample[f"{name}.{encoding}"] = data
         self._tar.write(sample)
@@ -270,6 +300,9 @@ class WdsBody:
         self.writes, self.chunk_checksums, self.target = writes, chunk_checksums, target
         self.unsynced = 0  # bytes written since the last sync_soon
         self.encoding: collections.deque[tuple[int, list[Future]]] = collections.deque()  # in append order
+
+    def start(self, layout: dict) -> None:
+        self.writer.layout = layout  # goes into the first sample
 
     def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
         arrays = self.writer.member_arrays(record)
@@ -363,6 +396,7 @@ class WdsShard:
         self.location = resolve(path)
         self.path = self.location.local_path or self.location.url  # for messages: a Path, or the URL
         self.file = open_tar(self.location)
+        self._layout: dict | None = None  # the shard's layout record (its first member); None: none
         try:
             self.samples = self._index()
         except BaseException:
@@ -384,6 +418,9 @@ class WdsShard:
                     if unsafe_name_reason(info.name) or "/" in info.name:
                         raise ValueError(f"{self.path}: refused tar member {info.name!r} (not a plain member name)")
                     key, _, suffix = info.name.partition(".")
+                    if suffix == LAYOUT_FIELD and not samples and self._layout is None:
+                        self._layout = self._read_layout(tar, info)
+                        continue
                     parts = split_suffix(suffix)
                     if parts is None:
                         raise ValueError(f"{self.path}: unexpected tar member {info.name!r}")
@@ -398,6 +435,17 @@ class WdsShard:
         except (tarfile.TarError, EOFError, OverflowError, UnicodeError) as e:  # a corrupt or crafted header
             raise ValueError(f"{self.path}: corrupt tar shard ({first_line(e)}); {VERIFY_HINT}") from None
         return samples
+
+    def _read_layout(self, tar: tarfile.TarFile, info: tarfile.TarInfo) -> dict:
+        if info.size > MAX_LAYOUT_BYTES:
+            raise ValueError(f"{self.path}: corrupt tar shard (layout member {info.name} of {info.size} bytes); {VERIFY_HINT}")
+        try:
+            layout = json.loads(tar.extractfile(info).read())
+        except (ValueError, UnicodeError) as error:
+            raise ValueError(f"{self.path}: corrupt tar shard (layout member {info.name}: {first_line(error)}); {VERIFY_HINT}") from None
+        if not isinstance(layout, dict):
+            raise ValueError(f"{self.path}: corrupt tar shard (layout member {info.name} is not a JSON object); {VERIFY_HINT}")
+        return layout
 
     @property
     def num_sequences(self) -> int:
@@ -436,7 +484,10 @@ class WdsShard:
         return self.read(local, {name})[name][np.asarray(rows, dtype=np.int64)]
 
     def layout(self) -> dict | None:
-        return None
+        """The recorded layout; for a tar written before layouts were, the arrays its first sample holds."""
+        if self._layout is None and self.samples:
+            return {"format": "wds", "array_names": sorted(set(self.samples[0][1]) - {"source_row"})}
+        return self._layout
 
     def array_bytes(self) -> dict[str, int]:
         """Bytes of the tar each record array takes (member headers and padding included)."""

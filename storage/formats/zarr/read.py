@@ -104,7 +104,25 @@ class ZarrShard:
             raise self._corrupt(name, e) from None
 
     def layout(self) -> dict | None:
-        return self.attrs.get("layout")
+        """The recorded layout; for a shard written before layouts were, what its attributes and
+        arrays' metadata say of it (every field but the array groups, which its arrays imply)."""
+        if "layout" in self.attrs:
+            return self.attrs["layout"]
+        attrs = self.attrs
+        layout = {
+            "format": "zarr",
+            "format_version": attrs.get("format_version"),
+            "feature_codec": attrs.get("feature_codec"),
+            "rollout_feature_codec": attrs.get("rollout_feature_codec", attrs.get("feature_codec")),
+            "ira_parents": attrs.get("ira_parents"),
+            "arrays": {
+                name: {"dtype": np.dtype(array.dtype).str, "row_shape": list(array.shape[1:])}
+                for name, array in self.arrays.items() if name not in ZARR_INDEX_ARRAYS
+            },
+        }  # fmt: skip
+        if attrs.get("compute") is not None:
+            layout["compute"] = attrs["compute"]
+        return layout
 
     def array_bytes(self) -> dict[str, int]:
         """Bytes of the shard each array's files take (its directory; index arrays included)."""

@@ -194,7 +194,7 @@ class ZarrBody:
         before_write=None,
     ):  # fmt: skip
         self.size, self.feature_codec, self.before_write, self.writes = size, settings.feature_codec, before_write, writes
-        self.compute, self.layout = settings.compute, settings.layout
+        self.compute, self.layout = settings.compute, None
         self.rollout_feature_codec, self.ira_parents = settings.rollout_feature_codec, settings.ira_parents
         chunk_checksums = settings.chunk_checksums
         self.local_dir = None if isinstance(target, StorePrefix) else Path(target)
@@ -221,6 +221,9 @@ class ZarrBody:
                 local_dir=self.local_dir,
             )  # fmt: skip
         return self.columns[name]
+
+    def start(self, layout: dict) -> None:
+        self.layout = layout  # written with the group's attributes by `finish`
 
     def append(self, record: dict, dims: RecordDims, *, names: list[str]) -> None:
         for name in names:
@@ -269,7 +272,7 @@ class ZarrBody:
             attributes["ira_parents"] = self.ira_parents
         if self.compute is not None:  # absent in a shard built before it was recorded
             attributes["compute"] = self.compute
-        if self.layout is not None:  # absent in a shard built before shards recorded their layout
+        if self.layout is not None:  # absent in a shard written before shards recorded their layout
             attributes["layout"] = self.layout
         self.group.update_attributes(attributes)
 
