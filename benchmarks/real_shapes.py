@@ -552,6 +552,7 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
     CPU); "main only" is the wall during which no piece runs (the main thread's appends, publish's
     fsync and checksum), i.e. the part no writer thread can take; zarr's threads' CPU is read from
     /proc (its event-loop thread is one thread whatever `threads` is)."""
+    import storage.formats.zarr.write
     import storage.shards
     from storage.formats.zarr.write import set_codec_threads
     from storage.shards import ShardSize, ShardWriter
@@ -583,9 +584,11 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
         return run
 
     patched = {"fsync_tree": "sync_s", "shard_checksum": "checksum_s"}
-    originals = {name: getattr(storage.shards, name) for name in patched}
-    for name, key in patched.items():  # (restored below: --quick runs in this process)
-        setattr(storage.shards, name, phase(key, originals[name]))
+    # The publish step's fsync and checksum, and a Zarr body's own checksum of what it wrote.
+    places = [(storage.shards, "fsync_tree"), (storage.shards, "shard_checksum"), (storage.formats.zarr.write, "shard_checksum")]
+    originals = {(module, name): getattr(module, name) for module, name in places}
+    for (module, name), fn in originals.items():  # (restored below: --quick runs in this process)
+        setattr(module, name, phase(patched[name], fn))
     zarr_cpu_before = {t.name: _thread_cpu_s(t.native_id) for t in threading.enumerate() if t.name.startswith("zarr")}
     cpu_start, main_start, start = time.process_time(), time.thread_time(), time.perf_counter()
     with ShardWriter(
@@ -599,8 +602,8 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
         appended = time.perf_counter()
         shard = writer.publish()
     end = time.perf_counter()
-    for name, fn in originals.items():
-        setattr(storage.shards, name, fn)
+    for (module, name), fn in originals.items():
+        setattr(module, name, fn)
     zarr_cpu = {
         t.name: _thread_cpu_s(t.native_id) - zarr_cpu_before.get(t.name, 0.0)
         for t in threading.enumerate() if t.name.startswith("zarr")
