@@ -1,12 +1,13 @@
 """The one interface every shard format implements (storage/formats/__init__.py registers them).
 
 Writing: storage.shards.ShardWriter validates records, plans the shard and publishes it; a
-format's `ShardBody` only lays the records out: `start` with the shard's layout record, `append` each record, `finish` (index arrays,
-metadata), `checksum` of what it wrote, `commit` (on a store: the object appears), `close` (abort).
-Reading: `open` gives a `ShardHandle`: its sequences by local index (`read` rows, `read_anchor_rows`
-for a few anchors' arrays), the layout the shard records for itself (`layout`, checked against the
-manifest before a row is read: storage.formats.layout_problem) and the format's own structural
-checks for `verify` (`structure_problems`). Nothing outside a format reaches into its handle.
+format's `ShardBody` only lays the records out: `start` (the shard's layout record), `append` each
+record, `finish` (index arrays, metadata), `checksum` of what it wrote, `commit` (on a store: the
+object appears), `close` (abort). Reading: `open` gives a `ShardHandle`: its sequences by local
+index (`read` rows, `read_anchor_rows` for a few anchors' arrays), the layout the shard records
+for itself (`layout`, checked against the manifest before a row is read: storage.layout), the
+bytes per array (`array_bytes`), and the format's own structural checks for `verify`
+(`structure_problems`). Nothing outside a format reaches into its handle.
 """
 
 from __future__ import annotations
