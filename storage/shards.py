@@ -274,16 +274,17 @@ def write_shard(
     num_threads: int = 1,
     rollout_feature_codec: str | None = None,
     ira_parents: int | None = None,
+    compute: dict[str, str] | None = None,
 ) -> ShardRecord:
     """Write and publish one shard of records already in memory (ShardWriter, for tests and
-    benchmarks; the build streams)."""
+    benchmarks; the build streams). `compute`: what the target computed them in, as a build records it."""
     if not records:
         raise ValueError(f"shard {shard_name(shard_index, storage_format)}: no records to write")
     with ShardWriter(
         cache_dir, shard_index=shard_index, size=ShardSize.of_records(records, ira_parents=ira_parents),
         storage_format=storage_format, feature_codec=feature_codec, contents=contents, owner=owner,
         chunk_checksums=chunk_checksums, num_threads=num_threads, rollout_feature_codec=rollout_feature_codec,
-        ira_parents=ira_parents,
+        ira_parents=ira_parents, compute=compute,
     ) as writer:  # fmt: skip
         for record in records:
             writer.append(record)
