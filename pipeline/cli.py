@@ -249,7 +249,8 @@ def eval_cli():
 @threads_option
 def eval_run(threads: int | None, **kwargs):
     """Speculative decoding with the HF target: tau, speedup over AR, accepted-length histogram."""
-    from pipeline.eval.evaluate import run_eval, score_table
+    from pipeline.eval.evaluate import run_eval
+    from pipeline.eval.scores import score_table
 
     config = config_from_flags(EvalConfig, kwargs)
     try:
@@ -299,7 +300,7 @@ def eval_compare(summaries: tuple[str, ...], out: str, baseline: str | None, lab
 @click.option("--group", default="benchmark", show_default=True, help="CSV column to group prompts by.")
 def eval_score(csv_path: str, group: str):
     """Print the tau / speedup table of a results.csv written by `alrira-eval run`."""
-    from pipeline.eval.evaluate import provenance_line, score_table
+    from pipeline.eval.scores import provenance_line, score_table
 
     try:
         table = score_table(csv_path, group=group)

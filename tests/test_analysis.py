@@ -17,7 +17,8 @@ from drafter.model import DFlashDrafter
 from pipeline.cli import eval_cli
 from drafter.drafting import block_drafts
 from pipeline.eval.analysis import acceptance_lengths, greedy_sequence
-from pipeline.eval.evaluate import EvalConfig, load_prompts, load_target_and_stops, round_start_offsets, run_eval
+from pipeline.eval.evaluate import EvalConfig, load_prompts, load_target_and_stops, run_eval
+from pipeline.eval.scores import round_start_offsets
 from pipeline.eval.speculative import drafter_draft
 from pipeline.target import tapped_features
 from tests.conftest import write_jsonl

@@ -15,15 +15,8 @@ from transformers import AutoTokenizer
 from drafter.checkpoint import save_drafter
 from drafter.config import DFlashConfig
 from drafter.model import DFlashDrafter
-from pipeline.eval.evaluate import (
-    RESULT_COLUMNS,
-    EvalConfig,
-    load_prompts,
-    render_prompt,
-    run_eval,
-    score_table,
-    summarize,
-)
+from pipeline.eval.evaluate import EvalConfig, load_prompts, render_prompt, run_eval
+from pipeline.eval.scores import RESULT_COLUMNS, score_table, summarize
 from pipeline.chat import prompt_messages
 from tests.conftest import write_jsonl
 

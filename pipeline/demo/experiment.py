@@ -45,7 +45,8 @@ from pipeline.demo import real
 from pipeline.demo.run import train_method
 from pipeline.eval.analysis import run_hard_offsets, run_offset_profile, run_training_cost
 from pipeline.eval.compare import run_compare
-from pipeline.eval.evaluate import EvalConfig, _read_rows, run_eval
+from pipeline.eval.evaluate import EvalConfig, run_eval
+from pipeline.eval.scores import _read_rows
 from pipeline.eval.replay import run_replay
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.driver import regenerate_corpus, summary_line

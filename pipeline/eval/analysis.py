@@ -21,7 +21,7 @@ import torch
 
 from drafter.drafting import block_drafts
 from pipeline.eval.compare import analysis_inputs, analysis_output, load_replicate, load_replicates
-from pipeline.eval.evaluate import ROUND_COLUMNS, write_csv_rows
+from pipeline.eval.scores import ROUND_COLUMNS, write_csv_rows
 from pipeline.eval.plots import legend, plot_figure
 from pipeline.outputs import check_out_path, claim_output, differences, owns
 

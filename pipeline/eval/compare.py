@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.eval.evaluate import geometric_mean
+from pipeline.eval.scores import geometric_mean
 from pipeline.eval.plots import legend, plot_figure
 from pipeline.outputs import claim_output, differences, log_line, owns
 

@@ -163,6 +163,50 @@ class TrainState:
         return bisect.bisect_right(self.epoch_ends, step)
 
 
+def load_eval_split(config: TrainConfig, settings, *, rank: int) -> EvalSplit | None:
+    """Rank 0's evaluation split of the cache (--eval-every), checked to belong to its target and
+    taps; None on the other ranks or without one (refused with --eval-every)."""
+    cache = resolve(config.cache)
+    if read_eval_split_record(cache) is None:
+        if config.eval_every:
+            raise ValueError(f"--eval-every: {config.cache} has no evaluation split; build the cache with --eval-prompts FILE")
+        return None
+    if rank != 0:
+        return None
+    split = read_eval_split(cache)
+    made_for = {"target_hash": split.key.get("target_hash"), "layer_ids": split.key.get("layer_ids")}
+    if made_for != {"target_hash": settings.target_hash, "layer_ids": list(settings.layer_ids)}:
+        raise ValueError(
+            f"{config.cache}: its evaluation split was computed for another target or taps ({made_for}); rebuild it with "
+            "`alrira-cache build` and --eval-prompts (the shards are kept)"
+        )
+    return split
+
+
+def resume_from_checkpoint(config: TrainConfig, *, run: Location, settings: dict, position_after, last_step: int, drafter,
+                           optimizer) -> int:  # fmt: skip
+    """Load --resume's latest readable checkpoint into the drafter and optimizer after checking it
+    continues this run (settings, data position, a --max-steps not below it); its step, or 0."""
+    try:
+        state = load_latest_checkpoint(run) if config.checkpoint.resume else None
+    except NoReadableCheckpoint as error:
+        restart_settings_check(run, settings, error)
+        state = None
+    if state is None:
+        return 0
+    check_resume_settings(state["config"], settings, run=run)
+    check_data_position(state, position_after(state["step"]), run=run)
+    if state["step"] > last_step:  # the weights there are a later step's than this run would end at
+        raise ValueError(
+            f"{run}: --max-steps {config.max_steps} is below the latest checkpoint's step {state['step']}; its weights are "
+            f"step {state['step']}'s: resume with --max-steps {state['step']} or more, or train step {config.max_steps} in a new --out"
+        )
+    drafter.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return state["step"]
+
+
 def setup(config: TrainConfig) -> TrainState:
     rank, world_size, device = _distributed()
     run, optim, stream = resolve(config.out), config.optim, config.loader.kind == "stream"
@@ -205,38 +249,13 @@ def setup(config: TrainConfig) -> TrainState:
     position_after = partial(data_position, epoch_ends=epoch_ends, plan=plan)
 
     head = load_target_head(config.cache, target_hash=settings.target_hash)
-    split = None
-    if rank == 0 and read_eval_split_record(resolve(config.cache)) is not None:
-        split = read_eval_split(resolve(config.cache))
-        made_for = {"target_hash": split.key.get("target_hash"), "layer_ids": split.key.get("layer_ids")}
-        if made_for != {"target_hash": settings.target_hash, "layer_ids": list(settings.layer_ids)}:
-            raise ValueError(
-                f"{config.cache}: its evaluation split was computed for another target or taps ({made_for}); rebuild it with "
-                "`alrira-cache build` and --eval-prompts (the shards are kept)"
-            )
-    elif config.eval_every and read_eval_split_record(resolve(config.cache)) is None:
-        raise ValueError(f"--eval-every: {config.cache} has no evaluation split; build the cache with --eval-prompts FILE")
+    split = load_eval_split(config, settings, rank=rank)
     drafter = build_drafter(config, manifest, dspark_block=dspark_block, markov_rank=markov_rank).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=0.0)
-    start_step = 0
-    try:
-        state = load_latest_checkpoint(run) if config.checkpoint.resume else None
-    except NoReadableCheckpoint as error:
-        restart_settings_check(run, run_settings, error)
-        state = None
     last_step = min(epoch_ends[-1], config.max_steps) if config.max_steps else epoch_ends[-1]
-    if state is not None:
-        check_resume_settings(state["config"], run_settings, run=run)
-        check_data_position(state, position_after(state["step"]), run=run)
-        if state["step"] > last_step:  # the weights there are a later step's than this run would end at
-            raise ValueError(
-                f"{run}: --max-steps {config.max_steps} is below the latest checkpoint's step {state['step']}; its weights are "
-                f"step {state['step']}'s: resume with --max-steps {state['step']} or more, or train step {config.max_steps} in a new --out"
-            )
-        drafter.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        start_step = state["step"]
+    start_step = resume_from_checkpoint(
+        config, run=run, settings=run_settings, position_after=position_after, last_step=last_step, drafter=drafter, optimizer=optimizer
+    )  # fmt: skip
     attention = "flex" if optim.attention == "flex" or (optim.attention == "auto" and device.type == "cuda") else "sdpa"
     if attention == "flex" and device.type != "cuda":
         raise ValueError(f"--attention flex needs a CUDA device (PyTorch has no flex-attention backward on {device.type}); use sdpa or auto")
