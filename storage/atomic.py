@@ -84,8 +84,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, sync:
         _upload_written(str(path), write)
         return
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = str(path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as a plain open (mkstemp's is 0600)
     try:
         write(tmp)
         move_into_place(tmp, path, sync=sync)

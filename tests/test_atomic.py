@@ -61,3 +61,11 @@ def test_the_record_is_written_atomically_and_its_names_are_bookkeeping(tmp_path
     for name in (RECORD_FILE, f".{RECORD_FILE}.k2j4h1.tmp", f"{RECORD_FILE}.1a2b3c4d.tmp", ".alrira-lock", ".alrira-lock.new-1a2b3c4d"):
         assert is_bookkeeping(name), name
     assert not is_bookkeeping("results.csv")
+
+
+def test_an_atomic_file_has_the_mode_a_plain_write_would(tmp_path):
+    """Written in place or atomically, a file gets the umask's mode (a record or manifest another
+    user of a shared output must read), not a temp file's 0600."""
+    atomic_write_text(tmp_path / "atomic", "x")
+    (tmp_path / "plain").write_text("x")
+    assert (tmp_path / "atomic").stat().st_mode == (tmp_path / "plain").stat().st_mode
