@@ -1,5 +1,5 @@
 """What each cache setting costs at the Qwen3-4B shapes of benchmarks/real_shapes.py, side by side
-in one run (docs/benchmarks.md, "Cache settings"; issue 26):
+in one run (docs/benchmarks.md, "Cache settings"):
 
 (g) bytes per corpus token, by array group, of one Zarr shard of the same synthetic sequences
     written under every setting (--feature-codec, --rollout-feature-codec, --ira-parents,
@@ -46,7 +46,7 @@ from _common import empty_workdir, print_table
 from real_shapes import FULL, MASK_TOKEN_ID, QUICK, STOP_TOKEN_ID, Shapes, layer_ids, objective, synthetic_record
 
 KIB = 1024
-PEER_KIB = (30, 15)  # issue 26's goal (a peer's plain bf16 DFlash cache) and stretch (a peer's fp8 cache)
+PEER_KIB = (30, 15)  # the goal (a peer's plain bf16 DFlash cache) and stretch (a peer's fp8 cache)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Chaos harness (issue 30): runs a stage again and again, injects random combined faults at
+"""Chaos harness: runs a stage again and again, injects random combined faults at
 random moments, reruns the same command as a user would until the stage ends, and checks that it
 ends exactly as a clean run does (docs/benchmarks.md, "Chaos"; docs/failure-modes.md).
 
@@ -63,8 +63,8 @@ STORE_TIMEOUT_S = 4  # ALRIRA_STORE_TIMEOUT_S of every command; stop_store holds
 RUN_CAP_S = 900.0  # one command; far past every documented timeout (300 s pool wait, the store's)
 MAX_ATTEMPTS = 6  # the first run and five reruns
 # The drawn delay after the drawn unit: about one unit's time on an idle machine (a shard or part
-# takes 1-3 s, a training step ~0.15 s), so a process fault lands while the run still runs. With
-# 1.5 s for training too, most of seed 2026's first train rounds found the run already ended.
+# takes 1-3 s, a training step ~0.15 s), so a process fault lands while the run still runs. A
+# training delay of 1.5 s mostly lands after the run has ended, so training draws a shorter one.
 MAX_DELAY_S = {"build": 1.5, "regenerate": 1.5, "train": 0.25}
 ACTOR_TITLES = ("ray::CacheWorker", "ray::RegenerateWorker", "ray::RegenerationWorker")
 

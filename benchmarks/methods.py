@@ -102,6 +102,37 @@ def markdown_table(table: dict, *, temperatures: list[float], num_replicates: in
     return "\n".join(lines)
 
 
+def calibration_table(report: dict, *, methods: list[str], temperature: float, num_slots: int = 8) -> str:
+    """A DSpark confidence head's calibration: per slot, over every replicate's rounds that reached
+    it (every earlier draft accepted), the observed acceptance and the head's mean prediction."""
+    key = f"T{temperature:g}"
+    lines = ["| method | " + " | ".join(f"slot {k}" for k in range(num_slots)) + " |", "|---|" + "---|" * num_slots]
+    for method in methods:
+        cells = []
+        for k in range(num_slots):
+            slots = [r["methods"][method]["slot_acceptance"][key][k] for r in report["replicates"]]
+            reached = sum(s["reached"] for s in slots)
+            observed = sum(s["acceptance"] * s["reached"] for s in slots if s["acceptance"] is not None) / reached if reached else None
+            predicted = sum(s["predicted"] * s["reached"] for s in slots if s["predicted"] is not None) / reached if reached else None
+            cells.append("-" if observed is None else f"{observed:.3f} / {predicted:.3f}" if predicted is not None else f"{observed:.3f}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markov_table(with_head: dict, without_head: dict, *, methods: list[str], temperatures: list[float]) -> str:
+    """tau of DSpark drafters with and without their Markov head, per method (mean ± SD)."""
+    lines = ["| method | " + " | ".join(f"T = {t:g}: with head | without | gain" for t in temperatures) + " |",
+             "|---|" + "---|---|---|" * len(temperatures)]  # fmt: skip
+    for method in methods:
+        cells = []
+        for t in temperatures:
+            a, b = with_head[method][f"T{t:g}"], without_head[method][f"T{t:g}"]
+            cells += [f"{a['tau_mean']:.3f} ± {a['tau_sd']:.3f}", f"{b['tau_mean']:.3f} ± {b['tau_sd']:.3f}",
+                      f"{100 * (a['tau_mean'] / b['tau_mean'] - 1):+.1f}%"]  # fmt: skip
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def ordering(table: dict, key: str) -> str:
     """Methods sorted by mean tau, highest first: 'alr_ira > alr > ...'."""
     ranked = sorted(table, key=lambda m: -table[m][key]["tau_mean"])
@@ -118,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="Torch threads of this process.")
     parser.add_argument("--quick", action="store_true", help="The demo's --quick sizes (a smoke run, not a result).")
     parser.add_argument("--archs", default="dflash", help="Comma-separated drafter architectures: dflash, dspark.")
+    parser.add_argument("--markov-rank", type=int, default=None, help="DSpark arms: the Markov head's rank (0: none).")
     args = parser.parse_args(argv)
     archs = [a for a in args.archs.split(",") if a]
     methods = [f"{arch}:{m}" if arch != "dflash" else m for arch in archs for m in args.methods.split(",") if m]
@@ -145,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
             folder = method.replace(":", "-")
             run = world_dir / f"seed-{seed}" / "runs" / folder
             summary = train_method(
-                train_config(cache=cache, out=run, method=name, seed=seed, sizes=sizes, arch=arch or "dflash"), log=log
+                train_config(cache=cache, out=run, method=name, seed=seed, sizes=sizes, arch=arch or "dflash",
+                             markov_rank=args.markov_rank if arch == "dspark" else None), log=log
             )
             evals = {
                 t: evaluate_method(
@@ -192,3 +225,18 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+def dspark_section(full: dict, without_head: dict) -> str:
+    """docs/results.md's DSpark tables from two runs' methods.json: `full` (--archs dspark,dflash)
+    and `without_head` (--archs dspark --markov-rank 0) on the same worlds."""
+    temperatures = full["temperatures"]
+    methods = [m.removeprefix("dspark:") for m in full["table"] if m.startswith("dspark:")]
+    dspark = [f"dspark:{m}" for m in methods]
+    parts = [markdown_table(full["table"], temperatures=temperatures, num_replicates=len(full["replicates"]))]
+    parts.append("Markov head: DSpark drafters with it and without it (--markov-rank 0), the same worlds and recipe\n\n"
+                 + markov_table(full["table"], without_head["table"], methods=dspark, temperatures=temperatures))  # fmt: skip
+    for t in temperatures:
+        parts.append(f"Confidence head at T = {t:g}: observed / predicted acceptance per slot (rounds that reached it)\n\n"
+                     + calibration_table(full, methods=dspark, temperature=t))  # fmt: skip
+    return "\n\n".join(parts)

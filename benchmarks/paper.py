@@ -46,7 +46,7 @@ PAPER = {
     "offsets": "alr_ira over alr: +1.32% overall; +5.60 / +5.15 / +3.57% in the later buckets (COCO)",
     "hard": "alr_ira over alr: about +25% where the independent drafter accepts 1, +6% at 2, +2-3% at 6+; seed control near 0",
 }
-# The CPU run's T = 0 MAT (docs/results.md, "The real target", 2026-12-02): the GPU section's
+# The CPU run's T = 0 MAT (docs/results.md, "The real target"): the GPU section's
 # tables put it beside the GPU run's, the one difference between the two being the head.
 CPU_RUN_T0 = {"head": "1.162", "dflash": "1.171 ± 0.010", "kd": "1.177 ± 0.008", "erase": "1.186 ± 0.010",
               "alr": "1.184 ± 0.001", "alr_ira": "1.181 ± 0.003", "alr_gate": "1.194"}  # fmt: skip

@@ -1,4 +1,5 @@
-"""Does `--loader stream` keep up from an object store? (docs/benchmarks.md, "Object store: the stream loader").
+"""Does `--loader stream` keep up from an object store? (docs/benchmarks.md, "Object store: does the
+stream loader keep up?").
 
 Writes the same synthetic records (benchmarks/read_checksums.py: random bf16 features, real array
 shapes) as WebDataset shards to a local directory and to an S3 bucket on a moto server this script

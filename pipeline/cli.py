@@ -166,8 +166,8 @@ def training_error_line(error: BaseException) -> str | None:
     """The one line alrira-train prints for `error`: a DataLoader worker's death anywhere in its
     chain, bad input, a failing store or disk; None for anything else (a bug: its traceback shows).
     torch's SIGCHLD handler raises a worker's death wherever the main thread is, so it can arrive
-    inside torch.save, whose own cleanup then raises another error "during handling" of it (found
-    by benchmarks/chaos.py, seed 2028, train round 74; docs/failure-modes.md)."""
+    inside torch.save, whose own cleanup then raises another error "during handling" of it
+    (docs/failure-modes.md)."""
     cause, seen = error, set()
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))

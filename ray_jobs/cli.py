@@ -148,8 +148,19 @@ def _cache_info(cache: str):
         },
         "corpus": manifest.corpus_stats,
         "trainable_methods": [m for m in METHODS if required_arrays(m) <= arrays],
+        "eval_split": _eval_split_line(cache),  # alrira-train --eval-every's held-out prompts
         **_ira_parents_note(settings),
     }, reader
+
+
+def _eval_split_line(cache: str) -> str:
+    from storage.eval_split import read_eval_split_record
+    from storage.location import resolve
+
+    record = read_eval_split_record(resolve(cache))
+    if record is None:
+        return "none (build with --eval-prompts FILE for alrira-train --eval-every)"
+    return f"{record['num_prompts']} prompts, {record['num_tokens']} tokens (max new tokens {record['key'].get('max_new_tokens')})"
 
 
 def _ira_parents_note(settings) -> dict:

@@ -256,8 +256,8 @@ def shard_bytes(path: str | os.PathLike | Location) -> int:
     return sum(size for _, size in resolve(path).files())
 
 
-# A checksum names its scheme: "sha256:" hashes one stream, a tar's bytes (and, in shards written
-# before 2026-12-02, a Zarr directory's sorted relative paths, sizes and bytes); "sha256-files:" a
+# A checksum names its scheme: "sha256:" hashes one stream, a tar's bytes (and, in Zarr shards of
+# older caches, a Zarr directory's sorted relative paths, sizes and bytes); "sha256-files:" a
 # Zarr directory's sorted relative paths, sizes and each file's own sha256, so the writer hashes a
 # file on the thread that wrote it and nothing is read back (docs/design.md, "A cache build").
 CHECKSUM_STREAM = "sha256"

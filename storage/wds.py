@@ -7,7 +7,7 @@ order; one member per record array, named `{key}.{array}.npy.blosc.crc32`, read 
 
     crc32   numcodecs' CRC32 codec: 4 bytes, the little-endian CRC32 of what follows, checked on
             every read (TarWriter sets no PAX headers, so the checksum travels inside the member)
-    blosc   numcodecs' Blosc frame (self-describing): zstd level 1 (3 before 2026-12-03), byte
+    blosc   numcodecs' Blosc frame (self-describing): zstd level 1 (older caches: 3), byte
             shuffle over the array's item size, as the Zarr shards' chunks (storage/shards.py), in
             256 KiB blocks
     npy     the array's np.save bytes, no pickle (the header is padded to 64 bytes, so the data

@@ -15,7 +15,8 @@ from drafter.checkpoint import save_drafter
 from drafter.config import DFlashConfig
 from drafter.model import DFlashDrafter
 from pipeline.cli import eval_cli
-from pipeline.eval.analysis import acceptance_lengths, block_drafts, greedy_sequence
+from drafter.drafting import block_drafts
+from pipeline.eval.analysis import acceptance_lengths, greedy_sequence
 from pipeline.eval.evaluate import EvalConfig, load_prompts, load_target_and_stops, round_start_offsets, run_eval
 from pipeline.eval.speculative import drafter_draft
 from pipeline.target import tapped_features

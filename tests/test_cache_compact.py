@@ -1,4 +1,4 @@
-"""Compact caches (issue 26): --ira-parents, --rollout-feature-codec and --compact built on a local
+"""Compact caches: --ira-parents, --rollout-feature-codec and --compact built on a local
 Ray cluster with the tiny Qwen3; --estimate against what the build writes; what alr_ira draws and
 reads on such a cache; format version 2 next to version 1."""
 

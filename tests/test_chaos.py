@@ -1,4 +1,4 @@
-"""The chaos harness in CI (benchmarks/chaos.py, issue 30): rounds of random combined faults per
+"""The chaos harness in CI (benchmarks/chaos.py): rounds of random combined faults per
 stage (a seeded draw: the failing round's replay command is in the message), each ending exactly
 as a clean run; and the regression tests of the failures the harness found (docs/failure-modes.md,
 "Chaos").
@@ -133,8 +133,8 @@ class _Net(torch.nn.Linear):
 
 def test_a_full_disk_at_a_checkpoint_is_one_line_not_a_traceback(full_disk):
     """Regression: torch.save's zip writer turned ENOSPC into `RuntimeError: ... unexpected pos` /
-    `basic_ios::clear: iostream error`, which alrira-train showed as a traceback (chaos, seed 30,
-    train round 0). Now the one-line ValueError the CLI prints; nothing half-written is left."""
+    `basic_ios::clear: iostream error`, which alrira-train showed as a traceback (found by the chaos
+    harness). Now the one-line ValueError the CLI prints; nothing half-written is left."""
     from pipeline.train.checkpoints import save_checkpoint
     from storage.location import resolve
 
@@ -163,7 +163,7 @@ def test_the_table_counts_a_replayed_round_once_and_every_fault():
 
 def test_a_full_disk_at_the_final_drafter_is_one_line_not_a_traceback(full_disk):
     """Regression: safetensors reports ENOSPC as a SafetensorError ("... (os error 28)"),
-    which alrira-train showed as a traceback (chaos, seed 2027, train round 23). Now the OSError
+    which alrira-train showed as a traceback (found by the chaos harness). Now the OSError
     naming the file, and from the trainer's save the one-line ValueError with what to do."""
     from drafter.checkpoint import save_drafter
     from pipeline.train.run_dir import save_drafter_to
@@ -183,7 +183,7 @@ def test_a_full_disk_at_the_final_drafter_is_one_line_not_a_traceback(full_disk)
 def test_a_lock_is_never_left_empty_by_a_full_disk(full_disk):
     """Regression: the lock was created (O_EXCL) and then its holder written; on a full disk the write
     failed and an empty lock refused every rerun: "in use by another command (pid None on None)"
-    (chaos, seed 2027, train round 16). Now the holder is written aside and linked into place."""
+    (found by the chaos harness). Now the holder is written aside and linked into place."""
     import os
 
     from pipeline.outputs import LOCK_FILE, output_lock
@@ -245,7 +245,7 @@ print("ended cleanly")
 
 @pytest.mark.parametrize("stop", [True, False])
 def test_a_loader_worker_killed_after_the_last_step_is_not_a_traceback(stop):
-    """Regression (chaos, seed 2027, train rounds 0 and 30): the map loader's workers lived until the
+    """Regression (found by the chaos harness): the map loader's workers lived until the
     interpreter exited, so one killed after the last step made torch's SIGCHLD handler raise in the
     final save or in an atexit hook: a traceback after the run ended. The trainer now stops them
     after the last step (`stop_map_loader_workers`); without that, the control shows the raise."""
@@ -258,7 +258,7 @@ def test_a_loader_worker_killed_after_the_last_step_is_not_a_traceback(stop):
 
 
 def test_a_loader_worker_death_inside_a_checkpoint_save_is_one_line():
-    """Regression (chaos, seed 2028, train round 74): torch's SIGCHLD handler raised the worker's
+    """Regression (found by the chaos harness): torch's SIGCHLD handler raised the worker's
     death inside torch.save, whose cleanup raised another error "during handling" of it; the CLI
     matched only the last error and showed a traceback. It now finds the death in the chain."""
     from pipeline.cli import training_error_line
@@ -279,7 +279,7 @@ def test_a_loader_worker_death_inside_a_checkpoint_save_is_one_line():
 
 
 def test_a_run_that_fails_before_its_first_step_stops_its_loader_workers(shard1_reference, tmp_path, monkeypatch):
-    """Regression (chaos, seed 2029, train round 34): the map loader's workers start in setup, but
+    """Regression (found by the chaos harness): the map loader's workers start in setup, but
     the trainer wrote train_config.json and opened its logs outside the block whose exit stops them;
     a full disk there ended the run with its one line while the workers lived on, and one killed
     then made torch's SIGCHLD handler raise in an atexit hook: a traceback after the error line."""

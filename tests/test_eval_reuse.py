@@ -1,4 +1,4 @@
-"""Evaluation defaults (issue 28): the AR baseline decoded once per (target, prompts, settings) and
+"""Evaluation defaults: the AR baseline decoded once per (target, prompts, settings) and
 reused across drafters, --threads, --max-prompts taken evenly across the groups, one line when
 matplotlib is missing, no legend warning from `compare`."""
 

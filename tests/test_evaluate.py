@@ -118,6 +118,10 @@ def test_summary(greedy_run):
     assert summary["tau_geomean"] == pytest.approx(math.sqrt(groups["alpha"]["tau"] * groups["beta"]["tau"]))
     assert summary["speedup_geomean"] == pytest.approx(math.sqrt(groups["alpha"]["speedup"] * groups["beta"]["speedup"]))
     assert summary["rounds"] == sum(g["rounds"] for g in groups.values())
+    # What produced the numbers: the command, versions, source revision and the resolved settings.
+    provenance = summary["provenance"]
+    assert provenance["config"]["dtype_resolved"] == "float32" and provenance["config"]["drafter"].endswith("random-drafter")
+    assert provenance["versions"]["torch"] and provenance["config"]["max_new_tokens"] == summary["max_new_tokens"]
 
 
 def test_accept_histogram(greedy_run):

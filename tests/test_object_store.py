@@ -249,7 +249,7 @@ def test_a_listed_shard_missing_from_the_store_is_refused_when_opened(s3_prefix)
 
 def _pipeline_reaches_stores() -> bool:
     """Whether storage/manifest.py, pipeline/cache_build/shard_builder.py and ray_jobs/cli.py go through
-    storage.location (the diffs of issue 14); before that they make local paths of every --out and
+    storage.location; before that they make local paths of every --out and
     --cache."""
     import pipeline.cache_build.shard_builder
     import ray_jobs.cli

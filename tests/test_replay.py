@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import eval_cli
 from pipeline.eval.evaluate import EvalConfig, load_prompts, load_target_and_stops, run_eval
-from pipeline.eval.replay import match_lengths, replay_rounds
+from drafter.drafting import match_lengths, replay_rounds
 from pipeline.eval.speculative import autoregressive_decode, speculative_decode
 from tests.conftest import write_jsonl
 from tests.test_analysis import PROMPTS, _drafter

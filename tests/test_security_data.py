@@ -1,4 +1,4 @@
-"""Issue 20's training / target / image cases: nothing a run directory, a corpus or a cache holds
+"""Training, target and image cases: nothing a run directory, a corpus or a cache holds
 runs code, reads outside where it was pointed, or trains quietly on the wrong data
 (docs/failure-modes.md)."""
 

@@ -256,6 +256,20 @@ def test_resume_never_quietly_becomes_another_run(cache, tmp_path):
     assert summary["steps"] == steps
 
 
+def test_every_run_records_what_produced_it(cache, tmp_path):
+    """RUN/provenance.json: per invocation the command, the versions, the source revision and the
+    resolved config with what `auto` resolved to; a resume adds its own entry."""
+    run = tmp_path / "run"
+    train(_config(cache, run, epochs=1, save_every=1))
+    train(_config(cache, run, epochs=2, resume=True))
+    invocations = json.loads((run / "provenance.json").read_text())["invocations"]
+    assert len(invocations) == 2 and invocations[1]["config"]["start_step"] > 0 == invocations[0]["config"]["start_step"]
+    for entry in invocations:
+        assert set(entry["versions"]) == {"torch", "transformers", "zarr", "ray", "vllm"} and entry["versions"]["torch"] == torch.__version__
+        assert entry["config"]["compute_dtype"] == "float32" and entry["config"]["attention_kernel"] == "sdpa"
+        assert entry["config"]["num_workers"] == 0 and isinstance(entry["command"], list)
+
+
 def test_resume_ignores_settings_the_method_never_reads_and_checks_the_resolved_dtype(cache, tmp_path, monkeypatch):
     from pipeline.train import setup as setup_module
 

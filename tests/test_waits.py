@@ -1,4 +1,4 @@
-"""tests/waits.py, and the rule it serves (issue 30, item 4): no test decides pass or fail by a
+"""tests/waits.py, and the rule it serves: no test decides pass or fail by a
 wall-clock bound on the code under test. Caps only turn a hang into a failure that says so."""
 
 from __future__ import annotations

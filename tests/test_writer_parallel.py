@@ -26,7 +26,7 @@ from storage.zarr_rows import ChunkFileEncoder
 from test_storage import make_record, make_shard_records
 
 # The tar of make_shard_records(7, first_row=0, num=6, codec=...) as the serial writer wrote it
-# (storage/shards.py at 26e4228), with zstd level 1 since 2026-12-03 (at level 3:
+# (storage/shards.py at 26e4228), with zstd level 1 (at level 3, before the writer's level changed:
 # bf16 sha256:f04744c7..., fp8 sha256:76d1c347...).
 WDS_CHECKSUMS = {
     "bf16": "sha256:ca68d518cac9631a0df459d516a305e1771b0eddb7efbbaaa2893da1fba6bd43",

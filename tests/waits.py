@@ -1,4 +1,4 @@
-"""Waiting on an event in a kill, interrupt or timeout test (issue 30, item 4).
+"""Waiting on an event in a kill, interrupt or timeout test.
 
 No test decides pass or fail by a wall-clock bound on the code under test: on a shared, loaded
 machine a Ray start or a target load can take minutes. A test waits on the event itself (a shard

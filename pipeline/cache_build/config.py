@@ -5,6 +5,8 @@ and how the work is spread; each a typed config, nested here and flattened on th
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, replace
 
 import torch
@@ -153,6 +155,27 @@ def compute_record(device: str, dtype: torch.dtype) -> dict[str, str]:
 
 
 @dataclass(kw_only=True)
+class EvalSplitConfig:
+    """A held-out split for exact tau during training (`alrira-train --eval-every`; storage/eval_split.py)."""
+
+    eval_prompts: str | None = opt(
+        "Prompts file (alrira-eval's format) whose target greedy responses and tapped features the cache keeps beside "
+        "its shards, so training measures the drafter's exact T = 0 tau with no target (text targets).",
+        default=None,
+    )
+    eval_max_new_tokens: int = opt("--eval-prompts: generated tokens per prompt (fewer when a stop token comes first).", default=256)
+    eval_max_prompts: int | None = opt("--eval-prompts: only N prompts, taken evenly across the groups.", default=None)
+
+    def __post_init__(self):
+        if self.eval_max_new_tokens < 1:
+            raise ValueError(f"--eval-max-new-tokens must be >= 1, got {self.eval_max_new_tokens}")
+        if self.eval_max_prompts is not None and self.eval_max_prompts < 1:
+            raise ValueError(f"--eval-max-prompts must be >= 1, got {self.eval_max_prompts}")
+        if self.eval_prompts is not None and not os.path.isfile(self.eval_prompts):
+            raise ValueError(f"--eval-prompts {self.eval_prompts}: no such file")
+
+
+@dataclass(kw_only=True)
 class CacheBuildConfig:
     """`alrira-cache build`: run the target over a corpus and write the stage-1 cache."""
 
@@ -172,6 +195,7 @@ class CacheBuildConfig:
     run: TargetRunConfig = group(TargetRunConfig)
     storage: StorageConfig = group(StorageConfig)
     compute: WorkerConfig = group(WorkerConfig)
+    eval_split: EvalSplitConfig = group(EvalSplitConfig)
     overwrite: bool = opt("Replace an existing cache built with different settings.", default=False)
 
     from_flags = classmethod(from_flags)

@@ -385,6 +385,18 @@ def _build_claimed(
     removed = clean_partial_shards(out, published=[s.name for s in manifest.shards])
     if removed:
         log(f"removed {len(removed)} partial shard(s) left by writers of an earlier build")
+    split = config.eval_split
+    if split.eval_prompts is not None:  # kept when one of the same inputs is there (a resumed or repeated build)
+        import torch
+
+        from pipeline.eval.split import build_eval_split
+
+        check_owner(out, owner)
+        build_eval_split(
+            out, target=config.target, prompts=split.eval_prompts, max_new_tokens=split.eval_max_new_tokens,
+            max_prompts=split.eval_max_prompts, layer_ids=settings.layer_ids, device="cuda" if torch.cuda.is_available() else "cpu",
+            log=log,
+        )  # fmt: skip
     return manifest
 
 

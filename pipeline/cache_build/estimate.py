@@ -1,5 +1,5 @@
 """`alrira-cache build ... --estimate`: the bytes a build would write, before it spends them
-(docs/cache-format.md, "Size"; issue 26).
+(docs/cache-format.md, "Size").
 
 Tokenizes the corpus and sizes every sequence's anchor pool exactly as the build does (no target
 forward, nothing written), so tokens, anchors and IRA parents are the build's own; the raw bytes

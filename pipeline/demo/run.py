@@ -120,11 +120,14 @@ def _build_config(args: list[str]) -> CacheBuildConfig:
     return config_from_flags(CacheBuildConfig, {k: v for k, v in params.items() if k != "progress"})
 
 
-def train_config(*, cache: Path, out: Path, method: str, seed: int, sizes: DemoSizes, arch: str = "dflash") -> TrainConfig:
+def train_config(
+    *, cache: Path, out: Path, method: str, seed: int, sizes: DemoSizes, arch: str = "dflash", markov_rank: int | None = None
+) -> TrainConfig:
     """The one training recipe every method gets; only `method` differs (and `arch`: a DSpark drafter
     drafts as many tokens per round as the DFlash one, B = the cache's K)."""
     return TrainConfig.from_flags(
-        cache=str(cache), out=str(out), method=method, arch=arch, epochs=sizes.epochs, batch_size=sizes.batch_size, lr=sizes.lr,
+        cache=str(cache), out=str(out), method=method, arch=arch, markov_rank=markov_rank, epochs=sizes.epochs,
+        batch_size=sizes.batch_size, lr=sizes.lr,
         anchors_per_step=sizes.anchors_per_step,
         gamma=2.0, dflash_gamma=2.0,  # the text recipe: one slot envelope for every method
         seed=seed, num_workers=1, resume=True, save_dtype="float32", progress=False,

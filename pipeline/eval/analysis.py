@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.dspark import DSparkDrafter, dspark_draft
-from drafter.masks import SHARED_OWNER, visibility_mask
+from drafter.drafting import block_drafts
 from pipeline.eval.compare import analysis_inputs, analysis_output, load_replicate, load_replicates
 from pipeline.eval.evaluate import ROUND_COLUMNS, write_csv_rows
 from pipeline.eval.plots import legend, plot_figure
@@ -263,41 +262,6 @@ def run_training_cost(paths: list[str], *, out: str, reference: str, labels: lis
 # Where drafting is hard
 
 HARD_GROUPS = ("1", "2", "3", "4", "5", "6+")  # the independent drafter's acceptance length at an offset
-
-
-@torch.inference_mode()
-def block_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features: torch.Tensor, sequence: list[int],
-                 anchors: list[int], chunk: int = 16) -> torch.Tensor:  # fmt: skip
-    """Drafts [N, K]: for each anchor position a of `sequence`, the block [x[a], MASK x K] drafted
-    from the features of positions < a, as a decoding round sees them (several blocks per forward,
-    each with its own corpus limit). features [S, F] of the whole sequence. A DSpark drafter gives
-    [N, B]: all its slots, the Markov head run slot by slot on its own drafts (drafter/dspark.py)."""
-    block_size = drafter.config.block_size
-    dtype = next(drafter.parameters()).dtype
-    device = features.device
-    tokens = torch.as_tensor(sequence, device=device)
-    context_positions = torch.arange(features.shape[0], device=device)[None]  # [1, S]
-    drafts = []
-    for start in range(0, len(anchors), chunk):
-        group = torch.as_tensor(anchors[start : start + chunk], device=device)  # [N]
-        block_ids = torch.full((len(group), block_size), mask_token_id, dtype=torch.long, device=device)  # [N, B]
-        block_ids[:, 0] = tokens[group]
-        mask = visibility_mask(
-            context_positions=context_positions, context_owner=torch.full_like(context_positions, SHARED_OWNER),
-            context_valid=torch.ones_like(context_positions, dtype=torch.bool), block_corpus_limit=group[None],
-            block_valid=torch.ones((1, len(group)), dtype=torch.bool, device=device), block_size=block_size,
-        )  # fmt: skip  # [1, 1, N*B, S + N*B]
-        hidden = drafter(
-            context_features=features[None].to(dtype), context_positions=context_positions,
-            block_embeds=embed_tokens(block_ids.reshape(1, -1)).to(dtype),
-            block_positions=(group[:, None] + torch.arange(block_size, device=device)).reshape(1, -1), attention_mask=mask,
-        ).reshape(len(group), block_size, -1)  # fmt: skip  # [N, B, H]
-        if isinstance(drafter, DSparkDrafter):
-            base_logits = lm_head(hidden.to(lm_head.weight.dtype))  # [N, B, V]
-            drafts.append(dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=block_ids[:, 0])[0])  # [N, B]
-        else:
-            drafts.append(lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).argmax(dim=-1))  # [N, K]
-    return torch.cat(drafts)
 
 
 def acceptance_lengths(drafts: torch.Tensor, *, sequence: list[int], anchors: list[int]) -> list[int]:

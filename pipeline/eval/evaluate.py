@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 
 from drafter.checkpoint import check_compatible, load_drafter
 from pipeline.chat import CorpusError, iter_corpus_rows, prompt_row, row_locator
-from pipeline.config import group, opt
+from pipeline.config import group, opt, to_flags
+from pipeline.provenance import provenance_record
 from pipeline.eval.ar_baseline import AR_BASELINE_FILE, ar_baseline_candidates, ar_baseline_key, find_ar_baseline, write_ar_baseline
 from pipeline.eval.plots import legend, plot_figure
 from drafter.dspark import DSparkDrafter
@@ -604,6 +605,8 @@ def run_eval(config: EvalConfig, *, log=log_line) -> dict:
             return json.loads((output.path / "summary.json").read_text())
         summary = _run_eval(config, device=device, dtype=dtype)
         summary["inputs"] = inputs
+        summary["provenance"] = provenance_record({**to_flags(config), "dtype_resolved": str(dtype).removeprefix("torch."),
+                                                   "device_resolved": str(device)})  # fmt: skip
         _write_json(output.path / "summary.json", summary)
         output.finish()
     return summary

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.eval.analysis import block_drafts
+from drafter.drafting import block_drafts, match_lengths, replay_rounds
 from pipeline.eval.evaluate import (
     EVAL_FILES,
     replay_inputs,
@@ -41,30 +41,6 @@ from pipeline.eval.evaluate import (
 )
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode
 from pipeline.outputs import LOCK_FILE, check_out_path, log_line, output_lock, owns, prepare_output, read_record
-
-
-def match_lengths(drafts: torch.Tensor, *, response: list[int]) -> list[int]:
-    """Leading drafts equal to the greedy response, per anchor: drafts [N, K] for the anchors at
-    response tokens 0..N-1; the truth after anchor j is response[j+1 : j+1+K], shorter near the end."""
-    num_anchors, num_draft = drafts.shape
-    truth = torch.full((num_anchors, num_draft), -1, dtype=torch.long)
-    for j in range(num_anchors):
-        tail = response[j + 1 : j + 1 + num_draft]
-        truth[j, : len(tail)] = torch.as_tensor(tail, dtype=torch.long)
-    return torch.cumprod((drafts.cpu() == truth).long(), dim=1).sum(dim=1).tolist()
-
-
-def replay_rounds(matches: list[int], *, num_tokens: int) -> list[int]:
-    """Accepted drafts per round of greedy decoding of a `num_tokens` response: the prefill commits
-    token 0; the round anchored at token j commits its matching drafts and one target token, cut at
-    the response's end (speculative_decode's `min(num_accepted, len(new) - 1)`)."""
-    accepted, j = [], 0
-    while j < num_tokens - 1:
-        remaining = num_tokens - 1 - j  # tokens after the anchor still to commit
-        count = min(matches[j], remaining - 1)
-        accepted.append(count)
-        j += count + 1
-    return accepted
 
 
 @torch.inference_mode()

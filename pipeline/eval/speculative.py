@@ -242,15 +242,16 @@ def drafter_draft(
     return lm_head(hidden[0, 1:].to(head_dtype)).argmax(dim=-1)  # [K]
 
 
-def cached_draft_logits_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int) -> DraftFn:
-    """For one decode: draft(context_features=, anchor_token=, anchor_pos=) -> the drafter's logits
-    [K, V] at slots 1..K, with its context keys/values kept across rounds: each call projects only
-    the context rows added since the previous call, O(new tokens) context work per round instead of O(p)."""
+def cached_block_hidden_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, mask_token_id: int):
+    """For one decode: block_hidden(context_features=, anchor_token=, anchor_pos=) -> the drafter's
+    final hidden states [1, B, H] of the block [anchor, MASK x (B - 1)] at positions anchor_pos..,
+    with its context keys/values kept across rounds: each call projects only the context rows added
+    since the previous call, O(new tokens) context work per round instead of O(p)."""
     block_size = drafter.config.block_size
     dtype = next(drafter.parameters()).dtype
     cache: ContextKVCache | None = None
 
-    def draft_logits(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> Tensor:
+    def block_hidden(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> Tensor:
         nonlocal cache
         device = context_features.device
         assert context_features.shape[0] == anchor_pos, (context_features.shape[0], anchor_pos)
@@ -263,11 +264,22 @@ def cached_draft_logits_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, l
             )
         block_ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)  # [1, B]
         block_ids[0, 0] = anchor_token
-        hidden = drafter.forward_cached(
+        return drafter.forward_cached(
             cache=cache,
             block_embeds=embed_tokens(block_ids).to(dtype),
             block_positions=torch.arange(anchor_pos, anchor_pos + block_size, device=device)[None],
         )  # [1, B, H]
+
+    return block_hidden
+
+
+def cached_draft_logits_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int) -> DraftFn:
+    """For one decode: draft(context_features=, anchor_token=, anchor_pos=) -> the drafter's logits
+    [K, V] at slots 1..K, from cached_block_hidden_fn (the context's keys/values kept across rounds)."""
+    block_hidden = cached_block_hidden_fn(drafter, embed_tokens=embed_tokens, mask_token_id=mask_token_id)
+
+    def draft_logits(**inputs) -> Tensor:
+        hidden = block_hidden(**inputs)  # [1, B, H]
         return lm_head(hidden[0, 1:].to(lm_head.weight.dtype))  # [K, V]
 
     return draft_logits
@@ -284,36 +296,19 @@ def cached_dspark_draft_fn(
     drafter: DSparkDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int, confidence_threshold: float = 0.0
 ) -> DraftFn:
     """For one decode with a DSpark drafter (docs/dspark.md, "Drafting"): one backbone pass over the
-    block [anchor, MASK x (B - 1)] with the context keys/values kept across rounds, then the Markov
-    head slot by slot, each slot after the drafter's own token of the slot before (argmax: the
-    verification accepts a draft only if it equals the target's token, so the most likely one is
-    the best draft at any temperature). With a confidence head and confidence_threshold > 0 the
-    proposal is cut before the first slot whose predicted acceptance is below it (DeepSpec's rule).
-    Returns (tokens [D], the head's predicted acceptance of all B slots, or an empty tensor)."""
-    block_size = drafter.config.block_size
-    dtype = next(drafter.parameters()).dtype
-    cache: ContextKVCache | None = None
+    block [anchor, MASK x (B - 1)] (cached_block_hidden_fn), then the Markov head slot by slot, each
+    slot after the drafter's own token of the slot before (argmax: the verification accepts a draft
+    only if it equals the target's token, so the most likely one is the best draft at any
+    temperature). With a confidence head and confidence_threshold > 0 the proposal is cut before
+    the first slot whose predicted acceptance is below it (DeepSpec's rule). Returns (tokens [D],
+    the head's predicted acceptance of all B slots, or an empty tensor)."""
+    block_hidden = cached_block_hidden_fn(drafter, embed_tokens=embed_tokens, mask_token_id=mask_token_id)
 
     def draft(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> tuple[Tensor, Tensor]:
-        nonlocal cache
-        device = context_features.device
-        assert context_features.shape[0] == anchor_pos, (context_features.shape[0], anchor_pos)
-        cached = 0 if cache is None else cache.length
-        if anchor_pos > cached:
-            cache = drafter.extend_context_cache(
-                cache,
-                context_features=context_features[None, cached:anchor_pos].to(dtype),
-                context_positions=torch.arange(cached, anchor_pos, device=device)[None],
-            )
-        block_ids = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)  # [1, B]
-        block_ids[0, 0] = anchor_token
-        hidden = drafter.forward_cached(
-            cache=cache,
-            block_embeds=embed_tokens(block_ids).to(dtype),
-            block_positions=torch.arange(anchor_pos, anchor_pos + block_size, device=device)[None],
-        )  # [1, B, H]
+        hidden = block_hidden(context_features=context_features, anchor_token=anchor_token, anchor_pos=anchor_pos)  # [1, B, H]
         base_logits = lm_head(hidden.to(lm_head.weight.dtype))  # [1, B, V]
-        tokens, _, confidence = dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=block_ids[:, 0])
+        anchor = torch.tensor([anchor_token], device=hidden.device)
+        tokens, _, confidence = dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=anchor)
         if confidence is None:
             return tokens[0], tokens.new_empty((0,), dtype=torch.float32)
         length = confident_prefix_length(confidence[0], threshold=confidence_threshold)

@@ -35,7 +35,7 @@ LATEST_FILE = "latest"
 # (--attention picks a kernel, not the math: flex and sdpa agree to 1e-5.)
 RESUMABLE_CHANGES = frozenset(
     {"epochs", "max_steps", "save_every", "resume", "overwrite", "progress", "num_workers", "prefetch", "out", "attention",
-     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every",
+     "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every", "eval_every",
      # --precision may change while the dtype it resolves to does not (compute_dtype, checked on its own)
      "precision", "device_kind"}
 )  # fmt: skip
@@ -171,8 +171,8 @@ class NoReadableCheckpoint(ValueError):
 
 def restart_settings_check(run: Location, current: dict, error: NoReadableCheckpoint, *, log=print) -> None:
     """A resume whose every checkpoint is damaged starts again from step 0, the oldest state there
-    is: the seed makes it the same run, bit for bit (found by benchmarks/chaos.py, seed 2029: a
-    run's only checkpoint truncated refused every rerun). The settings are still checked, against
+    is: the seed makes it the same run, bit for bit (so a run whose only checkpoint is truncated is
+    not refused on every rerun). The settings are still checked, against
     the run's train_config.json, as a checkpoint's would be; without a readable one the resume is
     refused: starting with whatever flags were given could quietly become another run."""
     saved = None
@@ -253,7 +253,7 @@ def check_data_position(state: dict, expected: dict, *, run: Location) -> None:
 
 TRAIN_COMMAND = "alrira-train"
 RUN_NAMES = re.compile(
-    r"^\.?(train_config\.json|summary\.json|metrics\.jsonl|checkpoints|drafter|tensorboard)(\..*\.tmp|\.tmp.*)?$"
+    r"^\.?(train_config\.json|provenance\.json|summary\.json|metrics\.jsonl|checkpoints|drafter|tensorboard)(\..*\.tmp|\.tmp.*)?$"
     r"|^events\.out\.tfevents\..+$"
 )  # what a run writes at its top level (and the temp names of storage.atomic's writes of them)
 

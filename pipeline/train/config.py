@@ -222,9 +222,17 @@ class TrainConfig:
         "the last; each read waits for the device, the steps between never do.",
         default=10,
     )
+    eval_every: int = opt(
+        "Exact greedy tau of the drafter on the cache's evaluation split (alrira-cache build --eval-prompts), no target "
+        "loaded, every N steps and at the end, logged with that step's metrics (equal to alrira-eval replay on the same "
+        "prompts); 0: only at the end, when the cache has a split.",
+        default=0,
+    )
 
     def __post_init__(self):
         if self.log_every < 1:
             raise ValueError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
 
     from_flags = classmethod(from_flags)

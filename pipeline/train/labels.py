@@ -221,14 +221,14 @@ def _corpus_prev_tokens(record: dict[str, Tensor], *, anchor_pos: Tensor, num_sl
 
 
 def _corpus_distributions(record: dict[str, Tensor], *, anchor_pos: Tensor, num_slots: int) -> tuple[Tensor, Tensor] | None:
-    """The corpus pass's top-k of the positions slots 1..K predict ([N, K, k] each), or None when
-    the record holds none (a DFlash-trained dflash run reads no distributions)."""
+    """The corpus pass's top-k of the tokens slots 1..K predict, [N, K, k] ids and probs (zero past
+    the sequence end), or None when the record holds none (a DFlash dflash run reads none)."""
     if "corpus_topk_ids" not in record:
         return None
     seq_len = record["input_ids"].shape[0]
-    positions = anchor_pos[:, None] + torch.arange(1, num_slots + 1, device=anchor_pos.device)  # [N, K]
+    positions = anchor_pos[:, None] + torch.arange(1, num_slots + 1, device=anchor_pos.device)  # [N, K]: a + k
     in_seq = (positions < seq_len)[:, :, None]
-    source = (positions - 1).clamp(max=seq_len - 1)
+    source = (positions - 1).clamp(max=seq_len - 1)  # the distribution predicting x[a + k] sits at a + k - 1
     ids = torch.where(in_seq, record["corpus_topk_ids"].long()[source], 0)
     return ids, torch.where(in_seq, record["corpus_topk_probs"].float()[source], 0.0)
 
@@ -246,11 +246,7 @@ def _corpus_labels(
         tokens = input_ids[positions.clamp(max=seq_len - 1)][:, :, None]
         label_ids = torch.where(in_seq, tokens, 0)  # [N, K, 1]
         return label_ids, torch.ones(label_ids.shape, dtype=torch.float32, device=label_ids.device)
-    # the distribution predicting x[a + k] sits at position a + k - 1
-    source = (positions - 1).clamp(max=seq_len - 1)
-    label_ids = torch.where(in_seq, record["corpus_topk_ids"].long()[source], 0)  # [N, K, k]
-    label_probs = torch.where(in_seq, record["corpus_topk_probs"].float()[source], 0.0)
-    return label_ids, label_probs
+    return _corpus_distributions(record, anchor_pos=anchor_pos, num_slots=config.num_slots)  # [N, K, k] each
 
 
 def _corpus_targets(

@@ -25,10 +25,12 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from pipeline.outputs import output_lock
+from pipeline.provenance import provenance_record
 from pipeline.train.batching import ReadFailure, TrainBatch
 from pipeline.train.checkpoints import save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import stop_map_loader_workers
+from pipeline.train.eval_split import evaluate_split
 from pipeline.train.preflight import check_run_dir
 from pipeline.train.run_dir import RunLogs, save_drafter_to, summarize_history
 from pipeline.train.setup import TrainState, setup
@@ -36,6 +38,8 @@ from pipeline.train.step import StepStats, all_reduce_on, forward_loss, lr_at
 from storage.atomic import atomic_write_text
 from storage.local_cache import sweep_orphans
 from storage.location import is_url, resolve
+
+PROVENANCE_FILE = "provenance.json"
 
 
 @dataclass(kw_only=True)
@@ -78,6 +82,11 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> StepResult:
 def is_logged(step: int, *, log_every: int, last_step: int) -> bool:
     """Whether 0-based `step` is read and logged: every log_every-th step and the run's last."""
     return (step + 1) % log_every == 0 or step + 1 == last_step
+
+
+def is_evaluated(step: int, *, eval_every: int, last_step: int) -> bool:
+    """Whether 0-based `step` is followed by a tau evaluation on the split: every eval_every-th and the run's last."""
+    return (eval_every > 0 and (step + 1) % eval_every == 0) or step + 1 == last_step
 
 
 def step_record(s: TrainState, window: list[StepResult], *, seconds: float) -> dict:
@@ -125,6 +134,19 @@ def train(config: TrainConfig) -> dict:
         return _train(config)
 
 
+def record_provenance(s: TrainState) -> None:
+    """RUN/provenance.json: one entry per invocation of this run (a resume adds one) with the exact
+    command, package versions, source revision and the resolved config, `auto` resolved (precision,
+    attention kernel, loader workers) (pipeline/provenance.py)."""
+    resolved = {**s.settings, "attention_kernel": s.attention, "start_step": s.start_step}
+    entries = []
+    if s.start_step and s.run.is_file(PROVENANCE_FILE):
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            entries = list(json.loads(s.run.read_bytes(PROVENANCE_FILE))["invocations"])
+    entries.append(provenance_record(resolved))
+    atomic_write_text(s.run.join(PROVENANCE_FILE), json.dumps({"invocations": entries}, indent=2))
+
+
 def _train(config: TrainConfig) -> dict:
     s = setup(config)  # the map loader's workers run from here on: every exit below stops them (finally)
     settings, logs, method = s.settings, None, config.objective.method
@@ -133,13 +155,20 @@ def _train(config: TrainConfig) -> dict:
         if s.rank == 0:  # first: what marks --out as a run (pipeline/train/preflight.py) for the other ranks' checks
             s.run.make_dirs()
             atomic_write_text(s.run.join("train_config.json"), json.dumps(settings, indent=2))
+            record_provenance(s)
         logs = RunLogs.open(s.run, start_step=s.start_step) if s.rank == 0 else None
         bar = tqdm(total=s.last_step, initial=s.start_step, unit="step", desc=method, disable=s.rank != 0 or not config.progress)
         window, window_start = [], time.time()
         for step in range(s.start_step, s.last_step):
             window.append(train_step(s, config, step))
-            if is_logged(step, log_every=config.log_every, last_step=s.last_step):
+            evaluated = is_evaluated(step, eval_every=config.eval_every, last_step=s.last_step) and s.eval_split is not None
+            if evaluated or is_logged(step, log_every=config.log_every, last_step=s.last_step):
                 record = step_record(s, window, seconds=time.time() - window_start)
+                if evaluated and s.rank == 0:  # the split is rank 0's; nothing collective in it
+                    record["eval"] = evaluate_split(
+                        s.drafter, s.eval_split, embed_tokens=s.head["embed_tokens.weight"], lm_head=s.head["lm_head.weight"],
+                        device=s.device,
+                    )  # fmt: skip
                 window, window_start = [], time.time()
                 history.append(record)
                 if logs is not None:

@@ -51,6 +51,13 @@ class RunLogs:
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
                 self.writer.add_scalar(f"train/{key}", record[key], record["step"])
+            evaluation = record.get("eval") or {}
+            for key in ("tau_pooled", "tau_mean_per_request"):
+                if evaluation.get(key) is not None:
+                    self.writer.add_scalar(f"eval/{key}", evaluation[key], record["step"])
+            for position, rate in enumerate(evaluation.get("acceptance_per_position") or [], start=1):
+                if rate is not None:
+                    self.writer.add_scalar(f"eval/acceptance_at_{position}", rate, record["step"])
 
     def publish(self) -> None:
         if self.run.is_local:
@@ -128,6 +135,7 @@ def summarize_history(history: list[dict], *, num_slots: int) -> dict:
         "mean_loss_last_10pct": sum(h["loss"] for h in tail) / len(tail),
         "slot_acc_last_10pct": [round(sum(h["slot_acc"][k] for h in tail) / len(tail), 4) for k in range(num_slots)],
         "mean_tokens_per_s": sum(h["tokens_per_s"] for h in history) / len(history),
+        **({"final_eval": history[-1]["eval"]} if "eval" in history[-1] else {}),
     }
 
 
@@ -138,6 +146,11 @@ def format_summary(summary: dict) -> str:
             f"loss       final {summary['final_loss']:.4f}, mean of last 10% {summary['mean_loss_last_10pct']:.4f}",
             f"tokens/s   {summary['mean_tokens_per_s']:.0f}",
             "slot acc   " + " ".join(f"{a:.2f}" for a in summary["slot_acc_last_10pct"]),
+            *(
+                [f"eval tau   {summary['final_eval']['tau_pooled']:.3f} pooled, {summary['final_eval']['tau_mean_per_request']:.3f} "
+                 f"per request ({summary['final_eval']['prompts']} prompts of the cache's evaluation split)"]
+                if summary.get("final_eval") and summary["final_eval"]["tau_pooled"] is not None else []
+            ),
             f"drafter    {resolve(summary['run']).join('drafter')}",
         ]
     return "\n".join(lines)

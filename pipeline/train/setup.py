@@ -37,6 +37,7 @@ from pipeline.train.data import data_position, make_batches, stream_epoch_steps
 from pipeline.train.methods import check_cache_serves
 from pipeline.train.preflight import check_cache_complete, check_run_dir
 from pipeline.train.streaming import stream_plan
+from storage.eval_split import EvalSplit, read_eval_split, read_eval_split_record
 from storage.location import Location, resolve
 from storage.manifest import load_target_head
 from storage.reader import available_arrays, open_cache
@@ -155,6 +156,8 @@ class TrainState:
     total_steps: int
     last_step: int
     settings: dict  # the run's flat settings, --rollout-depth resolved for the cache (train_config.json, checkpoints)
+    eval_split: EvalSplit | None = None  # rank 0's: the cache's evaluation split (--eval-every), if it has one
+    head: dict | None = None  # the target's embed_tokens / lm_head as stored (CPU), for the split's float32 drafting
 
     def epoch_of(self, step: int) -> int:
         return bisect.bisect_right(self.epoch_ends, step)
@@ -202,6 +205,17 @@ def setup(config: TrainConfig) -> TrainState:
     position_after = partial(data_position, epoch_ends=epoch_ends, plan=plan)
 
     head = load_target_head(config.cache, target_hash=settings.target_hash)
+    split = None
+    if rank == 0 and read_eval_split_record(resolve(config.cache)) is not None:
+        split = read_eval_split(resolve(config.cache))
+        made_for = {"target_hash": split.key.get("target_hash"), "layer_ids": split.key.get("layer_ids")}
+        if made_for != {"target_hash": settings.target_hash, "layer_ids": list(settings.layer_ids)}:
+            raise ValueError(
+                f"{config.cache}: its evaluation split was computed for another target or taps ({made_for}); rebuild it with "
+                "`alrira-cache build` and --eval-prompts (the shards are kept)"
+            )
+    elif config.eval_every and read_eval_split_record(resolve(config.cache)) is None:
+        raise ValueError(f"--eval-every: {config.cache} has no evaluation split; build the cache with --eval-prompts FILE")
     drafter = build_drafter(config, manifest, dspark_block=dspark_block, markov_rank=markov_rank).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=0.0)
     start_step = 0
@@ -252,5 +266,7 @@ def setup(config: TrainConfig) -> TrainState:
         data_position=position_after,
         total_steps=total_steps,
         last_step=last_step,
+        eval_split=split,
+        head=head if split is not None else None,
         settings=run_settings,
     )  # fmt: skip
