@@ -150,7 +150,7 @@ def bench_bytes(work: Path, records: list[dict], shapes: Shapes) -> list[dict]:
     return rows
 
 
-BLOCK = 256 << 10  # storage.shards.ZARR_BLOSC_BLOCK_BYTES: one Blosc block per 256 KiB chunk
+BLOCK = 256 << 10  # storage.formats.zarr.write.ZARR_BLOSC_BLOCK_BYTES: one Blosc block per 256 KiB chunk
 CODEC_VARIANTS = (
     ("zstd 3, byte shuffle, auto blocks (Zarr before)", dict(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE)),
     ("zstd 3, byte shuffle, 256 KiB blocks (now)", dict(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE, blocksize=BLOCK)),

@@ -122,7 +122,7 @@ def corrupt_reads(cache: Path, storage_format: str) -> str:
         path = sorted((cache / SHARD_DIR / "shard-00000.zarr" / "rollout_topk_probs").rglob("c/*/*/*"))[0]
         position = len(path.read_bytes()) // 2
     else:
-        from storage.shards import WdsShard
+        from storage.formats.wds import WdsShard
 
         path = cache / SHARD_DIR / "shard-00000.tar"
         shard = WdsShard(path)

@@ -291,11 +291,11 @@ def measure_loader(reader, *, method: str, shapes: Shapes, anchors_per_step: int
 def sequence_chunk_bytes(cache: Path, *, index: int, arrays: set[str], parent_rows) -> list[bytes]:
     """The compressed Blosc frames the map loader decodes for sequence `index` of the
     (single-shard) cache: every chunk of `arrays` that its rows touch, and the chunks of the
-    rollout_features rows `parent_rows` of its pool (read, crc32c checked, by storage/zarr_rows.py)."""
+    rollout_features rows `parent_rows` of its pool (read, crc32c checked, by storage/formats/zarr/rows.py)."""
     import zarr
 
-    from storage.shards import ANCHOR_INDEXED_ARRAYS
-    from storage.zarr_rows import ZarrRows
+    from storage.formats.zarr.rows import ZarrRows
+    from storage.records import ANCHOR_INDEXED_ARRAYS
 
     shard = cache / SHARD_DIR / "shard-00000.zarr"
     chunks = ZarrRows(shard)
@@ -552,8 +552,10 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
     CPU); "main only" is the wall during which no piece runs (the main thread's appends, publish's
     fsync and checksum), i.e. the part no writer thread can take; zarr's threads' CPU is read from
     /proc (its event-loop thread is one thread whatever `threads` is)."""
+    import storage.formats.zarr.write
     import storage.shards
-    from storage.shards import ShardSize, ShardWriter, set_codec_threads
+    from storage.formats.zarr.write import set_codec_threads
+    from storage.shards import ShardSize, ShardWriter
 
     set_codec_threads(threads)
     torch.set_num_threads(1)
@@ -582,9 +584,11 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
         return run
 
     patched = {"fsync_tree": "sync_s", "shard_checksum": "checksum_s"}
-    originals = {name: getattr(storage.shards, name) for name in patched}
-    for name, key in patched.items():  # (restored below: --quick runs in this process)
-        setattr(storage.shards, name, phase(key, originals[name]))
+    # The publish step's fsync and checksum, and a Zarr body's own checksum of what it wrote.
+    places = [(storage.shards, "fsync_tree"), (storage.shards, "shard_checksum"), (storage.formats.zarr.write, "shard_checksum")]
+    originals = {(module, name): getattr(module, name) for module, name in places}
+    for (module, name), fn in originals.items():  # (restored below: --quick runs in this process)
+        setattr(module, name, phase(patched[name], fn))
     zarr_cpu_before = {t.name: _thread_cpu_s(t.native_id) for t in threading.enumerate() if t.name.startswith("zarr")}
     cpu_start, main_start, start = time.process_time(), time.thread_time(), time.perf_counter()
     with ShardWriter(
@@ -598,8 +602,8 @@ def writer_child(shapes_dict: dict, storage_format: str, threads: int, num_recor
         appended = time.perf_counter()
         shard = writer.publish()
     end = time.perf_counter()
-    for name, fn in originals.items():
-        setattr(storage.shards, name, fn)
+    for (module, name), fn in originals.items():
+        setattr(module, name, fn)
     zarr_cpu = {
         t.name: _thread_cpu_s(t.native_id) - zarr_cpu_before.get(t.name, 0.0)
         for t in threading.enumerate() if t.name.startswith("zarr")

@@ -1,4 +1,4 @@
-"""Compressed WebDataset shards (storage/wds.py) against Zarr and the uncompressed tars: size on
+"""Compressed WebDataset shards (storage/formats/wds.py) against Zarr and the uncompressed tars: size on
 disk next to the raw bf16 arrays, and read throughput, on the records of cache_build.py's
 benchmark target and corpus.
 
@@ -48,15 +48,16 @@ from pipeline.train.methods import required_arrays
 from storage.format import SHARD_DIR, TARGET_HEAD_FILE, record_array_names
 from storage.manifest import save_manifest
 from storage.reader import cache_stats, open_cache
-from storage.shards import ZarrShard, shard_bytes, shard_checksum
-from storage.wds import LEGACY_CRC_HEADER, WdsShard, WdsShardWriter, decode_sample, member_selector, npy_bytes
+from storage.checksums import shard_bytes, shard_checksum
+from storage.formats.zarr import ZarrShard
+from storage.formats.wds import LEGACY_CRC_HEADER, WdsShard, WdsShardWriter, decode_sample, member_selector, npy_bytes
 
 NUM_REPEATS = 3
 WRITERS = ("wds compressed", "wds compressed, no CRC", "wds uncompressed .npy")
 
 
 def write_legacy_tar(path: Path, records, *, names: list[str]) -> None:
-    """A tar as the build wrote them before storage/wds.py: `.npy` members, PAX CRC32 each."""
+    """A tar as the build wrote them before storage/formats/wds.py: `.npy` members, PAX CRC32 each."""
     with tarfile.open(path, "x", format=tarfile.PAX_FORMAT) as tar:
         for record in records:
             key = f"{int(record['source_row']):09d}"

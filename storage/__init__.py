@@ -14,7 +14,8 @@ from storage.manifest import (
 )
 from storage.reader import CacheReader, available_arrays, cache_stats, open_cache
 from storage.ownership import CacheOwnershipLost, check_owner, claim_cache
-from storage.shards import clean_partial_shards, read_shard_records, shard_checksum, write_shard
+from storage.checksums import shard_checksum
+from storage.shards import clean_partial_shards, read_shard_records, write_shard
 from storage.verify import verify_cache
 
 __all__ = [

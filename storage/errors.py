@@ -40,5 +40,5 @@ def first_line(error: BaseException) -> str:
 class CorruptShardError(ValueError):
     """A shard's bytes no longer match what was written (one line naming the shard and array).
 
-    Zarr shards (storage/shards.py) and WebDataset tars (storage/wds.py) raise this one class, so
+    Zarr shards (storage/formats/zarr/) and WebDataset tars (storage/formats/wds.py) raise this one class, so
     a reader catches one error whichever format a cache has."""

@@ -263,12 +263,12 @@ class ShardRecord:
     tokens: int
     anchors: int
     bytes: int  # size on disk
-    checksum: str  # "sha256:<hex>" or "sha256-files:<hex>", see storage.shards.shard_checksum
+    checksum: str  # "sha256:<hex>" or "sha256-files:<hex>", see storage.checksums.shard_checksum
     status: str  # "complete" once published; only complete shards are readable
     # Ray node that wrote the shard ("IP/first 8 hex of the node id", ray_jobs.build.this_node);
     # None (no key): built in-process. Not content: resume and verify ignore it.
     node: str | None = None
-    # On an object store: shard_object_tags when the checksum was computed (storage.shards), so a
+    # On an object store: shard_object_tags when the checksum was computed (storage.checksums), so a
     # resume can tell with one listing that the objects are still the checksummed ones. None (no
     # key): a local shard. Not content: verify recomputes the checksum.
     object_tags: str | None = None
@@ -292,7 +292,7 @@ class ShardRecord:
         _check_int("anchors", self.anchors, minimum=0)
         _check_int("bytes", self.bytes, minimum=0)
         _check_str("checksum", self.checksum)
-        if not self.checksum.startswith(("sha256:", "sha256-files:")):  # storage.shards.CHECKSUM_SCHEMES
+        if not self.checksum.startswith(("sha256:", "sha256-files:")):  # storage.checksums.CHECKSUM_SCHEMES
             raise ValueError(f"checksum must look like 'sha256:<hex>' or 'sha256-files:<hex>', got {self.checksum!r}")
         if self.status not in SHARD_STATUSES:
             raise ValueError(f"status must be one of {SHARD_STATUSES}, got {self.status!r}")

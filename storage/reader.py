@@ -31,8 +31,10 @@ from storage.format import (
 )
 from storage.location import Location, resolve
 from storage.manifest import Manifest, ShardRecord, load_manifest
-from storage.shards import ZARR_INDEX_ARRAYS, WdsShard, ZarrShard, open_shard, shard_bytes
-from storage.zarr_rows import ZarrRows
+from storage.checksums import shard_bytes
+from storage.formats import open_shard
+from storage.formats.protocol import ShardHandle
+from storage.layout import expected_layout, layout_problem
 
 # The tokenized corpus's sequence -> corpus row map (pipeline/cache_build/corpus.py writes it): what
 # rows each shard must hold, the build giving shard i sequences [i * shard_size, (i + 1) * shard_size).
@@ -66,6 +68,7 @@ class CacheReader:
         self.feature_codec = manifest.settings.feature_codec
         self.rollout_feature_codec = manifest.settings.codecs["rollout_features"]
         self.ira_parents = manifest.settings.ira_parents  # None: every pool anchor keeps its rollout features
+        self.layout = expected_layout(manifest)  # what every shard's own layout record must say
         self._shards: list[ShardRecord] = manifest.complete_shards
         self._position = {shard.index: pos for pos, shard in enumerate(self._shards)}
         self._starts = np.cumsum([0] + [s.sequences for s in self._shards])  # [num_shards + 1]
@@ -75,9 +78,8 @@ class CacheReader:
             if not (self.shard_path(shard).exists() if stored is None else shard.name in stored):
                 raise ValueError(f"{self.shard_path(shard)}: shard {shard.name} listed as complete is missing")
         self._pid: int | None = None
-        self._handles: dict[int, ZarrShard | WdsShard] = {}
+        self._handles: dict[int, ShardHandle] = {}
         self._corpus_rows: np.ndarray | None | bool = False  # False: not read yet; None: the cache has none
-        self._rows: dict[int, ZarrRows] = {}  # local Zarr shards: chunks decoded without zarr (storage/zarr_rows.py)
 
     def shard_path(self, shard: ShardRecord) -> Path | str:
         """The shard's Path, or its URL on a store."""
@@ -98,13 +100,12 @@ class CacheReader:
         state = self.__dict__.copy()
         state["_pid"] = None
         state["_handles"] = {}
-        state["_rows"] = {}
         return state
 
-    def _handle(self, pos: int) -> ZarrShard | WdsShard:
+    def _handle(self, pos: int) -> ShardHandle:
         if self._pid != os.getpid():
             # A forked child shares the parent's file offsets: never reuse its handles.
-            self._handles, self._rows = {}, {}
+            self._handles = {}
             self._pid = os.getpid()
         handle = self._handles.get(pos)
         if handle is None:
@@ -119,8 +120,6 @@ class CacheReader:
                 handle.close()
                 raise ValueError(problem)
             self._handles[pos] = handle
-            if isinstance(handle, ZarrShard) and isinstance(handle.path, Path):
-                self._rows[pos] = ZarrRows(handle.path)
         return handle
 
     def expected_source_rows(self, shard: ShardRecord) -> np.ndarray | None:
@@ -139,18 +138,20 @@ class CacheReader:
         size = self.manifest.settings.shard_size
         return np.sort(np.asarray(self._corpus_rows[shard.index * size : (shard.index + 1) * size], dtype=np.int64))
 
-    def identity_problem(self, shard: ShardRecord, handle: ZarrShard | WdsShard) -> str | None:
-        """Whether an opened shard is the one the manifest lists under its name: its records' source
+    def identity_problem(self, shard: ShardRecord, handle: ShardHandle) -> str | None:
+        """Whether an opened shard is the one the manifest lists under its name: the layout it
+        records is the manifest's (storage/layout.py), its records' source
         rows (the Zarr source_rows array, the tar's sample keys: read at open anyway) are the rows
         the build planned for it, and a Zarr shard's sizes are the manifest's. A valid shard of
         another index or another cache put in its place trains on wrong rows and passes every
         other cheap check (docs/design.md, "The cache contract")."""
         where = self.shard_path(shard)
-        if isinstance(handle, ZarrShard):
-            found = {"tokens": handle.attrs.get("num_tokens"), "anchors": handle.attrs.get("num_anchors")}
-            for what, value in found.items():
-                if value != getattr(shard, what):
-                    return f"{where}: holds {value} {what}, the manifest records {getattr(shard, what)} for {shard.name}; {SWAPPED_HINT}"
+        problem = layout_problem(handle.layout(), self.layout, where=str(where))
+        if problem is not None:
+            return problem
+        for what, value in (handle.recorded_sizes() or {}).items():
+            if value != getattr(shard, what):
+                return f"{where}: holds {value} {what}, the manifest records {getattr(shard, what)} for {shard.name}; {SWAPPED_HINT}"
         expected = self.expected_source_rows(shard)
         if expected is None:
             return None
@@ -162,32 +163,14 @@ class CacheReader:
                 f"in {shard.name}; {SWAPPED_HINT}"
             )
         return None
+
     def _read_shard(self, pos: int, local: int, arrays: set[str] | None) -> dict[str, np.ndarray]:
-        """The encoded record of sequence `local` of shard `pos`: the local Zarr arrays whose layout
-        storage/zarr_rows.py reads straight from their chunks (the map loader's decode path), the
-        rest through the shard handle."""
-        handle, rows = self._handle(pos), self._rows.get(pos)
-        if rows is None:
-            return handle.read(local, arrays)
-        fast = {n for n in handle.arrays if n not in ZARR_INDEX_ARRAYS and (arrays is None or n in arrays) and rows.layout(n)}
-        record = handle.read(local, (set(handle.array_names) if arrays is None else set(arrays)) - fast)
-        for name in sorted(fast):
-            try:
-                record[name] = rows.rows(name, *handle.row_range(local, name))
-            except Exception as e:  # a failed checksum or a chunk that no longer decodes
-                raise handle._corrupt(name, e) from None
-        return record
+        """The encoded record of sequence `local` of shard `pos`."""
+        return self._handle(pos).read(local, arrays)
 
     def _read_anchor_rows(self, index: int, name: str, pool_rows) -> np.ndarray:
         shard_index, local = self.shard_of(index)
-        pos = self._position[shard_index]
-        handle, rows = self._handle(pos), self._rows.get(pos)
-        if rows is None or not rows.layout(name):
-            return handle.read_anchor_rows(local, name, pool_rows)
-        try:
-            return rows.pick(name, handle.row_range(local, name)[0] + np.asarray(pool_rows, dtype=np.int64))
-        except Exception as e:
-            raise handle._corrupt(name, e) from None
+        return self._handle(self._position[shard_index]).read_anchor_rows(local, name, pool_rows)
 
     def shard_of(self, index: int) -> tuple[int, int]:
         """(shard index as in the manifest, sequence index within that shard) of global `index`."""
@@ -246,7 +229,7 @@ class CacheReader:
         if self._pid == os.getpid():
             for handle in self._handles.values():
                 handle.close()
-        self._handles, self._rows = {}, {}
+        self._handles = {}
 
 
 def open_cache(cache_dir: str | os.PathLike | Location) -> CacheReader:
@@ -316,29 +299,19 @@ BYTE_GROUPS = {
     "rollout_features": ("rollout_features", "rollout_feature_scales"),
 }
 _GROUP_OF = {name: group for group, names in BYTE_GROUPS.items() for name in names}
-TAR_BLOCK = 512
 
 
 def shard_group_bytes(reader: CacheReader, shard: ShardRecord) -> dict[str, int]:
     """On-disk bytes of one complete shard by BYTE_GROUPS group ("index": the rest: offsets,
     metadata, tar end blocks); they sum to the shard's bytes."""
-    location = resolve(reader.shard_path(shard))
     out = dict.fromkeys([*BYTE_GROUPS, "index"], 0)
-    if reader.storage_format == "zarr":
-        for rel, size in location.files():
-            out[_GROUP_OF.get(rel.split("/", 1)[0], "index")] += size
-        return out
-    total = 0
-    handle = WdsShard(location)
+    handle = open_shard(reader.shard_path(shard), storage_format=reader.storage_format)
     try:
-        for _, members in handle.samples:
-            for name, member in members.items():
-                size = TAR_BLOCK + -(-member.size // TAR_BLOCK) * TAR_BLOCK  # header + padded data
-                out[_GROUP_OF.get(name, "index")] += size
-                total += size
+        for name, size in handle.array_bytes().items():
+            out[_GROUP_OF.get(name, "index")] += size
     finally:
         handle.close()
-    out["index"] += shard_bytes(location) - total
+    out["index"] += shard_bytes(reader.shard_path(shard)) - sum(out.values())
     return out
 
 

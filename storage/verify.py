@@ -15,12 +15,9 @@ from storage.format import (
     FP8_SCALE_ARRAYS,
     SHARD_DIR,
     TARGET_HEAD_FILE,
-    PARENT_ARRAYS,
-    ZARR_INDEX_ARRAYS,
-    ZARR_PARENT_OFFSETS,
     MANIFEST_FILE,
-    record_array_names,
 )
+from storage.eval_split import EVAL_SPLIT_RECORD, read_eval_split, read_eval_split_record
 from storage.location import Location, read_safetensors_header, resolve
 from storage.manifest import (
     TARGET_HEAD_HASH_KEY,
@@ -31,17 +28,10 @@ from storage.manifest import (
     target_head_hash,
 )
 from storage.reader import CORPUS_SOURCE_ROWS, CacheReader
-from storage.shards import (
-    ANCHOR_INDEXED_ARRAYS,
-    RecordDims,
-    ZarrShard,
-    check_record,
-    checksum_scheme,
-    open_shard,
-    record_dtype,
-    shard_bytes,
-    shard_checksum,
-)
+from storage.checksums import checksum_scheme, shard_bytes, shard_checksum
+from storage.formats import open_shard
+from storage.layout import expected_layout, layout_problem
+from storage.records import RecordDims, check_record
 
 PROB_TOLERANCE = 1e-3
 MAX_PROBLEMS_PER_SHARD = 10
@@ -115,48 +105,6 @@ def record_value_problems(record: dict[str, np.ndarray], *, vocab_size: int) -> 
     return problems
 
 
-def _zarr_structure_problems(shard: ZarrShard, manifest: Manifest, record: ShardRecord) -> list[str]:
-    """Flat-array problems of a Zarr shard: offsets, lengths, dtypes, attributes."""
-    settings = manifest.settings
-    codec, rollout_codec = settings.feature_codec, settings.rollout_feature_codec
-    problems = []
-    names = set(record_array_names(codec, settings.contents, rollout_codec)) - {"source_row"}
-    stored = set(shard.arrays) - set(ZARR_INDEX_ARRAYS)
-    if stored != names:
-        problems.append(f"arrays {sorted(stored ^ names)} missing or unexpected")
-    if shard.attrs.get("feature_codec") != codec:
-        problems.append(f"attribute feature_codec {shard.attrs.get('feature_codec')!r}, manifest says {codec!r}")
-    computed = shard.attrs.get("compute")  # absent in a shard built before it was recorded
-    if manifest.compute is not None and computed is not None and computed != manifest.compute:
-        problems.append(f"attribute compute {computed!r}: computed in another dtype than the cache's {manifest.compute!r}")
-    if (settings.ira_parents is not None) != (ZARR_PARENT_OFFSETS in shard.arrays):
-        problems.append(f"index array {ZARR_PARENT_OFFSETS} {'missing' if settings.ira_parents else 'unexpected'}")
-    elif settings.ira_parents is not None:
-        expected = np.concatenate([[0], np.cumsum(np.minimum(np.diff(shard.anchor_offsets), settings.ira_parents))])
-        if not np.array_equal(shard.parent_offsets, expected):
-            problems.append(f"{ZARR_PARENT_OFFSETS} do not give min(ira_parents, anchors) rows per sequence")
-    for offsets_name, offsets, arrays in (
-        ("seq_offsets", shard.seq_offsets, [n for n in stored if n not in ANCHOR_INDEXED_ARRAYS]),
-        ("anchor_offsets", shard.anchor_offsets, [n for n in stored if n in ANCHOR_INDEXED_ARRAYS and n not in PARENT_ARRAYS]),
-        ("parent_offsets", shard.parent_offsets, [n for n in stored if n in PARENT_ARRAYS]),
-    ):
-        if offsets.dtype != np.int64 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
-            problems.append(f"{offsets_name} must be int64, start at 0 and not decrease")
-            continue
-        for name in sorted(arrays):
-            array = shard.arrays[name]
-            if array.shape[0] != offsets[-1]:
-                problems.append(f"{name} has {array.shape[0]} rows, {offsets_name} ends at {offsets[-1]}")
-            dtype = record_dtype(name, feature_codec=codec, rollout_feature_codec=rollout_codec)
-            if array.dtype != dtype:
-                problems.append(f"{name} has dtype {array.dtype}, expected {dtype}")
-    if shard.seq_offsets[-1] != record.tokens:
-        problems.append(f"holds {shard.seq_offsets[-1]} tokens, manifest says {record.tokens}")
-    if shard.anchor_offsets[-1] != record.anchors:
-        problems.append(f"holds {shard.anchor_offsets[-1]} anchors, manifest says {record.anchors}")
-    return problems
-
-
 def _shard_problems(cache: Location, manifest: Manifest, record: ShardRecord) -> list[str]:
     path = cache.child(f"{SHARD_DIR}/{record.name}")
     if not path.exists():
@@ -179,11 +127,14 @@ def _shard_problems(cache: Location, manifest: Manifest, record: ShardRecord) ->
         shard = open_shard(path, storage_format=manifest.settings.storage_format)
     except Exception as e:  # a broken shard can fail in zarr, tarfile or numpy
         return problems + [f"unreadable ({_one_line(e)})"]
+    layout = layout_problem(shard.layout(), expected_layout(manifest), where="shard")
+    if layout is not None:  # another cache's or build's shard: its rows are not read
+        shard.close()
+        return problems + [layout.removeprefix("shard: ")]
     try:
         if shard.num_sequences != record.sequences:
             problems.append(f"holds {shard.num_sequences} sequences, manifest says {record.sequences}")
-        if isinstance(shard, ZarrShard):
-            problems += _zarr_structure_problems(shard, manifest, record)
+        problems += shard.structure_problems(manifest, record)
         num_tokens = num_anchors = 0
         for local in range(shard.num_sequences):
             if len(problems) > MAX_PROBLEMS_PER_SHARD:
@@ -202,7 +153,7 @@ def _shard_problems(cache: Location, manifest: Manifest, record: ShardRecord) ->
             num_anchors += seq_dims.num_anchors
             problems += [f"{where}: {p}" for p in record_value_problems(seq, vocab_size=manifest.vocab_size)]
         else:
-            if not isinstance(shard, ZarrShard) and (num_tokens, num_anchors) != (record.tokens, record.anchors):
+            if shard.recorded_sizes() is None and (num_tokens, num_anchors) != (record.tokens, record.anchors):
                 problems.append(
                     f"holds {num_tokens} tokens / {num_anchors} anchors, manifest says {record.tokens} / {record.anchors}"
                 )
@@ -288,6 +239,21 @@ def identity_note(reader) -> str | None:
     return None
 
 
+def _eval_split_problems(cache: Location, manifest: Manifest) -> list[str]:
+    """A kept evaluation split (storage/eval_split.py) must match its record's sha256 and belong to
+    this cache's target and taps; a cache without one has nothing to check."""
+    try:
+        if read_eval_split_record(cache) is None:
+            return []
+        split = read_eval_split(cache)
+    except ValueError as error:
+        return [_one_line(error)]
+    key = split.key
+    if key.get("target_hash") != manifest.settings.target_hash or key.get("layer_ids") != list(manifest.settings.layer_ids):
+        return [f"{cache.join(EVAL_SPLIT_RECORD)}: computed for another target or taps; rebuild it with --eval-prompts"]
+    return []
+
+
 def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
     """Every problem found in the cache at `cache_dir` (a directory or a store URL), one line
     each; empty if it is good. On a store every shard object is downloaded once."""
@@ -302,6 +268,7 @@ def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
             f"{cache.join(MANIFEST_FILE)}: {len(manifest.complete_shards)} of {manifest.num_shards_planned} planned shards are complete"
         )
     problems += _target_head_problems(cache, manifest)
+    problems += _eval_split_problems(cache, manifest)
     for record in manifest.complete_shards:
         problems += [f"{record.name}: {p}" for p in _shard_problems(cache, manifest, record)]
     if not problems:  # every shard whole: is each the one its record names (rows, not only bytes)?

@@ -103,5 +103,9 @@ def test_a_changed_split_is_refused_and_eval_every_needs_one(split_cache, k7_cac
     (copy / EVAL_SPLIT_FILE).write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"eval_split.safetensors: does not match its record's sha256"):
         _train(copy, tmp_path / "run")
+    from storage.verify import verify_cache
+
+    assert any("eval_split.safetensors: does not match its record's sha256" in p for p in verify_cache(copy))
+    assert verify_cache(cache) == []
     with pytest.raises(ValueError, match=r"--eval-every: .* has no evaluation split; build the cache with --eval-prompts"):
         _train(k7_cache, tmp_path / "plain")

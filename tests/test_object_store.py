@@ -21,15 +21,10 @@ from storage.format import SHARD_DIR
 from storage.location import read_safetensors_header, resolve
 from storage.ownership import CacheOwnershipLost, check_out_dir, check_owner, claim_cache, foreign_files, remove_cache_files
 from storage.reader import CacheReader
-from storage.shards import (
-    CorruptShardError,
-    ShardSize,
-    ShardWriter,
-    WdsShard,
-    read_shard_records,
-    shard_checksum,
-    write_shard,
-)
+from storage.checksums import shard_checksum
+from storage.errors import CorruptShardError
+from storage.formats.wds import WdsShard
+from storage.shards import ShardSize, ShardWriter, read_shard_records, write_shard
 from storage.verify import size_problems
 from test_storage import assert_record_equal, make_manifest, make_settings, make_shard_records
 

@@ -19,7 +19,8 @@ from click.testing import CliRunner
 from pipeline.train import TrainConfig, train
 from storage.format import SHARD_DIR
 from storage.manifest import load_manifest, save_manifest
-from storage.shards import shard_bytes, shard_checksum, shard_name
+from storage.checksums import shard_bytes, shard_checksum
+from storage.format import shard_name
 from tests.conftest import write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from storage.location import COPY_LISTING_FILE, LOCAL_COPIES_DIR, remove_local_copies, resolve
 from storage.paths import checked_join
-from storage.wds import WdsShard
+from storage.formats.wds import WdsShard
 from test_storage import build_cache
 from tests.waits import HANG_CAP_S
 

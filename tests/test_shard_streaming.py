@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import storage.shards
+import storage.formats.zarr.write
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.driver import build_cache
 from pipeline.cache_build.shard_builder import ShardBuilder, plan_batches
 from storage.format import SHARD_DIR
 from storage.manifest import load_manifest
-from storage.shards import ShardSize, ShardWriter, read_shard_records, shard_checksum, write_shard
+from storage.checksums import shard_checksum
+from storage.shards import ShardSize, ShardWriter, read_shard_records, write_shard
 from test_storage import make_record, make_shard_records
 from tests.waits import HANG_CAP_S
 
@@ -70,7 +71,7 @@ def test_a_shard_writer_holds_at_most_one_shard_file_per_array(tmp_path, monkeyp
     import test_storage
 
     monkeypatch.setattr(test_storage, "F", 2048)  # ~0.8 MB of features per record
-    monkeypatch.setattr(storage.shards, "ZARR_SHARD_BYTES", 1 << 20)  # 1 MiB Zarr shard files
+    monkeypatch.setattr(storage.formats.zarr.write, "ZARR_SHARD_BYTES", 1 << 20)  # 1 MiB Zarr shard files
     peak_small, total_small = _traced_peak_of_streaming(tmp_path / "small", 8)
     peak_large, total_large = _traced_peak_of_streaming(tmp_path / "large", 48)
     assert total_large == 6 * total_small > 80e6

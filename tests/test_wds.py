@@ -1,4 +1,4 @@
-"""storage/wds.py on real tar files: webdataset's TarWriter writes, the random-access reader and
+"""storage/formats/wds.py on real tar files: webdataset's TarWriter writes, the random-access reader and
 webdataset's own pipeline read, bytes are deterministic, every member is checked, old tars read."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import webdataset
 from storage.codecs import encode_features
 from storage.errors import CorruptShardError
 from storage.format import ALL_GROUPS, record_array_names
-from storage.wds import (
+from storage.formats.wds import (
     BLOSC_CLEVEL,
     LEGACY_CRC_HEADER,
     NPY_BLOSC,
@@ -144,7 +144,7 @@ def test_bytes_depend_only_on_the_records_and_any_binary_file_takes_them(tmp_pat
 def test_members_are_blosc_zstd_with_byte_shuffle_and_smaller_than_npy(tmp_path):
     from numcodecs import Blosc
 
-    from storage.shards import ZARR_CLEVEL
+    from storage.formats.zarr.write import ZARR_CLEVEL
 
     assert BLOSC_CLEVEL == ZARR_CLEVEL  # one codec for both formats
     records = make_records(2)
@@ -248,7 +248,7 @@ def test_a_torn_tar_is_one_line(tmp_path):
 def test_a_tar_on_a_store_reads_by_range_and_streams(tmp_path):
     """fsspec's in-memory store stands in for S3: the writer takes the store's file, the random
     reader fetches members by range, and the stream opens it through fsspec (open_tar)."""
-    from storage.wds import open_tar
+    from storage.formats.wds import open_tar
 
     records = make_records(3)
     url = "memory://alrira-store-test/shards/shard-00000.tar"

@@ -23,8 +23,8 @@ from pipeline.train.setup import setup
 from storage.format import SHARD_DIR, TARGET_HEAD_FILE, shard_name
 from storage.manifest import ShardRecord, save_manifest
 from storage.reader import open_cache
-from storage.shards import shard_bytes, shard_checksum
-from storage.wds import WdsShardWriter
+from storage.checksums import shard_bytes, shard_checksum
+from storage.formats.wds import WdsShardWriter
 from tests.waits import HANG_CAP_S
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -156,7 +156,7 @@ def test_stream_batches_equal_the_map_loaders_for_the_same_sequences(caches, tmp
 
 
 def test_the_builds_own_wds_shards_stream_as_the_map_loader_reads_them(caches, tmp_path):
-    """Whatever tar members the build writes (uncompressed .npy members before storage/wds.py
+    """Whatever tar members the build writes (uncompressed .npy members before storage/formats/wds.py
     became its writer, compressed after), stream and map loader agree on every batch."""
     _assert_stream_equals_map(caches["built-wds"], caches["built-wds"], tmp_path, method="alr_ira")
 

@@ -14,23 +14,27 @@ import pytest
 import torch
 import zarr
 
-import storage.shards
+import storage.formats.wds
+import storage.formats.zarr.write
 from pipeline.cache_build import driver
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.rollouts import TargetOutputs
 from pipeline.cache_build.shard_builder import outputs_to_record, outputs_to_records
 from storage.format import SHARD_DIR
-from storage.shards import BackgroundWrites, ShardSize, read_shard_records, shard_checksum, write_shard
-from storage.wds import encode_member
-from storage.zarr_rows import ChunkFileEncoder
+from storage.background_writes import BackgroundWrites
+from storage.checksums import shard_checksum
+from storage.formats.wds import encode_member
+from storage.formats.zarr.rows import ChunkFileEncoder
+from storage.shards import ShardSize, read_shard_records, write_shard
 from test_storage import make_record, make_shard_records
 
 # The tar of make_shard_records(7, first_row=0, num=6, codec=...) as the serial writer wrote it
 # (storage/shards.py at 26e4228), with zstd level 1 (at level 3, before the writer's level changed:
-# bf16 sha256:f04744c7..., fp8 sha256:76d1c347...).
+# bf16 sha256:f04744c7..., fp8 sha256:76d1c347...), and the shard's layout record in its first
+# sample (storage/layout.py; without it: bf16 sha256:ca68d518..., fp8 sha256:b54f7993...).
 WDS_CHECKSUMS = {
-    "bf16": "sha256:ca68d518cac9631a0df459d516a305e1771b0eddb7efbbaaa2893da1fba6bd43",
-    "fp8": "sha256:b54f79934af44d0d9fa9d296d80d7b18b6921746080d1580bb59c0682cbef52c",
+    "bf16": "sha256:a4046de2f9030511ca831d4390a0ef18d50b5d359163e3d7785a0c9e41470d52",
+    "fp8": "sha256:fef573b96fa60fe5c4bea4eee8a304ff338990dee612415406e123f8add189a8",
 }
 SMALL = dict(layers=[0, 2], anchors=6, top_k=4, max_length=128, shard_size=5, batch_tokens=128)
 
@@ -54,11 +58,11 @@ def _files(shard: Path) -> dict[str, bytes]:
 def test_shard_bytes_do_not_depend_on_the_writer_threads(tmp_path, monkeypatch, codec, layout):
     records, _ = make_shard_records(7, first_row=0, num=6, codec=codec)
     # 2 KiB Zarr shard files: every array is several files, so several writes are in flight at once.
-    monkeypatch.setattr(storage.shards, "ZARR_SHARD_BYTES", 2 << 10)
-    monkeypatch.setattr(storage.shards, "SYNC_EVERY_BYTES", 1)  # a tar is synced early after every sample
+    monkeypatch.setattr(storage.formats.zarr.write, "ZARR_SHARD_BYTES", 2 << 10)
+    monkeypatch.setattr(storage.formats.wds, "SYNC_EVERY_BYTES", 1)  # a tar is synced early after every sample
     if layout == "sharded":  # 2-16 chunks a file, last files partial, chunks past the array's end missing
-        monkeypatch.setattr(storage.shards, "ZARR_SHARD_BYTES", 4 << 10)
-        monkeypatch.setattr(storage.shards, "ZARR_FLOOR_CHUNK_BYTES", 256)
+        monkeypatch.setattr(storage.formats.zarr.write, "ZARR_SHARD_BYTES", 4 << 10)
+        monkeypatch.setattr(storage.formats.zarr.write, "ZARR_FLOOR_CHUNK_BYTES", 256)
     for storage_format in ("zarr", "wds"):
         written = {}
         for threads in (1, 3, "inline", "zarr-encodes"):

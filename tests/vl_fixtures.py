@@ -159,7 +159,7 @@ def build_vl_cache(target: Path, corpus: Path, out: Path, **flags) -> Path:
     the corpus tokenized with the image processor, shards from TokenizedCorpus.target_sequence."""
     import dataclasses
 
-    from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
+    from pipeline.cache_build.config import CacheBuildConfig, compute_record, vision_cache_settings
     from pipeline.cache_build.corpus import corpus_vision_inputs, ingest_corpus, load_tokenized_corpus, save_tokenized_corpus
     from pipeline.cache_build.driver import cache_settings, resolve_layer_ids
     from pipeline.cache_build.rollouts import run_target_batch
@@ -189,13 +189,13 @@ def build_vl_cache(target: Path, corpus: Path, out: Path, **flags) -> Path:
         encoded = [outputs_to_record(o, feature_codec=config.storage.feature_codec, contents=config.contents) for o in outputs]
         records.append(write_shard(
             out, shard_index=index, records=encoded, storage_format=config.storage.storage_format,
-            feature_codec=config.storage.feature_codec, contents=config.contents,
+            feature_codec=config.storage.feature_codec, contents=config.contents, compute=compute_record("cpu", model.dtype),
         ))  # fmt: skip
     save_manifest(out, Manifest(
         settings=settings, target_path=str(target.resolve()), target_config=target_config,
         num_target_layers=target_config["num_hidden_layers"], hidden_size=target_config["hidden_size"],
         vocab_size=target_config["vocab_size"], stop_token_ids=stop_token_ids(tokenizer, read_generation_config(target)),
         mask_token_id=len(tokenizer), corpus_path=str(corpus.corpus_path), corpus_stats=corpus.stats, shards=records,
-        num_shards_planned=len(records),
+        num_shards_planned=len(records), compute=compute_record("cpu", model.dtype),
     ))  # fmt: skip
     return out

@@ -75,7 +75,8 @@ from storage.ownership import (
     remove_cache_files,
     remove_write_leftovers,
 )
-from storage.shards import checksum_scheme, clean_partial_shards, shard_checksum, shard_object_tags
+from storage.checksums import checksum_scheme, shard_checksum, shard_object_tags
+from storage.shards import clean_partial_shards
 
 
 @dataclass(kw_only=True)

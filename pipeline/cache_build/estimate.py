@@ -29,7 +29,7 @@ from storage.reader import BYTE_GROUPS
 COMPRESSION = {"bf16": 1.33, "fp8": 1.1, "labels": 1.2, "tokens": 1.0}
 # Zarr metadata and offsets per shard (measured: ~3 KiB a toy shard); a tar's end blocks.
 INDEX_BYTES_PER_SHARD = {"zarr": 3 << 10, "wds": 1 << 10}
-# A tar member's header and padding (storage/wds.py: one member per array per sequence).
+# A tar member's header and padding (storage/formats/wds.py: one member per array per sequence).
 TAR_MEMBER_BYTES = 512 + 256
 
 
@@ -57,7 +57,7 @@ def raw_group_bytes(
 
 # What a format adds at most beyond the arrays' raw bytes, for the upper bound (when nothing
 # compresses, Blosc stores a chunk as is behind its 16-byte header): a Zarr array's metadata
-# document and its shard index per shard file, and per chunk (>= ~4 KiB, storage/shards.py) the
+# document and its shard index per shard file, and per chunk (>= ~4 KiB, storage/formats/zarr/write.py) the
 # Blosc header, its CRC32C and its index entry; a tar member's header, npy header, Blosc header and
 # CRC, and padding to 512 bytes; the tar's end blocks, padded to tarfile's 10 KiB record.
 ZARR_ARRAY_BOUND, ZARR_CHUNK_OVERHEAD, ZARR_MIN_CHUNK = 4 << 10, 16 + 4 + 16, 4 << 10

@@ -26,7 +26,8 @@ from storage.codecs import encode_features, encode_features_tensor
 from storage.format import ALL_GROUPS, CORPUS_DIR, array_codecs, ira_parent_rows, num_parents, record_array_names
 from storage.location import resolve
 from storage.manifest import ShardRecord
-from storage.shards import ShardSize, ShardWriter, set_codec_threads
+from storage.formats.zarr.write import set_codec_threads
+from storage.shards import ShardSize, ShardWriter
 
 # Batches computed and handed to the writer that may wait for it while the next one computes: two
 # keep the writer busy across a batch whose records write slower than the next computes.

@@ -5,7 +5,7 @@ In epoch e, on rank r of R, in DataLoader worker w of W (docs/design.md, "A trai
     SimpleShardList(the complete shards in a permutation seeded (seed, e))
       -> split_by_node (shards r, r + R, ...) -> split_by_worker (every W-th of those)
       -> samples, only the members of the method's arrays (webdataset's tar_file_expander and
-         group_by_keys, the tar opened by storage.wds.open_tar: a local file, or for a cache on
+         group_by_keys, the tar opened by storage.formats.wds.open_tar: a local file, or for a cache on
          an object store the worker's local copy, downloaded ahead by storage.local_cache)
       -> shuffle buffer of --shuffle-buffer samples, seeded (seed, e, r, w)
       -> decode, labels (batching.example_from_record) -> micro-batches, a partial last one dropped
@@ -55,7 +55,7 @@ from storage.format import FP8_SCALE_ARRAYS
 from storage.local_cache import CachedObject, LocalCache, read_ahead
 from storage.location import is_url
 from storage.reader import SWAPPED_HINT, CacheReader
-from storage.wds import decode_sample, member_selector, open_tar
+from storage.formats.wds import decode_sample, member_selector, open_tar, stream_samples
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +67,8 @@ class StreamShard:
     # The sorted corpus rows the build put in it (CacheReader.expected_source_rows): each sample's key
     # is checked against them as it is read, so a swapped tar stops at its first sample. None: unchecked.
     rows: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    # The layout its own record must say (CacheReader.layout, the manifest's): checked before its first sample.
+    layout: dict | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,8 +195,7 @@ def _read_shards(sources: Iterator[str], *, expected: list[StreamShard], stubbed
         count = 0
         try:
             with open_tar(source) as stream:  # webdataset's expander and grouping, our opener (stores)
-                files = wds.tariterators.tar_file_expander([{"url": shard.url, "stream": stream}], select_files=select)
-                for sample in wds.tariterators.group_by_keys(files):
+                for sample in stream_samples(stream, url=shard.url, select=select, layout=shard.layout):
                     _check_key(shard, sample)
                     sample["__index__"] = shard.start + count
                     count += 1
@@ -301,7 +302,7 @@ def stream_plan(reader: CacheReader, *, seed: int, rank: int, world_size: int, n
     shards = tuple(
         StreamShard(
             url=str(reader.shard_path(s)), start=int(start), sequences=s.sequences, bytes=s.bytes,
-            rows=reader.expected_source_rows(s),
+            rows=reader.expected_source_rows(s), layout=reader.layout,
         )  # fmt: skip
         for s, start in zip(reader.shards, starts)
     )
