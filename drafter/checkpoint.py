@@ -4,7 +4,8 @@ Tensor names carry no `model.` prefix and there is no embedding or lm_head; the 
 loads in the public DFlash code, SGLang and vLLM, and a public release loads here. Like the public
 releases, it also ships its modeling code (`modeling_dflash.py` + the drafter's own model and
 config files) with an `auto_map`, so `AutoModel.from_pretrained(dir, trust_remote_code=True)`
-returns the drafter (drafter/hf_modeling.py).
+returns the drafter (drafter/hf_modeling.py). Every file is written atomically (storage/atomic.py),
+so a reader never sees a half-written one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from drafter.config import AUTO_MAP, DFlashConfig
 from drafter.dspark import AUTO_MAP as DSPARK_AUTO_MAP
 from drafter.dspark import DSparkConfig, DSparkDrafter, is_dspark_hf_config
 from drafter.model import DFlashDrafter
+from storage.atomic import atomic_write  # the one storage module drafter/ uses (tests/test_boundaries.py)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -47,21 +48,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
-
-
-def _write_atomic(path: Path, write) -> None:
-    """write(tmp_path) then fsync + os.replace, so a reader never sees a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _save_weights(tensors: dict[str, torch.Tensor], tmp: str, *, shown: Path) -> None:
@@ -94,16 +80,16 @@ def save_drafter(
     dspark = isinstance(model, DSparkDrafter)
     hf["auto_map"] = dict(DSPARK_AUTO_MAP if dspark else AUTO_MAP)  # the export ships its modeling code, as public releases do
     # Weights and code first, config last: a directory whose config.json is new has new weights.
-    _write_atomic(out_dir / WEIGHTS_FILE, lambda tmp: _save_weights(tensors, tmp, shown=out_dir / WEIGHTS_FILE))
+    atomic_write(out_dir / WEIGHTS_FILE, lambda tmp: _save_weights(tensors, tmp, shown=out_dir / WEIGHTS_FILE))
     for source, name in DSPARK_MODELING_FILES if dspark else MODELING_FILES:
-        _write_atomic(out_dir / name, lambda tmp, source=source: Path(tmp).write_text(_exported_code(source)))
+        atomic_write(out_dir / name, lambda tmp, source=source: Path(tmp).write_text(_exported_code(source)))
 
     def write_config(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump(hf, f, indent=2, sort_keys=True)
             f.write("\n")
 
-    _write_atomic(out_dir / CONFIG_FILE, write_config)
+    atomic_write(out_dir / CONFIG_FILE, write_config)
 
 
 def _exported_code(source: str) -> str:

@@ -19,8 +19,23 @@ cost | compare`, `python -m pipeline.demo`) claims it here before it writes anyt
   --overwrite removes only the command's own names, and refuses (naming them) when one of those is
   a directory holding files the command did not write: nothing of the user's is touched.
 
-`alrira-cache build` and `regenerate` keep their own claims (storage/ownership.py, the regeneration
-manifest); they share `differences` and `check_out_path` from here.
+This module is the one home of protecting an --out; the commands call these and nothing else:
+
+- `check_out_path`: --out is a directory or can become one (one line otherwise).
+- `output_lock`: OUT/.alrira-lock held while a command writes (build, regenerate, train, eval, demo).
+- `claim_output` / `prepare_output` -> `Output` (`finish()` marks it complete): the lock, the record
+  and the kept / refused / --overwrite decision of the evaluation tools and the demo.
+- `read_record` / `write_record` (a local --out or a store prefix), `is_bookkeeping` (the lock and
+  record's own names, left out of every check of what an --out holds), `refuse_foreign`,
+  `refuse_foreign_inside`, `remove_names`, `differences`: the pieces a command with its own rules
+  (`claim_run` of alrira-train: --resume; regeneration, whose manifest is its record) builds its
+  claim from.
+- `check_cache_out` and `claim_cache`: the cache build's --out, a cache directory owned by the
+  build that claimed it last. They live in storage/ownership.py because the shard writers check
+  the claim (`check_owner`) without pipeline; the build calls them from here.
+
+Every file written here goes through storage/atomic.py (the record with `atomic_write_text`, the
+lock with `create_exclusive_text`).
 """
 
 from __future__ import annotations
@@ -40,8 +55,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.atomic import atomic_write_text, create_exclusive_text, move_into_place
 from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.format import OUTPUT_LOCK_FILE
+from storage.location import Location, resolve
+from storage.ownership import check_out_dir as check_cache_out
+from storage.ownership import claim_cache
+
+__all__ = [
+    "LOCK_FILE", "RECORD_FILE", "Output", "cannot_write", "check_cache_out", "check_out_path", "claim_cache", "claim_output",
+    "differences", "file_checksums", "foreign_inside", "is_bookkeeping", "log_line", "not_a_regular_file", "output_lock", "owns",
+    "prepare_output", "read_record", "read_regular_file", "refuse_foreign", "refuse_foreign_inside", "remove_names", "sha256_of",
+    "unproven", "write_record",
+]  # fmt: skip
 
 RECORD_FILE = ".alrira-output.json"
 LOCK_FILE = OUTPUT_LOCK_FILE
@@ -141,34 +167,6 @@ def _read_lock(path: Path) -> dict:
     return {}
 
 
-def _create_lock(path: Path, me: dict) -> None:
-    """Create `path` holding `me`, or FileExistsError. The holder is written to a temporary file
-    first and linked into place (link fails if the name exists), so a lock is never seen empty: a
-    full disk used to leave an empty lock that refused every rerun ("pid None on None"; found by
-    benchmarks/chaos.py). Where the filesystem has no hard links: an exclusive create, removed again
-    if writing the holder fails."""
-    tmp = path.with_name(f"{path.name}.new-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(json.dumps(me) + "\n")
-        try:
-            os.link(tmp, path)
-            return
-        except FileExistsError:
-            raise
-        except OSError as error:
-            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                raise
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me) + "\n")
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 HOLDERLESS_GRACE_S = 30.0
 
 
@@ -198,7 +196,7 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
     me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for _ in range(3):
         try:
-            _create_lock(path, me)
+            create_exclusive_text(path, json.dumps(me) + "\n")  # never seen empty (an empty lock refused every rerun)
         except FileExistsError:
             if (kind := not_a_regular_file(path)) is not None:  # made between the check above and the link
                 raise ValueError(f"{flag} {out}: {path} is {kind}, not a lock this tool wrote; remove it and rerun") from None
@@ -206,7 +204,7 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
             pid, host = holder.get("pid"), holder.get("host")
             if (host == me["host"] and isinstance(pid, int) and not _alive(pid)) or _holderless(path, holder):
                 with contextlib.suppress(FileNotFoundError):  # stale: its process is gone; take it over
-                    os.replace(path, out / f"{LOCK_FILE}.stale-{uuid.uuid4().hex[:8]}")
+                    move_into_place(path, out / f"{LOCK_FILE}.stale-{uuid.uuid4().hex[:8]}", sync=False)
                 for stale in out.glob(f"{LOCK_FILE}.stale-*"):
                     stale.unlink(missing_ok=True)
                 continue
@@ -214,7 +212,7 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
                 f"{flag} {out}: in use by {holder.get('command', 'another command')} (pid {pid} on {host}, since "
                 f"{holder.get('started')}); wait for it to finish, or if that process is gone, remove {path}"
             ) from None
-        except OSError as error:  # a full disk, a read-only one: nothing was left behind (_create_lock)
+        except OSError as error:  # a full disk, a read-only one: nothing was left behind (create_exclusive_text)
             raise cannot_write(out, error, flag=flag, what=f"its lock {LOCK_FILE}") from None
         break
     else:
@@ -255,7 +253,7 @@ def sha256_of(data: bytes) -> str:
 
 def file_checksums(out: Path, own: Callable[[str], bool]) -> dict[str, str]:
     """{name: sha256} of the regular files at `out`'s top level that `own` claims (what a record vouches for)."""
-    names = sorted(n for n in os.listdir(out) if own(n) and n not in (RECORD_FILE, LOCK_FILE))
+    names = sorted(n for n in os.listdir(out) if own(n) and not is_bookkeeping(n))
     return {n: sha256_of(read_regular_file(out / n)) for n in names if (out / n).is_file() and not (out / n).is_symlink()}
 
 
@@ -280,14 +278,20 @@ def unproven(out: Path, record: dict, names: list[str]) -> str | None:
     return None
 
 
-def read_record(out: str | os.PathLike) -> dict | None:
-    path = Path(out) / RECORD_FILE
-    if (kind := not_a_regular_file(path)) is not None:
-        raise ValueError(f"{path}: is {kind}, not a record this tool wrote; move it or use another --out")
-    if not path.is_file():
+def read_record(out: str | os.PathLike | Location) -> dict | None:
+    """OUT/.alrira-output.json, or None when there is none; one-line ValueError when it is not a
+    record this tool wrote. `out` may be a store prefix (a run's --out)."""
+    location = resolve(out)
+    path = location.join(RECORD_FILE)
+    if location.is_local:
+        if (kind := not_a_regular_file(Path(path))) is not None:
+            raise ValueError(f"{path}: is {kind}, not a record this tool wrote; move it or use another --out")
+        if not Path(path).is_file():
+            return None
+    elif not location.is_file(RECORD_FILE):
         return None
     try:
-        record = json.loads(read_regular_file(path))
+        record = json.loads(read_regular_file(path) if location.is_local else location.read_bytes(RECORD_FILE))
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: unreadable record of the output's inputs ({error}); move the output or use another --out") from None
     if not isinstance(record, dict) or not isinstance(record.get("inputs"), dict) or not isinstance(record.get("command"), str):
@@ -295,11 +299,22 @@ def read_record(out: str | os.PathLike) -> dict | None:
     return record
 
 
-def write_record(out: str | os.PathLike, record: dict) -> None:
-    path = Path(out) / RECORD_FILE
-    tmp = path.with_name(f"{RECORD_FILE}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+def write_record(out: str | os.PathLike | Location, record: dict) -> None:
+    """Replace OUT/.alrira-output.json atomically (storage.atomic; on a store, one PUT)."""
+    atomic_write_text(resolve(out).join(RECORD_FILE), json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def is_bookkeeping(name: str) -> bool:
+    """Whether a top-level name in an --out is this module's own: the lock, the record, or a temp
+    or stale name of either. Every check of what an --out holds leaves these out."""
+    return name in (RECORD_FILE, LOCK_FILE) or name.startswith((f"{RECORD_FILE}.", f".{RECORD_FILE}.", f"{LOCK_FILE}."))
+
+
+def refuse_foreign(out, names: list[str], *, command: str, own: Callable[[str], bool], flag: str = "--out") -> None:
+    """One-line ValueError naming the top-level `names` of `out` that `command` does not write."""
+    foreign = [n for n in names if not own(n) and not is_bookkeeping(n)]
+    if foreign:
+        raise ValueError(f"{flag} {out}: holds files {command} did not write ({_shown(foreign)}); move them or use another {flag}")
 
 
 @dataclass(kw_only=True)
@@ -376,10 +391,8 @@ def prepare_output(
     recomputed (to the same files) instead of kept."""
     out = check_out_path(out, flag=flag)
     names = sorted(os.listdir(out)) if out.is_dir() else []
-    names = [n for n in names if n not in (RECORD_FILE, LOCK_FILE) and not n.startswith((f"{RECORD_FILE}.", f"{LOCK_FILE}."))]
-    foreign = [n for n in names if not own(n)]
-    if foreign:
-        raise ValueError(f"{flag} {out}: holds files {command} did not write ({_shown(foreign)}); move them or use another {flag}")
+    names = [n for n in names if not is_bookkeeping(n)]
+    refuse_foreign(out, names, command=command, own=own, flag=flag)
     record = read_record(out)
     if record is not None and record["command"] != command:
         raise ValueError(f"{flag} {out}: an output of `{record['command']}`, not of `{command}`; use another {flag}")

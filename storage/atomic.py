@@ -1,9 +1,21 @@
 """Atomic writes: a reader sees either the old file (or directory) or the whole new one.
 
 Every file the project writes that another process may read goes through here: the manifest, the
-target head, shards, the tokenized corpus and the trainer's checkpoints (docs/design.md, "The
-cache contract"). The pattern is a temp name in the same directory, fsync, os.replace, fsync of
-the directory, so a crash at any point leaves no half-written file under the final name.
+target head, shards, the tokenized corpus, the trainer's checkpoints, a drafter export, an
+output's lock and record (docs/design.md, "The cache contract"). The pattern is a temp name in the
+same directory, fsync, os.replace, fsync of the directory, so a crash at any point leaves no
+half-written file under the final name. This is the one place that renames a temp name into place:
+
+- `atomic_write_bytes` / `atomic_write_text`: a whole file from bytes or text;
+- `atomic_write(path, write)`: `write(tmp_path)` fills the temp file (a library's own saver);
+- `atomic_write_dir(path, write)`: the same for a directory;
+- `move_into_place(tmp, final)`: a temp file or directory the caller finished itself, renamed over
+  `final` (a download's partial file, a shard's temp directory);
+- `create_exclusive_text(path, text)`: a new file, never seen empty, FileExistsError if the name
+  is taken (a lock).
+
+`sync=False` (atomic_write, move_into_place) keeps the rename and skips the fsyncs, for scratch
+files that a crash makes moot anyway (a download cache, a vLLM worker's hand-off file).
 
 A store URL (storage.location) has no rename: a file is written to a local temp file and uploaded
 as one object, which appears whole or not at all; a directory is uploaded file by file, so on a
@@ -13,6 +25,7 @@ store its files are atomic one by one, not together (docs/design.md, "Caches on 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import tempfile
 import uuid
@@ -28,8 +41,10 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_dir",
     "atomic_write_text",
+    "create_exclusive_text",
     "fsync_path",
     "fsync_tree",
+    "move_into_place",
     "remove_path",
     "remove_path_tolerant",
 ]
@@ -61,24 +76,63 @@ def fsync_tree(path: str | os.PathLike) -> None:
         list(pool.map(fsync_path, paths))  # (an error of one raises here)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *, sync: bool = True) -> None:
     """Create `path` atomically: `write(tmp_path)` fills a temp file in the same directory, which
-    is fsynced and renamed over `path`; for a store URL, a local temp file uploaded as one object."""
+    is fsynced and renamed over `path`; for a store URL, a local temp file uploaded as one object.
+    `sync` False: renamed without the fsyncs (still never seen half-written, not durable)."""
     if is_url(path):
         _upload_written(str(path), write)
         return
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = str(path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as a plain open (mkstemp's is 0600)
     try:
         write(tmp)
-        fsync_path(tmp)
-        os.replace(tmp, path)
+        move_into_place(tmp, path, sync=sync)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    fsync_path(path.parent)
+
+
+def move_into_place(tmp: str | os.PathLike, final: str | os.PathLike, *, sync: bool = True) -> None:
+    """Rename `tmp`, a finished file or directory on `final`'s filesystem, over `final` (a local
+    path; an existing directory at `final` is refused by the OS). With `sync`, `tmp` (its whole
+    tree) is fsynced first and `final`'s directory after, so the rename survives a crash."""
+    if sync:
+        fsync_tree(tmp)
+    os.replace(tmp, final)
+    if sync:
+        fsync_path(Path(final).parent)
+
+
+def create_exclusive_text(path: str | os.PathLike, text: str) -> None:
+    """Create the local file `path` holding `text`, or raise FileExistsError when the name is
+    taken. The text is written to a temp name first and hard-linked into place (a link fails if
+    the name exists), so the file is never seen empty or partial: a lock whose holder is unreadable
+    would refuse every later process. Where the filesystem has no hard links: an exclusive create,
+    removed again if writing the text fails."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.new-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(text)
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError as error:
+            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

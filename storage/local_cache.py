@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.atomic import move_into_place
 from storage.errors import first_line
 from storage.location import StorePrefix, remove_path, remove_path_tolerant, resolve
 from storage.paths import checked_join
@@ -139,7 +140,7 @@ class LocalCache:
                 raise OSError(f"{item.url}: {type(error).__name__}: {first_line(error)}") from None
             if copied != item.size:
                 raise ValueError(f"{item.url}: {copied} bytes on the store, the manifest says {item.size}")
-            partial.rename(local)
+            move_into_place(partial, local, sync=False)  # a node-local copy: a crash loses only the download
         finally:
             remove_path(partial)
         return local

@@ -30,6 +30,7 @@ from storage.format import (
     SHARD_DIR,
     TARGET_HEAD_FILE,
 )
+from storage.atomic import atomic_write_text
 from storage.location import Location, resolve
 
 # Names a build writes: shards (storage.format.shard_name) and their temp directories under
@@ -38,7 +39,7 @@ SHARD_NAME = re.compile(r"shard-\d{5,}\.(zarr|tar)")
 PARTIAL_SHARD_NAME = re.compile(re.escape(PARTIAL_SHARD_PREFIX) + r"shard-\d{5,}\.(zarr|tar)-[0-9a-f]{32}")
 TEMP_NAME = re.compile(
     r"\.(manifest\.json|target_head\.safetensors)\..+\.tmp"
-    r"|\.build-owner\.[0-9a-f]{32}\.tmp"
+    r"|\.?\.build-owner\..+\.tmp"
     r"|\.corpus\.(tmp|old)-[0-9a-f]{8}"
 )
 
@@ -60,11 +61,8 @@ def claim_cache(cache_dir: str | os.PathLike) -> str:
     if not location.is_local:  # one PUT replaces the claim whole
         location.write_bytes(BUILD_OWNER_FILE, (owner + "\n").encode())
         return owner
-    cache_dir = location.local_path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f"{BUILD_OWNER_FILE}.{owner}.tmp"
-    tmp.write_text(owner + "\n")
-    os.replace(tmp, cache_dir / BUILD_OWNER_FILE)
+    location.local_path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(location.local_path / BUILD_OWNER_FILE, owner + "\n")
     return owner
 
 

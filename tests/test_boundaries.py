@@ -39,7 +39,11 @@ def test_storage_imports_no_model_code_ray_or_transformers():
 
 
 def test_drafter_imports_neither_ray_nor_storage_nor_pipeline():
-    assert not _roots(_imported_modules("drafter")) & {"ray", "storage", "pipeline", "ray_jobs", "transformers"}
+    """Of storage, drafter/ imports only storage.atomic (its export's files are written the way
+    every file is, STYLE 15); storage imports no model code, so the arrow makes no cycle."""
+    imported = _imported_modules("drafter")
+    assert not _roots(imported) & {"ray", "pipeline", "ray_jobs", "transformers"}
+    assert {m for m in imported if _roots({m}) == {"storage"}} <= {"storage.atomic"}
 
 
 PACKAGES = ("pipeline", "drafter", "storage", "ray_jobs")
@@ -101,7 +105,7 @@ def test_ray_jobs_imports_no_drafter_model():
 @pytest.mark.parametrize(
     "module, forbidden",
     [
-        ("drafter", {"ray", "storage", "transformers"}),
+        ("drafter", {"ray", "transformers", "pipeline", "ray_jobs"}),
         ("storage", {"ray", "transformers"}),
         ("pipeline.train", {"ray", "transformers"}),  # the trainer never loads the target
         ("pipeline.train", {"pipeline.cache_build", "pipeline.target", "ray_jobs"}),
@@ -128,3 +132,41 @@ def test_no_function_is_over_100_lines():
 def test_nothing_imports_the_exported_modeling_file():
     graph = _module_graph()
     assert [m for m, deps in graph.items() if {"drafter.hf_modeling", "drafter.hf_modeling_dspark"} & set(deps)] == []
+
+
+# Files that still rename a temp name into place by hand, each for its reason: storage/location.py's
+# download cache sits below storage/atomic.py (atomic is built on location: importing it back would
+# be a cycle); shards.py publishes a shard's temp directory (the storage formats' own, moving behind
+# the shard protocol); pipeline/demo/experiment.py's merged corpus.
+HAND_RENAMES = {"storage/location.py", "storage/shards.py", "pipeline/demo/experiment.py"}
+
+
+def _renames(path: Path) -> list[int]:
+    """Lines of `path` that rename or make a temp file to rename: os.replace / os.rename,
+    tempfile.mkstemp, and a one-argument `.rename(x)` or `.replace(x)` (Path's; str.replace takes
+    two). A scratch directory (mkdtemp) or a hard link (a pin) renames nothing."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, owner = node.func.attr, node.func.value
+        by_module = isinstance(owner, ast.Name) and (owner.id, name) in {
+            ("os", "replace"), ("os", "rename"), ("tempfile", "mkstemp")
+        }  # fmt: skip
+        by_path = name in ("rename", "replace") and len(node.args) == 1 and not node.keywords and not (
+            isinstance(owner, ast.Name) and owner.id == "os"
+        )
+        if by_module or by_path:
+            found.append(node.lineno)
+    return found
+
+
+def test_temp_then_rename_only_in_storage_atomic():
+    """One atomic-write helper (STYLE 15): every temp-then-rename goes through storage/atomic.py."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT).as_posix()
+            if relative != "storage/atomic.py" and relative not in HAND_RENAMES and (lines := _renames(path)):
+                found[relative] = lines
+    assert found == {}

@@ -5,13 +5,13 @@ the tapped layers' hidden states of every token in a cache-only KV group and, wh
 finishes, copies that request's slots to a safetensors file. Its copy uses CUDA streams, CUDA events
 and pinned memory, which fail on a CPU build after the first request (docs/vllm.md). This
 subclass replaces only that copy: it gathers the slots and writes the file synchronously (temp file
-+ os.replace, so a file that exists is complete), and it honours one extra request parameter,
+renamed into place by storage/atomic.py, so a file that exists is complete), and it honours one extra request parameter,
 `kv_transfer_params["save_from"]`: the first token position to save. A rollout needs the states of
 its last few tokens only, so writing its whole prompt again per anchor would cost O(anchors *
 sequence length) disk traffic for nothing.
 
 The engine imports this module by name in every worker (`kv_connector_module_path`), so it imports
-vllm and torch only.
+vllm, torch and storage.atomic only.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector,
     PendingSave,
 )
+
+from storage.atomic import atomic_write
 
 MODULE_PATH = __name__
 CONNECTOR_NAME = "SyncHiddenStatesConnector"
@@ -80,12 +82,9 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
         num_layers, hidden_size = self._kv_cache.shape[1], self._kv_cache.shape[3]
         hidden_states = torch.cat(pieces) if pieces else self._kv_cache.new_zeros((0, num_layers, hidden_size))
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        tmp = pending.filename + ".tmp"
-        save_file(
-            {"hidden_states": hidden_states.cpu().contiguous(), "token_ids": pending.token_ids.clone()},
-            tmp,
-        )
-        os.replace(tmp, pending.filename)
+        tensors = {"hidden_states": hidden_states.cpu().contiguous(), "token_ids": pending.token_ids.clone()}
+        # A hand-off file the runner reads and deletes at once: renamed whole, not fsynced.
+        atomic_write(pending.filename, lambda tmp: save_file(tensors, tmp), sync=False)
         # The parent's get_finished reports a request as sent once its "copy event" is done.
         self._req_copy_events[pending.req_id] = _Done()
         lock_fd = self._lock_fds.pop(pending.req_id, None)

@@ -16,12 +16,12 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from storage.atomic import atomic_write_dir, atomic_write_text
 
 # (distribution, import name, installed with --no-deps). accelerate: transformers needs it to load a GGUF.
 REAL_PACKAGES = (
@@ -143,26 +143,21 @@ def convert_gguf(cache_dir: Path, *, log=print) -> Path:
         log(f"real: reusing {target}")
         return target
     log(f"real: converting {gguf} to {target}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{TARGET_NAME}-", dir=target.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        # transformers 5.x keeps the GGUF quantizer on the model and refuses to save a quantized
-        # model; the weights are already dequantised (docs/results.md, "The real target").
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # transformers 5.x keeps the GGUF quantizer on the model and refuses to save a quantized
+    # model; the weights are already dequantised (docs/results.md, "The real target").
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         (tmp / CONVERTED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared model folder from other users
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    atomic_write_dir(target, write)  # an older conversion is replaced whole
     if not converted_target_ok(target, stamp):
         raise ValueError(f"{target}: the conversion wrote an incomplete directory")
     return target
@@ -223,9 +218,7 @@ def split_chatterbot(*, num_corpus: int, num_head: int | None, seed: int) -> Pro
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 

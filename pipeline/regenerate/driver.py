@@ -31,7 +31,7 @@ from pipeline.chat import (
     normalize_row,
 )
 from pipeline.config import flag_name, is_required, leaf_fields
-from pipeline.outputs import LOCK_FILE, output_lock
+from pipeline.outputs import is_bookkeeping, output_lock
 from pipeline.outputs import differences as recorded_differences
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
@@ -135,7 +135,7 @@ def check_out_is_ours(config: RegenerateConfig) -> tuple[list[str], dict | None]
     any earlier run's actors on --out are stopped (ray_jobs/regenerate.py)."""
     refuse_out_over_corpus(config)
     location = resolve(config.out)
-    names = [n for n in (location.names() if location.is_dir() else []) if n != LOCK_FILE]  # the lock: regenerate_lock's
+    names = [n for n in (location.names() if location.is_dir() else []) if not is_bookkeeping(n)]  # the lock: regenerate_lock's
     previous = read_manifest(config.out)
     foreign = [name for name in names if not OWN_FILE.match(name)]
     if previous is None and names:

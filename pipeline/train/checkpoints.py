@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from drafter.checkpoint import CONFIG_FILE, MODELING_FILES, WEIGHTS_FILE
-from pipeline.outputs import LOCK_FILE, RECORD_FILE, differences, read_record, refuse_foreign_inside, remove_names, write_record
+from pipeline.outputs import LOCK_FILE, differences, read_record, refuse_foreign, refuse_foreign_inside, remove_names, write_record
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.location import Location, is_url
@@ -275,16 +275,14 @@ def run_inputs(manifest, *, cache: str) -> dict:
 
 
 def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log=print) -> None:
-    """Check --out before a run writes to it (rank 0): names a run does not write are refused; an
-    earlier run is refused unless --resume (then it must come from the same cache) or --overwrite
-    (then the run's own names are removed, nothing else). The run records `inputs` (.alrira-output.json)."""
+    """Check --out before a run writes to it (rank 0), with pipeline/outputs.py's checks and record:
+    names a run does not write are refused; an earlier run is refused unless --resume (then it must
+    come from the same cache) or --overwrite (then the run's own names are removed, nothing else).
+    The run records `inputs` (.alrira-output.json)."""
     names = run.names()
-    foreign = [n for n in names if not RUN_NAMES.match(n) and n not in (RECORD_FILE, LOCK_FILE)]
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"--out {run}: holds files alrira-train did not write ({shown}); move them or use another --out")
+    refuse_foreign(run, names, command=TRAIN_COMMAND, own=RUN_NAMES.match)
     earlier = "train_config.json" in names or "checkpoints" in names
-    record = _read_run_record(run)
+    record = read_record(run)
     if earlier and not (resume or overwrite):
         saved = json.loads(run.read_bytes("train_config.json")) if "train_config.json" in names else {}
         raise ValueError(
@@ -298,26 +296,9 @@ def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log
     if earlier and overwrite:
         if not run.is_local:
             raise ValueError(f"--out {run}: --overwrite removes a run only on a local disk; use a new prefix")
-        refuse_foreign_inside(run.local_path, [n for n in names if n != LOCK_FILE], command=TRAIN_COMMAND, own_path=RUN_PATHS.match)
-        log(f"--out {run}: --overwrite: removing the earlier run ({', '.join(n for n in names if n != LOCK_FILE)})")
-        remove_names(run.local_path, [n for n in names if n != LOCK_FILE])
-    record = {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False}
-    if run.is_local:
-        run.make_dirs()
-        write_record(run.local_path, record)
-    else:  # one PUT: a store run holds the same files as a local one
-        run.write_bytes(RECORD_FILE, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
-
-
-def _read_run_record(run: Location) -> dict | None:
-    if run.is_local:
-        return read_record(run.local_path)
-    if not run.is_file(RECORD_FILE):
-        return None
-    try:
-        record = json.loads(run.read_bytes(RECORD_FILE))
-    except ValueError:
-        record = None
-    if not isinstance(record, dict) or not isinstance(record.get("inputs"), dict):
-        raise ValueError(f"{run.join(RECORD_FILE)}: damaged record of the run's inputs; use a new --out")
-    return record
+        replaced = [n for n in names if n != LOCK_FILE]
+        refuse_foreign_inside(run.local_path, replaced, command=TRAIN_COMMAND, own_path=RUN_PATHS.match)
+        log(f"--out {run}: --overwrite: removing the earlier run ({', '.join(replaced)})")
+        remove_names(run.local_path, replaced)
+    run.make_dirs()
+    write_record(run, {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False})

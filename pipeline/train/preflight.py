@@ -4,7 +4,7 @@ empty, or a run's) and not the cache, and that the cache is whole unless --allow
 
 from __future__ import annotations
 
-from pipeline.outputs import LOCK_FILE, RECORD_FILE
+from pipeline.outputs import is_bookkeeping
 from storage.location import Location
 from storage.manifest import Manifest
 
@@ -30,7 +30,7 @@ def check_run_dir(run: Location, *, cache: Location) -> None:
         raise ValueError(f"--out {run}: is the cache (--cache {cache}) or inside it; give the run its own directory")
     if run.is_local and run.exists() and not run.is_dir():
         raise ValueError(f"--out {run}: is a file, not a directory")
-    names = [n for n in run.names() if n not in (LOCK_FILE, RECORD_FILE)]  # pipeline/outputs.py's own
+    names = [n for n in run.names() if not is_bookkeeping(n)]  # the lock and record: pipeline/outputs.py's
     if names and not any(marker in names for marker in RUN_MARKERS):
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise ValueError(
