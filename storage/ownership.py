@@ -21,6 +21,7 @@ import re
 import uuid
 from collections.abc import Iterable
 
+from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD
 from storage.format import (
     BUILD_OWNER_FILE,
     CORPUS_DIR,
@@ -110,7 +111,7 @@ def remove_cache_files(
     cache_dir: str | os.PathLike | Location, *, corpus_files: Iterable[str], shard_names: Iterable[str] = (),
     claim: bool = False,
 ) -> list[str]:  # fmt: skip
-    """Remove a cache's own files from `cache_dir`: the manifest, head, temp files of atomic writes,
+    """Remove a cache's own files from `cache_dir`: the manifest, head, evaluation split, temp files of atomic writes,
     `shards/` entries named like shards (or listed in `shard_names`) and their temp directories,
     the tokenized corpus files `corpus_files`, and with `claim` the `.build-owner` claim.
     `shards/`, `corpus/` and `cache_dir` are removed only if that leaves them empty; anything else
@@ -126,7 +127,7 @@ def remove_cache_files(
             location.remove(relative)
             removed.append(relative)
 
-    for name in (MANIFEST_FILE, TARGET_HEAD_FILE, *([BUILD_OWNER_FILE] if claim else [])):
+    for name in (MANIFEST_FILE, TARGET_HEAD_FILE, EVAL_SPLIT_RECORD, EVAL_SPLIT_FILE, *([BUILD_OWNER_FILE] if claim else [])):
         remove(name)
     removed += remove_write_leftovers(location)
     for name in location.names(SHARD_DIR):

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from storage.atomic import fsync_path, fsync_tree
+from storage.atomic import fsync_path, fsync_tree, move_into_place
 from storage.background_writes import BackgroundWrites
 from storage.checksums import shard_bytes, shard_checksum, shard_object_tags
 from storage.format import (
@@ -210,7 +210,7 @@ class ShardWriter:
             self._check_owner()  # the shard took a while: still ours?
             final = self.shard_dir / self.name
             remove_path(final)
-            os.rename(self.tmp, final)
+            move_into_place(self.tmp, final, sync=False)  # fsynced above, before the owner check
             fsync_path(self.shard_dir)
         else:
             self._check_owner()

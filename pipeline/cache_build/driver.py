@@ -40,7 +40,7 @@ from pipeline.cache_build.corpus import (
 from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
 from pipeline.chat import iter_corpus_rows, row_locator
 from pipeline.corpus_source import file_sha256, local_corpus
-from pipeline.outputs import output_lock
+from pipeline.outputs import check_cache_out, claim_cache, output_lock
 from pipeline.target import (
     load_tokenizer,
     read_generation_config,
@@ -67,9 +67,7 @@ from storage.manifest import (
 )
 from storage.ownership import (
     CacheOwnershipLost,
-    check_out_dir,
     check_owner,
-    claim_cache,
     foreign_files,
     is_cache_dir,
     remove_cache_files,
@@ -231,7 +229,7 @@ def build_lock(config: CacheBuildConfig):
     if is_url(config.out):
         yield
         return
-    check_out_dir(config.out)
+    check_cache_out(config.out)
     with output_lock(config.out, command="alrira-cache build"):
         yield
 
@@ -258,7 +256,7 @@ def _os_error_line(error: OSError, out: Location, *, kind: str = "cache", kept: 
 def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: bool, log) -> Manifest:
     started = time.time()
     out = resolve(config.out)
-    check_out_dir(out)
+    check_cache_out(out)
     # One local copy of the corpus per build (a store corpus: this node's copy, fetched once): its
     # hash identifies the cache and its rows are tokenized, so both come from the same bytes.
     corpus_copy = local_corpus(config.corpus.path)

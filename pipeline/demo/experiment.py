@@ -51,6 +51,7 @@ from pipeline.eval.replay import run_replay
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.driver import regenerate_corpus, summary_line
 from pipeline.train.config import TrainConfig
+from storage.atomic import atomic_write_text
 from storage.reader import open_cache
 
 
@@ -258,9 +259,7 @@ def head_corpus(paths: Paths, sizes: PaperSizes) -> Path:
     if not merged.is_file():
         lines = [line for name in ("head", "head_sampled") for part in sorted(paths.corpus(name).glob("part-*.jsonl"))
                  for line in part.read_text().splitlines() if line.strip()]  # fmt: skip
-        tmp = merged.with_name(merged.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines))
-        tmp.replace(merged)
+        atomic_write_text(merged, "".join(line + "\n" for line in lines))
     return merged
 
 
