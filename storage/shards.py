@@ -262,29 +262,17 @@ class ShardWriter:
 
 
 def write_shard(
-    cache_dir: str | os.PathLike,
-    *,
-    shard_index: int,
-    records: list[dict[str, np.ndarray]],
-    storage_format: str,
-    feature_codec: str,
-    contents=ALL_GROUPS,
-    owner: str | None = None,
-    chunk_checksums: bool = True,
-    num_threads: int = 1,
-    rollout_feature_codec: str | None = None,
-    ira_parents: int | None = None,
-    compute: dict[str, str] | None = None,
+    cache_dir: str | os.PathLike, *, shard_index: int, records: list[dict[str, np.ndarray]], storage_format: str,
+    ira_parents: int | None = None, **settings,
 ) -> ShardRecord:
     """Write and publish one shard of records already in memory (ShardWriter, for tests and
-    benchmarks; the build streams). `compute`: what the target computed them in, as a build records it."""
+    benchmarks; the build streams). `settings`: ShardWriter's (feature_codec, contents, owner,
+    compute as a build records it, ...)."""
     if not records:
         raise ValueError(f"shard {shard_name(shard_index, storage_format)}: no records to write")
     with ShardWriter(
         cache_dir, shard_index=shard_index, size=ShardSize.of_records(records, ira_parents=ira_parents),
-        storage_format=storage_format, feature_codec=feature_codec, contents=contents, owner=owner,
-        chunk_checksums=chunk_checksums, num_threads=num_threads, rollout_feature_codec=rollout_feature_codec,
-        ira_parents=ira_parents, compute=compute,
+        storage_format=storage_format, ira_parents=ira_parents, **settings,
     ) as writer:  # fmt: skip
         for record in records:
             writer.append(record)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import sys
 import tomllib
 from importlib import metadata
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from storage.location import MIN_CLIENT_VERSIONS, _version_tuple
+from tests.waits import run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -119,10 +119,7 @@ def test_too_old_s3fs_is_one_line_naming_it(tmp_path):
         "from storage.location import resolve\n"
         "try:\n    resolve('s3://bucket/cache')\nexcept ValueError as error:\n    print(error)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={"PYTHONPATH": f"{site}:{ROOT}", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    done = run_to_end([sys.executable, "-c", code], cwd=ROOT, env={"PYTHONPATH": f"{site}:{ROOT}", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     line = done.stdout.strip()
     assert "\n" not in line

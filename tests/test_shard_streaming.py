@@ -152,6 +152,7 @@ def test_the_builder_writes_a_batch_while_the_next_one_computes(toy_target, toy_
         lengths = [len(r["input_ids"]) for r in records]
         assert lengths == sorted(lengths, reverse=True)
         corpus_lengths.update({int(r["source_row"]): n for r, n in zip(records, lengths)})
-        rewritten = write_shard(tmp_path / "whole", shard_index=shard.index, records=records, storage_format="zarr", feature_codec="bf16")
+        rewritten = write_shard(tmp_path / "whole", shard_index=shard.index, records=records, storage_format="zarr", feature_codec="bf16",
+                                compute=manifest.compute)  # fmt: skip
         assert rewritten.checksum == shard.checksum == shard_checksum(path)
     assert len(corpus_lengths) == load_manifest(tmp_path / "cache").num_sequences
