@@ -8,7 +8,9 @@ None.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import json
 import platform
 import socket
 import subprocess
@@ -81,3 +83,17 @@ def _git(root: Path, *args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout.strip() if result.returncode == 0 else None
+
+
+def append_provenance(location, name: str, config: Mapping[str, Any]) -> None:
+    """Add this invocation's record (provenance_record of `config`) to the JSON file `name` of
+    `location` (a storage.location.Location: a run or a cache), {"invocations": [...]}: a resumed
+    run or build adds its own entry after those of the invocations before it."""
+    from storage.atomic import atomic_write_text
+
+    entries = []
+    if location.is_file(name):
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            entries = list(json.loads(location.read_bytes(name))["invocations"])
+    entries.append(provenance_record(config))
+    atomic_write_text(location.join(name), json.dumps({"invocations": entries}, indent=2) + "\n")

@@ -231,6 +231,7 @@ PARTIAL_SHARD_PREFIX = ".tmp-"
 # a shard writer holding another id (a worker orphaned by a killed driver, a second concurrent
 # build) must not publish into it.
 BUILD_OWNER_FILE = ".build-owner"
+BUILD_PROVENANCE_FILE = "build_provenance.json"  # what produced the cache, one entry per build (pipeline/provenance.py)
 # The lock a running command holds on its local --out (pid and host; pipeline/outputs.py): a build
 # holds it on the cache directory while it runs, so a second build on the same --out refuses.
 OUTPUT_LOCK_FILE = ".alrira-lock"

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD
 from storage.format import (
+    BUILD_PROVENANCE_FILE,
     BUILD_OWNER_FILE,
     CORPUS_DIR,
     MANIFEST_FILE,
@@ -127,7 +128,8 @@ def remove_cache_files(
             location.remove(relative)
             removed.append(relative)
 
-    for name in (MANIFEST_FILE, TARGET_HEAD_FILE, EVAL_SPLIT_RECORD, EVAL_SPLIT_FILE, *([BUILD_OWNER_FILE] if claim else [])):
+    for name in (MANIFEST_FILE, TARGET_HEAD_FILE, EVAL_SPLIT_RECORD, EVAL_SPLIT_FILE, BUILD_PROVENANCE_FILE,
+                 *([BUILD_OWNER_FILE] if claim else [])):  # fmt: skip
         remove(name)
     removed += remove_write_leftovers(location)
     for name in location.names(SHARD_DIR):

@@ -63,6 +63,9 @@ def test_the_split_holds_replays_greedy_responses_and_is_kept_by_a_rebuild(split
     )  # fmt: skip
     build_cache(config, progress=False, log=logs.append)
     assert any("eval split: kept" in line for line in logs)
+    # What produced the cache: one entry per build invocation, with the resolved settings.
+    invocations = json.loads((cache / "build_provenance.json").read_text())["invocations"]
+    assert len(invocations) == 2 and invocations[-1]["config"]["layers"] == [0, 2] and invocations[-1]["config"]["compute"]["dtype"]
     from click.testing import CliRunner
 
     from ray_jobs.cli import cache_cli

@@ -40,7 +40,9 @@ from pipeline.cache_build.corpus import (
 from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
 from pipeline.chat import iter_corpus_rows, row_locator
 from pipeline.corpus_source import file_sha256, local_corpus
+from pipeline.config import to_flags
 from pipeline.outputs import check_cache_out, claim_cache, output_lock
+from pipeline.provenance import append_provenance
 from pipeline.target import (
     load_tokenizer,
     read_generation_config,
@@ -52,7 +54,7 @@ from pipeline.target import (
 )
 from pipeline.vision import changed_images
 from storage.errors import DISK_FULL_ERRNOS
-from storage.format import CORPUS_DIR, MANIFEST_FILE, SHARD_COMPLETE, SHARD_DIR
+from storage.format import BUILD_PROVENANCE_FILE, CORPUS_DIR, MANIFEST_FILE, SHARD_COMPLETE, SHARD_DIR
 from storage.location import Location, is_url, resolve
 from storage.manifest import (
     CacheSettings,
@@ -308,6 +310,8 @@ def _build_cache(config: CacheBuildConfig, *, run_shards: RunShards, progress: b
         if not had_cache and num_published[0] == 0 and not isinstance(error, CacheOwnershipLost):
             _remove_failed_build(out, owner=owner, created=created)
         raise
+    # What produced the cache: one entry per build invocation (a resume adds one; pipeline/provenance.py).
+    append_provenance(out, BUILD_PROVENANCE_FILE, {**to_flags(config), "compute": compute, "mask_token_id": mask_token_id})
     log(_summary(manifest, elapsed=time.time() - started, times=times))
     return manifest
 

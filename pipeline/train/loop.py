@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from pipeline.outputs import output_lock
-from pipeline.provenance import provenance_record
+from pipeline.provenance import append_provenance
 from pipeline.train.batching import ReadFailure, TrainBatch
 from pipeline.train.checkpoints import save_checkpoint
 from pipeline.train.config import TrainConfig
@@ -137,14 +137,10 @@ def train(config: TrainConfig) -> dict:
 def record_provenance(s: TrainState) -> None:
     """RUN/provenance.json: one entry per invocation of this run (a resume adds one) with the exact
     command, package versions, source revision and the resolved config, `auto` resolved (precision,
-    attention kernel, loader workers) (pipeline/provenance.py)."""
-    resolved = {**s.settings, "attention_kernel": s.attention, "start_step": s.start_step}
-    entries = []
-    if s.start_step and s.run.is_file(PROVENANCE_FILE):
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            entries = list(json.loads(s.run.read_bytes(PROVENANCE_FILE))["invocations"])
-    entries.append(provenance_record(resolved))
-    atomic_write_text(s.run.join(PROVENANCE_FILE), json.dumps({"invocations": entries}, indent=2))
+    attention kernel, loader workers) (pipeline/provenance.py). A new run starts the file afresh."""
+    if not s.start_step and s.run.is_file(PROVENANCE_FILE):
+        s.run.remove(PROVENANCE_FILE)
+    append_provenance(s.run, PROVENANCE_FILE, {**s.settings, "attention_kernel": s.attention, "start_step": s.start_step})
 
 
 def _train(config: TrainConfig) -> dict:
