@@ -217,7 +217,19 @@ def _set_threads(ctx, param, threads: int | None) -> int | None:
     return threads
 
 
-@click.command(help="Stage 2: train a DFlash drafter from a cache (also under torchrun).")
+def stop_watching_loader_workers() -> None:
+    """The run is over (done or failed): no DataLoader worker's death concerns this process any more.
+    torch's SIGCHLD handler would still raise for one that dies now, wherever the main thread is:
+    at exit, in the join of an executor's threads, as a traceback after the run's one line (found by
+    benchmarks/chaos.py: a worker killed as a failed run ended). The default handler is restored."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCHLD"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+@click.command(help="Stage 2: train a DFlash or DSpark drafter from a cache (also under torchrun).")
 @config_options(TrainConfig)
 @threads_option
 def train_cli(threads: int | None, **kwargs):
@@ -235,6 +247,8 @@ def train_cli(threads: int | None, **kwargs):
         if line is None:  # a bug: its traceback is what to report
             raise
         raise click.ClickException(line) from None
+    finally:
+        stop_watching_loader_workers()
     if "final_loss" in summary:
         click.echo(format_summary(summary), err=True)
 
