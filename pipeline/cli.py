@@ -227,6 +227,9 @@ def stop_watching_loader_workers() -> None:
 
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCHLD"):
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        from torch.utils.data._utils import signal_handling
+
+        signal_handling._SIGCHLD_handler_set = False  # a later DataLoader in this process installs it again
 
 
 @click.command(help="Stage 2: train a DFlash or DSpark drafter from a cache (also under torchrun).")
