@@ -73,3 +73,10 @@ def replay_rounds(matches: list[int], *, num_tokens: int) -> list[int]:
         accepted.append(count)
         j += count + 1
     return accepted
+
+
+def position_acceptance(accepted_lengths: list[int], *, num_drafts: int) -> list[float | None]:
+    """Per draft position i = 1..num_drafts, the share of rounds that accepted at least i drafts
+    (vLLM's `spec_decode_num_accepted_tokens_per_pos` over its `num_drafts`). tau_pooled - 1 is their sum."""
+    rounds = len(accepted_lengths)
+    return [round(sum(n >= i for n in accepted_lengths) / rounds, 5) if rounds else None for i in range(1, num_drafts + 1)]

@@ -34,13 +34,13 @@ from pipeline.chat import CorpusError, iter_corpus_rows, prompt_row, row_locator
 from pipeline.config import group, opt, to_flags
 from pipeline.provenance import provenance_record
 from pipeline.eval.ar_baseline import AR_BASELINE_FILE, ar_baseline_candidates, ar_baseline_key, find_ar_baseline, write_ar_baseline
+from drafter.drafting import position_acceptance
 from drafter.dspark import DSparkDrafter
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.scores import (
     ROUND_COLUMNS,
     _write_json,
     _write_rows_and_histogram,
-    position_acceptance,
     result_row,
     round_rows,
     slot_acceptance,

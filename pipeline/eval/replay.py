@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from drafter.drafting import block_drafts, match_lengths, replay_rounds
+from drafter.drafting import block_drafts, match_lengths, position_acceptance, replay_rounds
 from pipeline.eval.evaluate import EVAL_FILES, EvalPrompt, load_prompts, load_target_and_stops, replay_inputs
-from pipeline.eval.scores import ROUND_COLUMNS, _write_rows_and_histogram, position_acceptance, round_rows, summarize, write_csv_rows
+from pipeline.eval.scores import ROUND_COLUMNS, _write_rows_and_histogram, round_rows, summarize, write_csv_rows
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode
 from pipeline.outputs import LOCK_FILE, check_out_path, log_line, output_lock, owns, prepare_output, read_record
 

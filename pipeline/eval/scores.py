@@ -14,6 +14,7 @@ import math
 import os
 from pathlib import Path
 
+from drafter.drafting import position_acceptance
 from pipeline.eval.plots import legend, plot_figure
 from pipeline.eval.speculative import DecodeResult
 
@@ -134,13 +135,6 @@ def _tau_aggregates(rows: list[dict]) -> dict:
         "tau_pooled": (accepted + rounds) / rounds if rounds else None,
         "tau_mean_per_request": sum(per_request) / len(per_request) if per_request else None,
     }
-
-
-def position_acceptance(accepted_lengths: list[int], *, num_drafts: int) -> list[float | None]:
-    """Per draft position i = 1..num_drafts, the share of rounds that accepted at least i drafts
-    (vLLM's `spec_decode_num_accepted_tokens_per_pos` over its `num_drafts`). tau_pooled - 1 is their sum."""
-    rounds = len(accepted_lengths)
-    return [round(sum(n >= i for n in accepted_lengths) / rounds, 5) if rounds else None for i in range(1, num_drafts + 1)]
 
 
 def summarize(rows: list[dict], *, group: str = "benchmark") -> dict:

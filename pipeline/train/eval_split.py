@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from drafter.drafting import block_drafts, match_lengths, replay_rounds
+from drafter.drafting import block_drafts, match_lengths, position_acceptance, replay_rounds
 from storage.eval_split import EvalSplit
 
 CHUNK = 32  # blocks per drafter forward, as replay drafts them
@@ -51,9 +51,7 @@ def evaluate_split(drafter, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_
     return {
         "tau_pooled": (sum(accepted_all) + rounds) / rounds if rounds else None,
         "tau_mean_per_request": sum(per_request) / len(per_request) if per_request else None,
-        "acceptance_per_position": [
-            round(sum(n >= k for n in accepted_all) / rounds, 5) if rounds else None for k in range(1, num_drafts + 1)
-        ],
+        "acceptance_per_position": position_acceptance(accepted_all, num_drafts=num_drafts),
         "rounds": rounds,
         "prompts": split.num_prompts,
         "seconds": time.perf_counter() - started,
