@@ -24,6 +24,7 @@ from pipeline.train.objectives import (
     slot_envelope,
     soft_gate,
     topk_tail_loss,
+    topk_tail_loss_and_grad,
 )
 
 
@@ -275,6 +276,36 @@ def test_one_hot_labels_give_cross_entropy_and_its_gradient():
     (grad,) = torch.autograd.grad(loss_sum, logits)
     (reference_grad,) = torch.autograd.grad(reference, logits)
     torch.testing.assert_close(grad, reference_grad)
+
+
+@pytest.mark.parametrize("case", ["tail", "one_hot_with_repeated_ids", "covered_past_the_clip"])
+def test_topk_tail_loss_and_grad_equals_autograd_of_topk_tail_loss(case):
+    """The training step's one-pass loss and logit gradient (no recompute in backward) are
+    topk_tail_loss and its autograd gradient: with a tail, with one-hot labels whose unused ids
+    repeat (their zero-probability ids still count in the covered mass), and past the clip."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 13, generator=generator, dtype=torch.float64).float() * 3
+    if case == "tail":
+        label_ids = torch.stack([torch.randperm(13, generator=generator)[:4] for _ in range(9)])
+        label_probs = torch.rand(9, 4, generator=generator) * 0.24
+    elif case == "one_hot_with_repeated_ids":
+        label_ids = torch.cat([torch.randint(0, 13, (9, 1), generator=generator), torch.zeros(9, 2, dtype=torch.long)], dim=1)
+        label_probs = torch.tensor([1.0, 0.0, 0.0]).repeat(9, 1)
+    else:
+        logits[:, 0] = 40.0  # id 0 holds all of q
+        label_ids = torch.stack([torch.randperm(13, generator=generator)[:3] for _ in range(9)])
+        label_ids[:, 0] = 0
+        label_probs = torch.tensor([0.5, 0.2, 0.1]).repeat(9, 1)
+    weights = torch.rand(9, generator=generator)
+    weights[2] = 0.0
+    kwargs = dict(label_ids=label_ids, label_probs=label_probs, weights=weights)
+    leaf = logits.clone().requires_grad_(True)
+    reference, _ = topk_tail_loss(draft_logits=leaf, **kwargs)
+    (reference_grad,) = torch.autograd.grad(reference, leaf)
+    loss_sum, grad, first_is_top = topk_tail_loss_and_grad(draft_logits=logits.clone(), **kwargs)
+    assert torch.equal(first_is_top, logits.argmax(-1) == label_ids[:, 0])
+    torch.testing.assert_close(loss_sum, reference.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_topk_tail_loss_upcasts_bf16_logits():

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from drafter.masks import flex_block_mask, visibility_mask
 from pipeline.train.batching import TrainBatch, decode_feature_bits
 from pipeline.train.config import DSparkLossConfig
-from pipeline.train.objectives import dspark_slot_losses, topk_tail_loss
+from pipeline.train.objectives import dspark_slot_losses, topk_tail_loss_and_grad
 
 
 def lr_at(step: int, *, total_steps: int, peak_lr: float, warmup_frac: float) -> float:
@@ -98,28 +98,74 @@ def forward_loss(
     weights = batch.slot_weights.reshape(-1).index_select(0, supervised)  # [M]
     label_ids = batch.label_ids.reshape(-1, top_k).index_select(0, supervised)  # [M, k]
     label_probs = batch.label_probs.reshape(-1, top_k).index_select(0, supervised)  # [M, k]
-    extras = ()
-    if dspark is not None:
-        heads = getattr(model, "module", model)  # the DSpark drafter (DDP wraps it)
+    if dspark is None:
+        with autocast:  # the lm_head GEMM's dtype: bf16 under bf16 autocast, else the head's own
+            device_type = hidden.device.type
+            head_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else lm_head.dtype
+        loss_sum, correct = HeadLoss.apply(hidden, lm_head, label_ids, label_probs, weights, loss_chunk, head_dtype)
+    else:
         prev_tokens = batch.prev_tokens.reshape(-1).index_select(0, supervised)  # [M]
         dist_ids, dist_probs = label_ids, label_probs
         if batch.dist_ids is not None:
             dist_k = batch.dist_ids.shape[-1]
             dist_ids = batch.dist_ids.reshape(-1, dist_k).index_select(0, supervised)  # [M, k']
             dist_probs = batch.dist_probs.reshape(-1, dist_k).index_select(0, supervised)
-        extras = (prev_tokens, dist_ids, dist_probs)
+        loss_sum, correct = dspark_head_loss(
+            hidden, lm_head, label_ids, label_probs, weights, prev_tokens, dist_ids, dist_probs,
+            heads=getattr(model, "module", model), dspark=dspark, loss_chunk=loss_chunk, autocast=autocast,
+        )  # fmt: skip (the DSpark drafter's heads: DDP wraps it)
+    slot_correct = torch.zeros(num_slots, device=hidden.device).index_add_(0, slot_index, correct.float())
+    slot_count = torch.zeros(num_slots, device=hidden.device).index_add_(0, slot_index, torch.ones_like(weights))
+    return StepStats(loss_sum=loss_sum, weight_sum=weights.sum(), slot_correct=slot_correct, slot_count=slot_count)
 
-    def chunk_loss(h, ids, probs, w, *dspark_inputs):
+
+class HeadLoss(torch.autograd.Function):
+    """The top-k + tail loss of the drafter's hidden states through the frozen lm_head, chunk by
+    chunk, with the hidden states' gradient computed in the same pass: each [chunk, V] block of
+    logits is made once, turned into its gradient in place (objectives.topk_tail_loss_and_grad)
+    and multiplied back through the head, so backward only scales the kept [M, H] gradient. A
+    recomputing checkpoint makes the logits twice; this is the step's largest GEMM
+    (docs/design.md, "A training step"). Returns (sum of w * l, whether each slot's argmax is its
+    first label id)."""
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head, label_ids, label_probs, weights, loss_chunk: int, head_dtype: torch.dtype):
+        head = lm_head.to(head_dtype)  # no copy when the head is already in the compute dtype
+        need_grad = ctx.needs_input_grad[0]
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        loss_sum = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        for start in range(0, hidden.shape[0], loss_chunk):
+            part = slice(start, start + loss_chunk)
+            logits = F.linear(hidden[part].to(head_dtype), head).float()  # [chunk, V]
+            chunk_sum, grad_logits, correct[part] = topk_tail_loss_and_grad(
+                draft_logits=logits, label_ids=label_ids[part], label_probs=label_probs[part], weights=weights[part]
+            )
+            loss_sum += chunk_sum
+            if need_grad:
+                grad_hidden[part] = (grad_logits.to(head_dtype) @ head).to(hidden.dtype)
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(correct)
+        return loss_sum, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_correct):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_loss * grad_hidden, None, None, None, None, None, None
+
+
+def dspark_head_loss(hidden, lm_head, label_ids, label_probs, weights, prev_tokens, dist_ids, dist_probs, *, heads, dspark: DSparkLossConfig,
+                     loss_chunk: int, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DSpark drafter's loss through the lm_head plus its Markov and confidence heads (trainable,
+    so autograd runs through them): chunk by chunk, each [chunk, V] logits recomputed in backward
+    instead of kept. Returns (sum of w * l, whether each slot's argmax is its first label id)."""
+
+    def chunk_loss(h, ids, probs, w, prev, d_ids, d_probs):
         with autocast:
             logits = F.linear(h, lm_head)  # [chunk, V]: a bf16 GEMM under autocast, else fp32
-            if dspark is not None:
-                prev, d_ids, d_probs = dspark_inputs
-                bias = heads.markov_bias(prev)  # [chunk, V] or None
-                confidence = heads.confidence_logits(h, prev)  # [chunk] or None
+            bias = heads.markov_bias(prev)  # [chunk, V] or None
+            confidence = heads.confidence_logits(h, prev)  # [chunk] or None
         logits = logits.float()
-        if dspark is None:
-            loss_sum, _ = topk_tail_loss(draft_logits=logits, label_ids=ids, label_probs=probs, weights=w)
-            return loss_sum, (logits.argmax(-1) == ids[:, 0])
         if bias is not None:
             logits = logits + bias.float()
         losses, _ = dspark_slot_losses(
@@ -130,19 +176,14 @@ def forward_loss(
         return (w.float() * losses).sum(), (logits.argmax(-1) == ids[:, 0])
 
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    correct = torch.zeros(len(slot_index), dtype=torch.bool, device=hidden.device)
+    correct = torch.zeros(len(weights), dtype=torch.bool, device=hidden.device)
+    inputs = (hidden, label_ids, label_probs, weights, prev_tokens, dist_ids, dist_probs)
     for i in range(0, len(weights), loss_chunk):
         part = slice(i, i + loss_chunk)
-        # Recompute the [chunk, vocab] logits in backward instead of keeping them.
-        chunk_sum, chunk_correct = checkpoint(
-            chunk_loss, hidden[part], label_ids[part], label_probs[part], weights[part], *(t[part] for t in extras),
-            use_reentrant=False,
-        )
+        chunk_sum, chunk_correct = checkpoint(chunk_loss, *(t[part] for t in inputs), use_reentrant=False)
         loss_sum = loss_sum + chunk_sum
         correct[part] = chunk_correct
-    slot_correct = torch.zeros(num_slots, device=hidden.device).index_add_(0, slot_index, correct.float())
-    slot_count = torch.zeros(num_slots, device=hidden.device).index_add_(0, slot_index, torch.ones_like(weights))
-    return StepStats(loss_sum=loss_sum, weight_sum=weights.sum(), slot_correct=slot_correct, slot_count=slot_count)
+    return loss_sum, correct
 
 
 def all_reduce_on(t: torch.Tensor, *, device: torch.device, world_size: int) -> torch.Tensor:
