@@ -21,7 +21,6 @@ import os
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse
 import copy
 import statistics
 import tempfile
@@ -34,7 +33,6 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from pipeline.demo.toy import ToyShape
 from storage.format import CORPUS_DIR
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.shard_builder import ShardBuilder, outputs_to_record, plan_batches
@@ -44,7 +42,7 @@ from pipeline.target import load_target
 from storage.reader import cache_stats, open_cache
 from storage.shards import write_shard
 
-from _common import empty_workdir, make_bench_target, print_table, timed, wide_target, write_toy_corpus
+from _common import QUICK_CACHE, ToyCacheSizes, bench_parser, empty_workdir, print_table, timed, wide_target
 
 RAY_CPUS = 2  # the local Ray cluster the script starts
 NUM_REPEATS = 3
@@ -53,51 +51,20 @@ MIN_SUPERVISED_TOKENS = 32  # CacheBuildConfig's default, so both tokenize alike
 
 @dataclass(kw_only=True)
 class BenchSizes:
-    """Model, corpus and cache settings of one benchmark run."""
+    """The cache and the build's batching of one benchmark run."""
 
-    target: ToyShape  # the random Qwen3 measured on (_common.make_bench_target)
-    num_rows: int  # toy chat rows in the corpus
-    response_words: tuple[int, int]
-    max_turns: int
-    max_length: int
-    layer_ids: list[int]
-    num_slots: int  # K
-    top_k: int
-    anchors: int  # anchor pool per sequence
+    cache: ToyCacheSizes
     shard_size: int
     batch_tokens: int
     num_generate_sequences: int  # (a): the first this many sequences, all their anchors
 
 
 FULL = BenchSizes(
-    target=wide_target(num_hidden_layers=4),
-    num_rows=48,
-    response_words=(80, 160),
-    max_turns=2,
-    max_length=512,
-    layer_ids=[0, 1, 2],
-    num_slots=15,
-    top_k=8,
-    anchors=64,
-    shard_size=16,
-    batch_tokens=4096,
-    num_generate_sequences=2,
-)
-
-QUICK = BenchSizes(
-    target=ToyShape(),  # the toy defaults: hidden 64, 4 layers
-    num_rows=8,
-    response_words=(30, 60),
-    max_turns=1,
-    max_length=256,
-    layer_ids=[0, 2],
-    num_slots=7,
-    top_k=4,
-    anchors=8,
-    shard_size=4,
-    batch_tokens=1024,
-    num_generate_sequences=2,
-)
+    cache=ToyCacheSizes(target=wide_target(num_hidden_layers=4), num_rows=48, response_words=(80, 160), max_turns=2,
+                        max_length=512, layer_ids=[0, 1, 2], num_slots=15, top_k=8, anchors=64),
+    shard_size=16, batch_tokens=4096, num_generate_sequences=2,
+)  # fmt: skip
+QUICK = BenchSizes(cache=QUICK_CACHE, shard_size=4, batch_tokens=1024, num_generate_sequences=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,11 +177,7 @@ def build_config(
         target=str(target),
         corpus=str(corpus),
         out=str(out),
-        layers=sizes.layer_ids,
-        num_slots=sizes.num_slots,
-        top_k=sizes.top_k,
-        anchors=sizes.anchors,
-        max_length=sizes.max_length,
+        **sizes.cache.build_flags(),
         min_supervised_tokens=MIN_SUPERVISED_TOKENS,
         shard_size=sizes.shard_size,
         batch_tokens=sizes.batch_tokens,
@@ -244,14 +207,11 @@ def ray_build(config: CacheBuildConfig) -> tuple[float, dict]:
 
 def prepare(sizes: BenchSizes, work: Path):
     """Toy target + chat corpus on disk; the corpus tokenized exactly as the build will do it."""
-    target = make_bench_target(work / "target", sizes.target)
-    corpus_path = write_toy_corpus(
-        work / "chat.jsonl", num_rows=sizes.num_rows, response_words=sizes.response_words, max_turns=sizes.max_turns
-    )
+    target, corpus_path = sizes.cache.write_inputs(work)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     start = time.perf_counter()
     corpus = ingest_corpus(
-        CorpusConfig(path=str(corpus_path), max_length=sizes.max_length, min_supervised_tokens=MIN_SUPERVISED_TOKENS),
+        CorpusConfig(path=str(corpus_path), max_length=sizes.cache.max_length, min_supervised_tokens=MIN_SUPERVISED_TOKENS),
         tokenizer,
         progress=False,
     )
@@ -269,7 +229,7 @@ def bench_in_process_build(
     threads = torch.get_num_threads()
     config = build_config(sizes, target=target, corpus=work / "chat.jsonl", out=work / "shard-builder", threads=threads)
     save_tokenized_corpus(corpus, work / "shard-builder" / CORPUS_DIR)
-    builder = ShardBuilder(config.with_taps(sizes.layer_ids))  # its own copy of the target
+    builder = ShardBuilder(config.with_taps(sizes.cache.layer_ids))  # its own copy of the target
 
     def build_all() -> None:
         for index, first in enumerate(range(0, len(sequences), sizes.shard_size)):
@@ -332,7 +292,7 @@ def bench_ray_builds(
                 )
                 builds[storage_format, codec] = ray_build(config)
                 configs[storage_format, codec] = config
-        worker_start_s = time_worker_start(configs["zarr", "bf16"], layer_ids=sizes.layer_ids)
+        worker_start_s = time_worker_start(configs["zarr", "bf16"], layer_ids=sizes.cache.layer_ids)
     finally:
         ray.shutdown()
     return builds, worker_start_s
@@ -342,7 +302,7 @@ def report_rollouts(sizes: BenchSizes, a: dict) -> None:
     batched_rate, generate_rate = a["num_anchors"] / a["batched_s"], a["num_anchors"] / a["generate_s"]
     print_table(
         f"(a) rollouts for the same {a['num_anchors']} anchors ({a['num_sequences']} sequences, depth K-1 = "
-        f"{sizes.num_slots - 1}), median of {NUM_REPEATS}",
+        f"{sizes.cache.num_slots - 1}), median of {NUM_REPEATS}",
         ["method", "seconds", "anchors/s", "speedup"],
         [
             [
@@ -411,9 +371,7 @@ def report_sizes(builds: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (< 1 min), to smoke-test the script")
-    parser.add_argument("--out", default=None, help="workspace directory, kept (default: a temp dir, removed)")
+    parser = bench_parser(__doc__, out_help="workspace directory, kept (default: a temp dir, removed)")
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads, in-process and per Ray worker (1 or 2; default 2)"
     )
@@ -432,7 +390,7 @@ def main() -> None:
 
 
 def run(sizes: BenchSizes, *, work: Path, threads: int) -> None:
-    began = time.perf_counter()
+    began, cache = time.perf_counter(), sizes.cache
 
     target, corpus_path, corpus, tokenize_s = prepare(sizes, work)
     sequences = []
@@ -442,16 +400,16 @@ def run(sizes: BenchSizes, *, work: Path, threads: int) -> None:
         sequences.append(TargetSequence(source_row=source_row, input_ids=input_ids, loss_mask=loss_mask))
     lengths = [len(s.input_ids) for s in sequences]
     run_config = TargetRunConfig(
-        layer_ids=sizes.layer_ids, num_slots=sizes.num_slots, top_k=sizes.top_k, anchors_per_sequence=sizes.anchors
+        layer_ids=cache.layer_ids, num_slots=cache.num_slots, top_k=cache.top_k, anchors_per_sequence=cache.anchors
     )
     model = load_target(target, dtype=torch.float32)
     num_params = sum(p.numel() for p in model.parameters())
     print(
-        f"target: random Qwen3, {num_params / 1e6:.2f}M params (hidden {sizes.target.hidden_size}, {sizes.target.num_hidden_layers} "
-        f"layers, {sizes.target.num_attention_heads} heads x {sizes.target.head_dim}, {sizes.target.num_key_value_heads} kv heads, mlp "
-        f"{sizes.target.intermediate_size}), taps {sizes.layer_ids}, fp32\ncorpus: {len(sequences)} sequences, {sum(lengths)} "
-        f"tokens (min {min(lengths)}, mean {np.mean(lengths):.0f}, max {max(lengths)}); K={sizes.num_slots}, top-k "
-        f"{sizes.top_k}, {sizes.anchors} anchors/sequence; torch threads {torch.get_num_threads()}; load average "
+        f"target: random Qwen3, {num_params / 1e6:.2f}M params (hidden {cache.target.hidden_size}, {cache.target.num_hidden_layers} "
+        f"layers, {cache.target.num_attention_heads} heads x {cache.target.head_dim}, {cache.target.num_key_value_heads} kv heads, mlp "
+        f"{cache.target.intermediate_size}), taps {cache.layer_ids}, fp32\ncorpus: {len(sequences)} sequences, {sum(lengths)} "
+        f"tokens (min {min(lengths)}, mean {np.mean(lengths):.0f}, max {max(lengths)}); K={cache.num_slots}, top-k "
+        f"{cache.top_k}, {cache.anchors} anchors/sequence; torch threads {torch.get_num_threads()}; load average "
         f"{os.getloadavg()[0]:.2f}",
         flush=True,
     )
@@ -475,7 +433,7 @@ def run(sizes: BenchSizes, *, work: Path, threads: int) -> None:
     # The Ray job tokenizes the corpus itself; it must have computed what the in-process runs did.
     stats = builds["zarr", "bf16"][1]
     num_anchors = sum(
-        len(anchor_pool(s.loss_mask, num_anchors=sizes.anchors, seed=run_config.seed, source_row=s.source_row))
+        len(anchor_pool(s.loss_mask, num_anchors=sizes.cache.anchors, seed=run_config.seed, source_row=s.source_row))
         for s in sequences
     )
     if (stats["tokens"], stats["anchors"]) != (sum(lengths), num_anchors):

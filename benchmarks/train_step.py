@@ -25,19 +25,16 @@ import os
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse
 import contextlib
 import json
 import statistics
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline.demo.toy import ToyShape
 from pipeline.train.batching import CacheTrainDataset, StepSampler, TrainBatch, collate
 from ray_jobs.cli import cache_cli
 from pipeline.train.methods import METHODS, ROLLOUT_METHODS
@@ -50,7 +47,7 @@ from pipeline.train.step import forward_loss
 from storage.manifest import load_target_head
 from storage.reader import open_cache
 
-from _common import empty_workdir, make_bench_target, print_table, wide_target, write_toy_corpus
+from _common import QUICK_CACHE, ToyCacheSizes, bench_parser, print_table, wide_target, work_directory
 
 NUM_THREADS = 2
 LOADER_WORKERS = (0, 1, 2)
@@ -58,17 +55,9 @@ LOADER_WORKERS = (0, 1, 2)
 
 @dataclass(kw_only=True)
 class BenchSizes:
-    """Target, corpus, cache and step settings of one benchmark run."""
+    """Cache and step settings of one benchmark run."""
 
-    target: ToyShape  # the random Qwen3 measured on (_common.make_bench_target)
-    num_rows: int  # toy chat rows in the corpus
-    response_words: tuple[int, int]
-    max_turns: int
-    max_length: int
-    layer_ids: list[int]  # 2 taps -> a 2-layer drafter
-    num_slots: int  # K
-    top_k: int
-    anchors: int  # cached anchor pool per sequence; every step trains the whole pool
+    cache: ToyCacheSizes  # 2 taps -> a 2-layer drafter; every step trains the whole anchor pool
     batch_size: int  # sequences per step
     num_repeats: int  # timed steps per method (distinct batches, cycling), after one warm-up
     num_loader_passes: int  # timed passes over the cache per loader setting, after one warm-up
@@ -76,47 +65,22 @@ class BenchSizes:
 
 
 FULL = BenchSizes(
-    target=wide_target(num_hidden_layers=6),
-    num_rows=48,
-    response_words=(60, 120),
-    max_turns=2,
-    max_length=512,
-    layer_ids=[1, 3],
-    num_slots=15,
-    top_k=8,
-    anchors=16,
-    batch_size=8,
-    num_repeats=7,
-    num_loader_passes=3,
-    methods=METHODS,
-)
-
+    cache=ToyCacheSizes(target=wide_target(num_hidden_layers=6), num_rows=48, response_words=(60, 120), max_turns=2,
+                        max_length=512, layer_ids=[1, 3], num_slots=15, top_k=8, anchors=16),
+    batch_size=8, num_repeats=7, num_loader_passes=3, methods=METHODS,
+)  # fmt: skip
 QUICK = BenchSizes(
-    target=ToyShape(),  # the toy defaults: hidden 64, 4 layers
-    num_rows=12,
-    response_words=(30, 60),
-    max_turns=1,
-    max_length=256,
-    layer_ids=[0, 2],
-    num_slots=7,
-    top_k=4,
-    anchors=8,
-    batch_size=4,
-    num_repeats=3,
-    num_loader_passes=3,
+    cache=replace(QUICK_CACHE, num_rows=12), batch_size=4, num_repeats=3, num_loader_passes=3,
     methods=("dflash", "alr_ira"),  # one corpus-only and one rollout method
-)
+)  # fmt: skip
 
 
 def build_benchmark_cache(sizes: BenchSizes, *, target: Path, corpus: Path, out: Path) -> float:
     """`alrira-cache build` through the CLI (the only way a script reaches ray_jobs); seconds."""
-    args = [
-        "build", "--target", str(target), "--corpus", str(corpus), "--out", str(out),
-        "--layers", ",".join(str(i) for i in sizes.layer_ids), "--num-slots", str(sizes.num_slots),
-        "--top-k", str(sizes.top_k), "--anchors", str(sizes.anchors), "--max-length", str(sizes.max_length),
-        "--shard-size", "16", "--batch-tokens", "4096", "--workers", "1", "--cpus-per-worker", str(NUM_THREADS),
-        "--no-progress",
-    ]  # fmt: skip
+    flags = sizes.cache.build_flags() | {"shard_size": 16, "batch_tokens": 4096, "workers": 1, "cpus_per_worker": NUM_THREADS}
+    args = ["build", "--target", str(target), "--corpus", str(corpus), "--out", str(out), "--no-progress"]
+    for name, value in flags.items():
+        args += [f"--{name.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     start = time.perf_counter()
     cache_cli.main(args=args, standalone_mode=False)
     seconds = time.perf_counter() - start
@@ -304,20 +268,15 @@ def bench_loaders(*, reader, sizes: BenchSizes) -> dict[tuple[str, int], dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (< 1 min), to smoke-test the script")
-    parser.add_argument("--out", default=None, help="workspace directory (default: a new temp dir)")
+    parser = bench_parser(__doc__, out_help="workspace directory (default: a new temp dir)")
     parser.add_argument("--threads", type=int, default=NUM_THREADS, help="torch threads of the main process")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
-    work = empty_workdir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="alrira-bench-train-"))
+    work = work_directory(args.out, temp_prefix="alrira-bench-train-")
     began = time.perf_counter()
     load_before = os.getloadavg()
 
-    target = make_bench_target(work / "target", sizes.target)
-    corpus = write_toy_corpus(
-        work / "chat.jsonl", num_rows=sizes.num_rows, response_words=sizes.response_words, max_turns=sizes.max_turns
-    )
+    target, corpus = sizes.cache.write_inputs(work)
     cache = work / "cache"
     print("building the cache (alrira-cache build, Ray, 1 worker) ...", flush=True)
     build_s = build_benchmark_cache(sizes, target=target, corpus=corpus, out=cache)
@@ -334,11 +293,11 @@ def main() -> None:
     num_target_params = sum(p.numel() for p in target_model.parameters())
     num_drafter_params = sum(p.numel() for p in build_drafter(TrainConfig.from_flags(cache=str(cache), out="-"), manifest).parameters())
     print(
-        f"target: Qwen3 {num_target_params / 1e6:.2f}M params (hidden {sizes.target.hidden_size}, {sizes.target.num_hidden_layers} layers, "
-        f"{sizes.target.num_attention_heads}x{sizes.target.head_dim} heads), taps {sizes.layer_ids}; drafter: {len(sizes.layer_ids)} layers, "
+        f"target: Qwen3 {num_target_params / 1e6:.2f}M params (hidden {sizes.cache.target.hidden_size}, {sizes.cache.target.num_hidden_layers} layers, "
+        f"{sizes.cache.target.num_attention_heads}x{sizes.cache.target.head_dim} heads), taps {sizes.cache.layer_ids}; drafter: {len(sizes.cache.layer_ids)} layers, "
         f"{num_drafter_params / 1e6:.2f}M trained params; cache: {len(reader)} sequences, {sum(lengths)} tokens "
-        f"(mean {np.mean(lengths):.0f}, max {max(lengths)}), K={sizes.num_slots}, top-k {sizes.top_k}, "
-        f"pool {sizes.anchors} anchors/sequence (all trained each step), built in {build_s:.1f}s; "
+        f"(mean {np.mean(lengths):.0f}, max {max(lengths)}), K={sizes.cache.num_slots}, top-k {sizes.cache.top_k}, "
+        f"pool {sizes.cache.anchors} anchors/sequence (all trained each step), built in {build_s:.1f}s; "
         f"batch {sizes.batch_size} sequences; torch threads {torch.get_num_threads()}",
         flush=True,
     )

@@ -135,6 +135,15 @@ def vl_corpus(tmp_path_factory) -> Path:
     return write_jsonl(folder / "corpus.jsonl", mixed_vl_rows())
 
 
+@pytest.fixture(scope="session")
+def vl_vision(vl_target, vl_corpus):
+    """The vision inputs a build of vl_corpus on vl_target resolves (its processor, image root and
+    image tokens)."""
+    from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs
+
+    return corpus_vision_inputs(vl_target, CorpusConfig(path=str(vl_corpus)))
+
+
 # Llama-architecture targets (docs/design.md, "The target"): the tokenizer fills the embedding, so
 # the mask token is an existing one.
 

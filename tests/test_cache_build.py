@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from storage.manifest import load_manifest
 from storage.reader import open_cache
 from storage.verify import verify_cache
 from tests.conftest import write_jsonl
+from tests.tmpfs import mounted_tmpfs
 from tests.waits import HANG_CAP_S, wait_for
 
 pytestmark = pytest.mark.slow
@@ -402,20 +402,6 @@ def test_workers_beyond_the_cluster_are_refused_in_one_line(ray_address, toy_tar
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, *, size: str, read_only: bool = False):
-    """A small tmpfs at `path` (the test runs as root); skipped where mounting is not permitted."""
-    path.mkdir(parents=True, exist_ok=True)
-    options = f"size={size}" + (",ro" if read_only else "")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs for a full or read-only filesystem: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def test_bad_paths_are_one_line_errors(ray_address, toy_target, toy_corpus, tmp_path):
     runner = CliRunner()
     not_a_dataset = tmp_path / "texts"
@@ -431,7 +417,7 @@ def test_bad_paths_are_one_line_errors(ray_address, toy_target, toy_corpus, tmp_
     _one_line_error(result, f"--out {a_file}: exists and is not a directory")
     assert a_file.read_text() == "not a directory"
 
-    with _tmpfs(tmp_path / "ro", size="1m", read_only=True) as read_only:
+    with mounted_tmpfs(tmp_path / "ro", read_only=True) as read_only:
         result = runner.invoke(cache_cli, _cli_args(toy_target, toy_corpus, read_only / "cache", ray_address))
         _one_line_error(result, str(read_only / "cache"), "Read-only file system")
 
@@ -440,7 +426,7 @@ def test_full_disk_is_one_line_and_the_cache_stays_consistent(ray_address, toy_t
     """A 1 MiB tmpfs holds the corpus, head and a few shards, then a worker's shard write hits
     ENOSPC: one line naming the cache, every listed shard intact, no temp files; with room again
     the same command finishes the cache."""
-    with _tmpfs(tmp_path / "disk", size="1m") as disk:
+    with mounted_tmpfs(tmp_path / "disk") as disk:
         out = disk / "cache"
         args = _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1")
         result = CliRunner().invoke(cache_cli, args)

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from benchmarks import chaos
+from tests.tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -110,16 +111,9 @@ def test_the_progress_board_lives_on_the_drivers_node(world):
 
 @pytest.fixture
 def full_disk(tmp_path):
-    """A 1 MiB tmpfs (the tests run as root); skipped where mounting is not permitted."""
-    path = tmp_path / "disk"
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
+    """A 1 MiB tmpfs; skipped where mounting is not permitted."""
+    with mounted_tmpfs(tmp_path / "disk") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 class _Net(torch.nn.Linear):

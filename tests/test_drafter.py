@@ -646,21 +646,10 @@ def test_context_kv_cache_matches_full_forward():
 
 
 def hf_qwen3_config(config: DFlashConfig):
+    """HF's Qwen3Config read from the drafter's config.json (`to_hf_dict`), as an export is loaded."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        max_position_embeddings=config.max_position_embeddings,
-        vocab_size=config.vocab_size,
-        attn_implementation="eager",
-    )
+    return Qwen3Config.from_dict({**config.to_hf_dict(), "attn_implementation": "eager"})
 
 
 def test_block_without_context_matches_hf_qwen3_layers():

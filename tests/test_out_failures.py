@@ -5,11 +5,8 @@ never followed, taken over or left to hang. Real tmpfs mounts (the tests run as 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -17,26 +14,14 @@ from click.testing import CliRunner
 from pipeline.cli import eval_cli
 from pipeline.outputs import LOCK_FILE, RECORD_FILE, cannot_write, claim_output, output_lock, owns
 from tests.test_analysis import _eval_dir
-
-
-@contextlib.contextmanager
-def _read_only_dir(path: Path):
-    """An empty read-only tmpfs at `path`; skipped where mounting is not permitted."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(path)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+from tests.tmpfs import mounted_tmpfs
 
 
 @pytest.mark.parametrize("command", ["compare", "offsets"])
 def test_a_read_only_out_is_one_line_naming_the_filesystem(tmp_path, command):
     """`compare` and `offsets` ended in a traceback (mkdir's OSError), the others advised freeing space."""
     summaries = [str(_eval_dir(tmp_path / m, method=m, rounds=[(1, 1), (20, 2)])) for m in ("alr", "ira")]
-    with _read_only_dir(tmp_path / "ro") as read_only:
+    with mounted_tmpfs(tmp_path / "ro", read_only=True) as read_only:
         for out in (read_only, read_only / "new" / "deeper"):
             result = CliRunner().invoke(eval_cli, [command, *summaries, "--out", str(out)])
             assert result.exit_code == 1 and "Traceback" not in result.output, result.output
@@ -47,7 +32,7 @@ def test_a_read_only_out_is_one_line_naming_the_filesystem(tmp_path, command):
 
 
 def test_output_lock_on_a_read_only_out_names_it_for_every_command(tmp_path):
-    with _read_only_dir(tmp_path / "ro") as read_only:
+    with mounted_tmpfs(tmp_path / "ro", read_only=True) as read_only:
         for out in (read_only, read_only / "run"):
             with pytest.raises(ValueError) as failed, output_lock(out, command="alrira-train"):
                 pass

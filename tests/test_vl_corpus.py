@@ -36,13 +36,8 @@ def tokenizer(vl_target):
 
 
 @pytest.fixture(scope="module")
-def vision(vl_target, vl_corpus):
-    return corpus_vision_inputs(vl_target, CorpusConfig(path=str(vl_corpus)))
-
-
-@pytest.fixture(scope="module")
-def corpus(vl_corpus, tokenizer, vision):
-    return ingest_corpus(CorpusConfig(path=str(vl_corpus)), tokenizer, progress=False, vision=vision)
+def corpus(vl_corpus, tokenizer, vl_vision):
+    return ingest_corpus(CorpusConfig(path=str(vl_corpus)), tokenizer, progress=False, vision=vl_vision)
 
 
 def processor_image_tokens(vision, name: str) -> int:
@@ -66,10 +61,10 @@ def test_rows_normalize_to_one_image_in_its_user_turn():
     assert prompt.messages == [{"role": "user", "content": "what is it ?"}] and prompt.image == "p.png"
 
 
-def test_image_rows_render_image_first_with_the_system_prompt_and_processor_token_count(corpus, tokenizer, vision):
+def test_image_rows_render_image_first_with_the_system_prompt_and_processor_token_count(corpus, tokenizer, vl_vision):
     ids, mask = corpus.sequence(0)  # row 1: LLaVA, image a.png
-    image_token = vision.image_token_id
-    num_image = processor_image_tokens(vision, "a.png")
+    image_token = vl_vision.image_token_id
+    num_image = processor_image_tokens(vl_vision, "a.png")
     assert int((ids == image_token).sum()) == num_image == corpus.images[0]["num_tokens"]
     row = mixed_vl_rows()[0]
     question, answer = row["conversations"][0]["value"][len("<image>\n"):], row["conversations"][1]["value"]
@@ -89,18 +84,18 @@ def test_image_rows_render_image_first_with_the_system_prompt_and_processor_toke
     assert not np.any(mask[ids == image_token])
 
 
-def test_a_mixed_corpus_keeps_image_and_text_rows(corpus, vision, vl_corpus, tmp_path):
+def test_a_mixed_corpus_keeps_image_and_text_rows(corpus, vl_vision, vl_corpus, tmp_path):
     assert corpus.source_rows.tolist() == [0, 1, 2, 3, 4, 5] and corpus.stats["dropped"] == {}
     expected = ["a.png", None, "b.png", "c.png", None, "b.png"]
     assert [None if e is None else Path(e["path"]).name for e in corpus.images] == expected
     assert corpus.stats["images"] == 4
-    assert corpus.stats["image_tokens"] == sum(processor_image_tokens(vision, n) for n in expected if n is not None)
+    assert corpus.stats["image_tokens"] == sum(processor_image_tokens(vl_vision, n) for n in expected if n is not None)
     for i, name in enumerate(expected):
         ids, _ = corpus.sequence(i)
-        assert int((ids == vision.image_token_id).sum()) == (0 if name is None else corpus.images[i]["num_tokens"])
+        assert int((ids == vl_vision.image_token_id).sum()) == (0 if name is None else corpus.images[i]["num_tokens"])
     # Text rows in a VL corpus get the VL system prompt too, and no vision tokens.
     ids, _ = corpus.sequence(1)
-    assert not np.isin(ids, [vision.vision_start_token_id, vision.vision_end_token_id]).any()
+    assert not np.isin(ids, [vl_vision.vision_start_token_id, vl_vision.vision_end_token_id]).any()
     # c.png is wider than tall: its grid says so; a.png and b.png share the sizes the processor gives.
     grids = {Path(e["path"]).name: e["grid_thw"] for e in corpus.images if e}
     assert grids["c.png"][2] > grids["c.png"][1] and len(set(IMAGE_SIZES)) == 3
@@ -108,14 +103,14 @@ def test_a_mixed_corpus_keeps_image_and_text_rows(corpus, vision, vl_corpus, tmp
     save_tokenized_corpus(corpus, tmp_path / "corpus")
     assert json.loads((tmp_path / "corpus" / IMAGES_FILE).read_text())["sequences"] == corpus.images
     loaded = load_tokenized_corpus(tmp_path / "corpus")
-    sequence = loaded.target_sequence(2, vision=vision)
+    sequence = loaded.target_sequence(2, vision=vl_vision)
     assert sequence.image.path == vl_corpus.parent / "images" / "b.png" and sequence.image.where == f"{vl_corpus}:3"
     pixel_values, grid = sequence.image.pixel_inputs()
     assert grid[0].tolist() == corpus.images[2]["grid_thw"] and pixel_values.shape[0] == int(grid.prod())
-    assert loaded.target_sequence(1, vision=vision).image is None
+    assert loaded.target_sequence(1, vision=vl_vision).image is None
     # A worker whose image processor differs (torchvision on it, not where the corpus was tokenized) stops.
     with pytest.raises(ValueError, match=r"^the corpus was tokenized with image processor \S+, this worker loads Other;"):
-        loaded.target_sequence(2, vision=dataclasses.replace(vision, processor_class="Other"))
+        loaded.target_sequence(2, vision=dataclasses.replace(vl_vision, processor_class="Other"))
 
 
 def test_image_root_and_system_prompt_flags(vl_target, tokenizer, tmp_path):
@@ -209,16 +204,16 @@ def test_a_changed_image_is_refused_by_the_worker_naming_it(vl_target, tokenizer
         image.pixel_inputs()
 
 
-def test_a_json_array_corpus_reads_as_its_jsonl_twin_and_names_lines(vl_corpus, tokenizer, vision, corpus, tmp_path):
+def test_a_json_array_corpus_reads_as_its_jsonl_twin_and_names_lines(vl_corpus, tokenizer, vl_vision, corpus, tmp_path):
     """ALLaVA / LLaVA releases ship one JSON array; rows are located by the line they start on."""
     path = vl_corpus.parent / "corpus-array.json"
     rows = mixed_vl_rows()
     path.write_text(json.dumps(rows, indent=2))
-    array_corpus = ingest_corpus(CorpusConfig(path=str(path)), tokenizer, progress=False, vision=vision)
+    array_corpus = ingest_corpus(CorpusConfig(path=str(path)), tokenizer, progress=False, vision=vl_vision)
     assert np.array_equal(array_corpus.input_ids, corpus.input_ids) and array_corpus.images == corpus.images
     bad = [rows[0], llava_row("images/gone.png", seed=9)]
     bad_path = vl_corpus.parent / "bad-array.json"
     bad_path.write_text(json.dumps(bad, indent=2))
     second_row_line = json.dumps(bad, indent=2).splitlines().index("  {", 2) + 1  # the second "  {" line
     with pytest.raises(CorpusError, match=rf"^{bad_path}:{second_row_line}: image .*gone.png: not found$"):
-        ingest_corpus(CorpusConfig(path=str(bad_path)), tokenizer, progress=False, vision=vision)
+        ingest_corpus(CorpusConfig(path=str(bad_path)), tokenizer, progress=False, vision=vl_vision)

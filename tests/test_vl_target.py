@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
-from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs, ingest_corpus
+from pipeline.cache_build.corpus import CorpusConfig, ingest_corpus
 from pipeline.cache_build.rollouts import TargetRunConfig, reference_rollout, run_target_batch
 from pipeline.cache_build.vllm_runner import VllmTargetRunner
 from pipeline.target import load_target, load_tokenizer, read_target_config, read_target_head, tapped_features, target_hash
@@ -35,14 +35,9 @@ def model(vl_target):
 
 
 @pytest.fixture(scope="module")
-def vision(vl_target, vl_corpus):
-    return corpus_vision_inputs(vl_target, CorpusConfig(path=str(vl_corpus)))
-
-
-@pytest.fixture(scope="module")
-def stage1(model, vl_target, vl_corpus, vision):
-    corpus = ingest_corpus(CorpusConfig(path=str(vl_corpus)), load_tokenizer(vl_target), progress=False, vision=vision)
-    sequences = [corpus.target_sequence(i, vision=vision) for i in SEQUENCES]
+def stage1(model, vl_target, vl_corpus, vl_vision):
+    corpus = ingest_corpus(CorpusConfig(path=str(vl_corpus)), load_tokenizer(vl_target), progress=False, vision=vl_vision)
+    sequences = [corpus.target_sequence(i, vision=vl_vision) for i in SEQUENCES]
     return sequences, run_target_batch(model, sequences, RUN)  # one right-padded batch
 
 

@@ -137,19 +137,14 @@ def make_toy_target(
     scales lm_head to std PEAKED_LM_HEAD_STD so they look more like a trained model's (mean top-1
     probability ~0.5, top-8 mass ~0.9), which gives greedy rollouts and gates something to measure.
     With tied embeddings this scales the input embeddings too."""
-    ToyShape(  # refuses a shape vLLM cannot serve
+    shape = ToyShape(  # refuses a shape vLLM cannot serve
         hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
     )  # fmt: skip
     tokenizer = make_toy_tokenizer(words)
     config = Qwen3Config(
         vocab_size=toy_vocab_size(len(tokenizer)),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
+        **dataclasses.asdict(shape),
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
