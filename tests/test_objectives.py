@@ -308,6 +308,25 @@ def test_topk_tail_loss_and_grad_equals_autograd_of_topk_tail_loss(case):
     torch.testing.assert_close(grad, reference_grad, rtol=1e-5, atol=1e-6)
 
 
+def test_topk_tail_loss_and_grad_of_bf16_logits_is_the_float32_math():
+    """bf16 logits (the lm_head GEMM under bf16): the loss and the float32 gradient are
+    topk_tail_loss's and autograd's on the same logits (float32 math), and the logits are kept."""
+    generator = torch.Generator().manual_seed(4)
+    logits = (torch.randn(7, 50, generator=generator) * 4).to(torch.bfloat16)
+    label_ids = torch.stack([torch.randperm(50, generator=generator)[:3] for _ in range(7)])
+    label_probs = torch.rand(7, 3, generator=generator) * 0.3
+    kwargs = dict(label_ids=label_ids, label_probs=label_probs, weights=torch.rand(7, generator=generator) + 0.1)
+    leaf = logits.float().requires_grad_(True)
+    reference, _ = topk_tail_loss(draft_logits=leaf, **kwargs)
+    (reference_grad,) = torch.autograd.grad(reference, leaf)
+    kept = logits.clone()
+    loss_sum, grad, first_is_top = topk_tail_loss_and_grad(draft_logits=logits, **kwargs)
+    assert grad.dtype == torch.float32 and torch.equal(logits, kept)
+    torch.testing.assert_close(loss_sum, reference.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(first_is_top, logits.float().argmax(-1) == label_ids[:, 0])
+
+
 def test_topk_tail_loss_upcasts_bf16_logits():
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 7, generator=generator).to(torch.bfloat16)

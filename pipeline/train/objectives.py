@@ -293,22 +293,22 @@ def topk_tail_loss(
 def topk_tail_loss_and_grad(
     *, draft_logits: Tensor, label_ids: Tensor, label_probs: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(sum of w * l, its gradient with respect to draft_logits [M, V] float32, whether each slot's
-    first label id holds its largest logit [M] (the argmax, a tie counting)), the loss of
-    topk_tail_loss, in one pass and without autograd: the training step computes a chunk's logits,
-    this, and the hidden states' gradient at once, so it never recomputes the logits in backward
-    (docs/design.md, "A training step"). draft_logits must be float32 and is overwritten (its
-    storage becomes the gradient). With q = softmax(z), c = sum_i q(id_i), tau the tail mass and
-    a = tau / (1 - c) where c is below the clip (0 above it, as the clamp's gradient):
+    """(sum of w * l, its gradient with respect to draft_logits [M, V], whether each slot's first
+    label id holds its largest logit [M] (the argmax, a tie counting)), the loss of topk_tail_loss,
+    in one pass and without autograd: the training step computes a chunk's logits, this, and the
+    hidden states' gradient at once, so it never recomputes the logits in backward (docs/design.md,
+    "A training step"). The math is float32 (bf16 logits are widened once); float32 logits are
+    overwritten (their storage becomes the gradient). With q = softmax(z), c = sum_i q(id_i), tau
+    the tail mass and a = tau / (1 - c) where c is below the clip (0 above it, as the clamp's
+    gradient):
         dl/dz_v = q_v * (sum_i p_i - a * c) + sum_i [v == id_i] * (a * q(id_i) - p_i)."""
-    if draft_logits.dtype != torch.float32:
-        raise ValueError(f"draft_logits must be float32 (it becomes the gradient), got {draft_logits.dtype}")
     ids = label_ids.long()
     probs, weights = label_probs.float(), weights.float()
-    peak = draft_logits.amax(dim=-1, keepdim=True)  # [M, 1]
-    label_logits = draft_logits.gather(-1, ids)  # [M, k]
+    logits = draft_logits.float()  # no copy when float32 already
+    peak = logits.amax(dim=-1, keepdim=True)  # [M, 1]
+    label_logits = logits.gather(-1, ids)  # [M, k]
     first_is_top = label_logits[:, 0] == peak[:, 0]
-    unnormalized = draft_logits.sub_(peak).exp_()  # exp(z - max), in the logits' storage
+    unnormalized = logits.sub_(peak).exp_()  # exp(z - max), in place
     total = unnormalized.sum(dim=-1, keepdim=True)  # [M, 1]
     label_log_q = label_logits - (peak + total.log())  # [M, k]
     label_q = label_log_q.exp()
@@ -318,8 +318,8 @@ def topk_tail_loss_and_grad(
     clipped = covered.clamp(max=MAX_COVERED_MASS)
     loss_sum = (weights * (cross_entropy - tail * torch.log1p(-clipped))).sum()
     tail_scale = torch.where(covered <= MAX_COVERED_MASS, tail / (1.0 - clipped), torch.zeros_like(tail))  # [M]
-    dense_scale = weights * (probs.sum(dim=-1) - tail_scale * covered)  # [M]
-    grad = unnormalized.mul_(dense_scale[:, None] / total)  # q_v * dense_scale
+    dense_scale = (weights * (probs.sum(dim=-1) - tail_scale * covered))[:, None] / total  # [M, 1]
+    grad = unnormalized.mul_(dense_scale)  # q_v * dense_scale, in place
     grad.scatter_add_(-1, ids, weights[:, None] * (tail_scale[:, None] * label_q - probs))
     return loss_sum, grad, first_is_top
 

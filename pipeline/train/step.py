@@ -137,7 +137,7 @@ class HeadLoss(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for start in range(0, hidden.shape[0], loss_chunk):
             part = slice(start, start + loss_chunk)
-            logits = F.linear(hidden[part].to(head_dtype), head).float()  # [chunk, V]
+            logits = F.linear(hidden[part].to(head_dtype), head)  # [chunk, V], in the head's dtype
             chunk_sum, grad_logits, correct[part] = topk_tail_loss_and_grad(
                 draft_logits=logits, label_ids=label_ids[part], label_probs=label_probs[part], weights=weights[part]
             )
