@@ -151,12 +151,15 @@ def test_every_invocation_records_its_provenance(toy_target, short_corpus, tmp_p
     """OUT/regenerate_provenance.json: one entry per invocation (a rerun that resumes adds its own),
     each with the command, package versions, its flags and the compute `auto` resolved to; an
     --overwrite replaces it with the output, and the output it leaves is still ours to resume."""
+    from pipeline.corpus_source import file_sha256
     from pipeline.precision import CPU_BF16_ENV
 
     monkeypatch.setenv(CPU_BF16_ENV, "0")  # `auto` resolves to fp32 on this CPU
     out = tmp_path / "out"
     regenerate_corpus(config(toy_target, short_corpus, out), log=lambda m: None)
+    corpus_hash = file_sha256(out)
     regenerate_corpus(config(toy_target, short_corpus, out), log=lambda m: None)  # every part kept
+    assert file_sha256(out) == corpus_hash  # the record is not rows: a cache built from OUT still resumes
     first, second = json.loads((out / "regenerate_provenance.json").read_text())["invocations"]
     for entry in (first, second):
         assert entry["config"]["target"] == str(toy_target) and entry["config"]["max_new_tokens"] == MAX_NEW

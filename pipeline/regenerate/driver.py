@@ -29,6 +29,7 @@ from pipeline.corpus_source import default_image_root, file_sha256, local_corpus
 from pipeline.chat import (
     REGENERATED_KIND,
     REGENERATED_MANIFEST,
+    REGENERATED_PROVENANCE,
     CorpusError,
     checked_regenerated_parts,
     is_jsonl_file,
@@ -52,7 +53,6 @@ FORMAT_VERSION = 1
 SETTING_DEFAULTS = {flag_name(f): f.default for f, _ in leaf_fields(RegenerateConfig) if not is_required(f)}
 # run_parts(plan, pending specs): write every pending part, yielding each one's record as it is written.
 RunParts = Callable[["RegeneratePlan", list[PartSpec]], Iterator[dict]]
-PROVENANCE_FILE = "regenerate_provenance.json"  # what produced the output: one entry per invocation
 
 
 def library_versions(backend: str) -> dict[str, str | None]:
@@ -122,7 +122,7 @@ def write_manifest(out, manifest: dict) -> None:
 
 
 # The files this stage writes: the manifest, the parts, the provenance, and the temp files of their atomic writes.
-OWN_FILE = re.compile(r"^\.?(manifest\.json|part-\d{5}\.jsonl|regenerate_provenance\.json)(\..+\.tmp)?$")
+OWN_FILE = re.compile(rf"^\.?(manifest\.json|part-\d{{5}}\.jsonl|{re.escape(REGENERATED_PROVENANCE)})(\..+\.tmp)?$")
 
 
 def refuse_out_over_corpus(config: RegenerateConfig) -> None:
@@ -295,7 +295,7 @@ class PartBook:
         write_manifest(config.out, manifest)
         # What produced the output: one entry per invocation (a resume adds one; pipeline/provenance.py),
         # with the compute --target-dtype resolved to (`auto`: bf16 or fp32, as on this machine).
-        append_provenance(resolve(config.out), PROVENANCE_FILE, {**to_flags(config), "compute": self.plan.compute})
+        append_provenance(resolve(config.out), REGENERATED_PROVENANCE, {**to_flags(config), "compute": self.plan.compute})
         return manifest
 
 
