@@ -33,6 +33,9 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 # JSONL parts listed in its manifest; the corpus reader takes the folder as one corpus.
 REGENERATED_KIND = "alrira-regenerated-corpus"
 REGENERATED_MANIFEST = "manifest.json"
+# What produced it, one entry per invocation (pipeline/provenance.py): a record, not rows, so the
+# corpus hash of the folder leaves it out (a rerun that only resumes adds an entry).
+REGENERATED_PROVENANCE = "regenerate_provenance.json"
 LOSS_TOKENS_KEY = "loss_tokens"  # on an assistant message: how many leading tokens carry loss
 
 

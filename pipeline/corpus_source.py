@@ -17,7 +17,7 @@ import os
 import uuid
 from pathlib import Path
 
-from pipeline.chat import REGENERATED_MANIFEST, checked_regenerated_parts, regenerated_manifest
+from pipeline.chat import REGENERATED_MANIFEST, REGENERATED_PROVENANCE, checked_regenerated_parts, regenerated_manifest
 from storage.location import COPY_LISTING_FILE, is_url, remove_path_tolerant, resolve
 
 _CHECKED_COPIES: set[Path] = set()  # node-local copies of regenerated corpora whose parts this process verified
@@ -101,8 +101,9 @@ def _check_regenerated_copy(copy: Path, *, url: str) -> None:
 
 def file_sha256(path: str | os.PathLike) -> str:
     """"sha256:<hex>" of a file's bytes, or of a directory: every file under it in sorted
-    relative-path order, each as its path and its own digest (a store copy's own listing file
-    excluded). A URL: of this node's copy (local_corpus). Reads in 1 MiB chunks."""
+    relative-path order, each as its path and its own digest (a store copy's own listing file and
+    a regenerated corpus's provenance record excluded). A URL: of this node's copy (local_corpus).
+    Reads in 1 MiB chunks."""
     path = local_corpus(path)
 
     def digest(file: Path) -> bytes:
@@ -118,7 +119,7 @@ def file_sha256(path: str | os.PathLike) -> str:
         h = hashlib.sha256()
         files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*") if p.is_file())
         for relative, file in files:
-            if relative == COPY_LISTING_FILE:
+            if relative in (COPY_LISTING_FILE, REGENERATED_PROVENANCE):
                 continue
             h.update(relative.encode() + b"\0")
             h.update(digest(file))

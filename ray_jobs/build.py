@@ -1,7 +1,8 @@
 """The Ray side of `alrira-cache build`: a pool of target actors, each loading the target once
 and writing whole shards itself. Only `ShardSpec`s go out and `ShardRecord` metadata comes back
-(docs/design.md, "What crosses a process boundary"); the planning, resume and manifest are
-`pipeline.cache_build.driver`'s.
+(docs/design.md, "What crosses a process boundary"). The plan is `pipeline.cache_build.plan`'s,
+the claim, resume and manifest `pipeline.cache_build.driver`'s: the pool only yields the shards'
+records, and the build publishes them.
 
 Ownership: each build claims the directory (storage.ownership.claim_cache) before it touches it,
 and its actors publish a shard only while that claim holds. An actor that outlives its killed
@@ -25,9 +26,11 @@ shard is logged with it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -36,12 +39,11 @@ from tqdm.auto import tqdm
 from pipeline.cache_build import driver
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.driver import BuildProgress, ShardSpec
+from pipeline.cache_build.plan import BuildPlan, plan_build
 from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
-from pipeline.target import target_hash
 from ray_jobs.pool import (
     ACTOR_NAMESPACE,
     actor_factory,
-    check_capacity,
     connect_ray,
     plain_error,
     plan_pool,
@@ -130,71 +132,73 @@ def progress_board():
 
 def build_cache(config: CacheBuildConfig, *, progress: bool = True, log=print) -> Manifest:
     """Build or resume the cache described by `config` on a Ray cluster; returns the final manifest.
-    --workers-per-node pins that many actors to every node instead of --workers (plan_pool)."""
-    workers_per_node = config.compute.workers_per_node
-    connect_ray(config.compute.ray_address)
-    placements = plan_pool(config.compute, workers_per_node=workers_per_node)
-    check_capacity(config.compute, len(placements))
-    if workers_per_node is not None:
+    The pool is placed (plan_pool: --workers SPREAD, or --workers-per-node), the earlier build's
+    orphans stopped, the build planned once (plan_build), then the pool's shards are published as
+    they come back (pipeline.cache_build.driver's started_build)."""
+    compute = config.compute
+    connect_ray(compute.ray_address)
+    placements = plan_pool(compute, workers_per_node=compute.workers_per_node)
+    if compute.workers_per_node is not None:
         num_nodes = len({p.node_id for p in placements})
-        log(f"pool: {len(placements)} worker(s) on {num_nodes} node(s), at most {workers_per_node} per node")
+        log(f"pool: {len(placements)} worker(s) on {num_nodes} node(s), at most {compute.workers_per_node} per node")
     with driver.build_lock(config):  # a second build of this --out refuses here, before it stops the first one's actors
         stop_earlier_workers(config.out, log=log)
         # Ray drops a killed driver's actors from its books at once but frees their CPUs only once
         # their processes are gone: until then they may still be writing temp files under shards/,
-        # which the driver removes before it plans. Wait for the pool's resources first.
-        wait_for_resources(config.compute, len(placements), log=log)
-        run_shards = functools.partial(run_shards_on_ray, placements=placements, log=log)
+        # which the build removes once it has planned. Wait for the pool's resources first.
+        wait_for_resources(compute, len(placements), log=log)
         try:
-            return driver.build_unlocked(config, run_shards=run_shards, progress=progress, log=log)
+            plan = plan_build(config, log=log)
+            with driver.started_build(plan, progress=progress, log=log) as book:
+                if book.pending:  # closed when the block ends: a failed publish stops the pool first
+                    shards = run_shards_on_ray(plan, book.pending, placements=placements, progress=progress, log=log)
+                    with contextlib.closing(shards):
+                        for record, times in shards:
+                            book.publish(record, times=times)
+                return book.finish()
         finally:
             remove_local_copies()  # the driver's node-local copies of the store corpus (its workers remove theirs)
 
 
 def run_shards_on_ray(
-    config: CacheBuildConfig, pending: list[ShardSpec], publish, *, placements: list | None = None,
-    progress: bool = True, log=print,
-) -> BuildTimes:  # fmt: skip
-    """Keep every actor busy with one shard; publish each finished shard in the manifest at once and
-    log which node wrote it; the bar moves as the workers report batches. `placements`: one
-    scheduling strategy per actor (plan_pool; default --workers actors, SPREAD). Returns the
-    workers' times."""
-    compute = config.compute
-    connect_ray(compute.ray_address)
-    placements = (placements or plan_pool(compute, workers_per_node=None))[: len(pending)]
-    wait_for_resources(compute, len(placements), log=log)
+    plan: BuildPlan, pending: list[ShardSpec], *, placements: list, progress: bool = True, log=print
+) -> Iterator[tuple[ShardRecord, BuildTimes]]:
+    """Keep every actor busy with one shard, yielding each finished shard's record (with the node
+    that wrote it) and the worker's times as it comes back; the caller publishes it, then its node
+    is logged; the bar moves as the workers report batches. `placements`: one scheduling strategy
+    per actor (plan_pool), cut to the shards to build."""
+    config = plan.config
+    placements = placements[: len(pending)]
     board = progress_board()
     new_worker = actor_factory(
-        CacheWorker, out=config.out, compute=compute, placements=placements, args=(config, target_hash(config.target), board)
+        CacheWorker, out=config.out, compute=config.compute, placements=placements, args=(config, plan.settings.target_hash, board)
     )
     bar = BuildProgress(pending, enabled=progress)
     shards_by_node = collections.Counter()
-
-    def on_result(spec: ShardSpec, result: tuple[ShardRecord, str, BuildTimes], num_done: int) -> None:
-        record, node, times = result
-        record = dataclasses.replace(record, node=node)
-        publish(spec, record)
-        shards_by_node[node] += 1
-        with tqdm.external_write_mode():  # the line above the bar, not through it
-            log(shard_line(record, node=node))
-        bar.shard_published(record, times)
 
     def take_reports() -> None:
         for report in ray.get(board.take.remote()):
             bar.batch(*report)
 
+    results = run_pool(
+        pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.build.remote(spec),
+        name_of=lambda spec: shard_name(spec.index, config.storage.storage_format),
+        translate_error=functools.partial(_build_error, out=config.out), before_kill=remove_workers_copies,
+        on_retry=lambda spec: bar.shard_lost(spec.index), on_wait=take_reports, wait_s=BATCH_REPORT_S,
+    )  # fmt: skip
     try:
-        run_pool(
-            pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.build.remote(spec),
-            on_result=on_result, name_of=lambda spec: shard_name(spec.index, config.storage.storage_format),
-            translate_error=functools.partial(_build_error, out=config.out), before_kill=remove_workers_copies,
-            on_retry=lambda spec: bar.shard_lost(spec.index), on_wait=take_reports, wait_s=BATCH_REPORT_S,
-        )  # fmt: skip
+        with contextlib.closing(results):
+            for _spec, (record, node, times) in results:
+                record = dataclasses.replace(record, node=node)
+                yield record, times  # published by the caller before the line below says so
+                shards_by_node[node] += 1
+                with tqdm.external_write_mode():  # the line above the bar, not through it
+                    log(shard_line(record, node=node))
+                bar.shard_published(record)
     finally:
         bar.close()
         ray.kill(board)  # holds no resources: nothing to wait for
     log("shards by node: " + ", ".join(f"{node} {count}" for node, count in sorted(shards_by_node.items())))
-    return bar.times
 
 
 def shard_line(record: ShardRecord, *, node: str) -> str:

@@ -1,14 +1,15 @@
 """A list of specs worked off by a pool of Ray actors: the cache build's shards (ray_jobs/build.py)
 and regeneration's parts (ray_jobs/regenerate.py). Every actor is kept busy with one spec; a
-finished spec goes to the caller at once; a spec whose actor died (OOM, preemption, kill: nothing
-of it was published) goes to a fresh actor in the same slot, at most MAX_ATTEMPTS times; an actor
-with nothing left to do is released at once; every actor is stopped when the pool ends.
+finished spec is yielded to the caller at once, which publishes it; a spec whose actor died (OOM,
+preemption, kill: nothing of it was published) goes to a fresh actor in the same slot, at most
+MAX_ATTEMPTS times; an actor with nothing left to do is released at once; every actor is stopped
+when the pool ends.
 
 Both stages also share what comes before the pool: joining the cluster (connect_ray), placing the
-actors (plan_pool: SPREAD or --workers-per-node), refusing a pool the cluster cannot place
-(check_capacity), stopping the orphans of an earlier run on the same --out (stop_earlier_workers:
-actors are named after it) and waiting for the resources they held (wait_for_resources), and each
-node's checks of its copy of the target (target_problem).
+actors (plan_pool: SPREAD or --workers-per-node), stopping the orphans of an earlier run on the
+same --out (stop_earlier_workers: actors are named after it), waiting for the resources they held
+(wait_for_resources, which first refuses a pool the cluster cannot place: check_capacity), and
+each node's checks of its copy of the target (target_problem).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import ray
@@ -60,19 +61,20 @@ def kill_and_wait(handles: list, *, timeout: float = ACTOR_EXIT_WAIT_S) -> None:
 
 
 def run_pool(
-    pending: list, *, new_worker: Callable[[int], object], num_workers: int, call: Callable, on_result: Callable,
+    pending: list, *, new_worker: Callable[[int], object], num_workers: int, call: Callable,
     name_of: Callable[[object], str], translate_error: Callable[[Exception], Exception],
     before_kill: Callable[[list], None] | None = None, on_retry: Callable | None = None,
     on_wait: Callable[[], None] | None = None, wait_s: float | None = None,
-) -> None:  # fmt: skip
-    """Work off `pending` (specs with an `index`) on `num_workers` actors from `new_worker(slot)`.
-    `call(actor, spec)` starts a spec and returns its object ref; `on_result(spec, result,
-    num_done)` runs as each finishes; an actor's own error leaves as `translate_error(error)`, a
-    spec whose workers died MAX_ATTEMPTS times as a WorkerDiedError naming `name_of(spec)`.
-    `before_kill(actors)` runs on live actors before they are killed (a kill runs no cleanup of
-    theirs: the build's workers remove their node-local store copies there). `on_retry(spec)` runs
-    when a spec goes back to the queue after its actor died; `on_wait()` at least every `wait_s`
-    seconds while specs run (the build takes its workers' batch reports there)."""
+) -> Iterator[tuple[object, object]]:  # fmt: skip
+    """Work off `pending` (specs with an `index`) on `num_workers` actors from `new_worker(slot)`,
+    yielding (spec, result) as each spec finishes: the caller publishes it before the pool goes on.
+    `call(actor, spec)` starts a spec and returns its object ref; an actor's own error leaves as
+    `translate_error(error)`, a spec whose workers died MAX_ATTEMPTS times as a WorkerDiedError
+    naming `name_of(spec)`. `before_kill(actors)` runs on live actors before they are killed (a
+    kill runs no cleanup of theirs: the build's workers remove their node-local store copies
+    there). `on_retry(spec)` runs when a spec goes back to the queue after its actor died;
+    `on_wait()` at least every `wait_s` seconds while specs run (the build takes its workers'
+    batch reports there). Every actor is stopped when the iteration ends or is closed."""
     workers = [new_worker(slot) for slot in range(min(num_workers, len(pending)))]
     queue, attempts, running, released = list(pending), {spec.index: 0 for spec in pending}, {}, []
 
@@ -113,7 +115,7 @@ def run_pool(
                 continue
             except ray.exceptions.RayTaskError as error:
                 raise translate_error(error) from None
-            on_result(spec, result, len(pending) - len(queue) - len(running))
+            yield spec, result
             if queue:
                 submit(slot)
             else:

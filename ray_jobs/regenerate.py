@@ -7,8 +7,9 @@ go out and part records come back; planning, resume and the manifest are
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
+from collections.abc import Iterator
 
 import ray
 from tqdm.auto import tqdm
@@ -16,11 +17,10 @@ from tqdm.auto import tqdm
 from pipeline.corpus_source import file_sha256, remove_pins
 from pipeline.regenerate import driver
 from pipeline.regenerate.config import RegenerateConfig
+from pipeline.regenerate.driver import RegeneratePlan
 from pipeline.regenerate.parts import PartSpec, PartWriter, part_name
-from pipeline.target import target_hash
 from ray_jobs.pool import (
     actor_factory,
-    check_capacity,
     connect_ray,
     plain_error,
     plan_pool,
@@ -87,45 +87,47 @@ def corpus_problem(corpus: str, *, driver_corpus_hash: str, node: str) -> str | 
 
 
 def regenerate_corpus(config: RegenerateConfig, *, progress: bool = True, log=print) -> dict:
-    """Regenerate or resume `config.corpus` into `config.out` on a Ray cluster; the final manifest."""
+    """Regenerate or resume `config.corpus` into `config.out` on a Ray cluster; the final manifest.
+    The run is planned (plan_regenerate: a mistyped --out is refused there) before any actor of an
+    earlier run on --out is stopped; the pool's parts are published as they come back."""
     compute = config.compute
     connect_ray(compute.ray_address)
     placements = plan_pool(compute, workers_per_node=compute.workers_per_node)
-    check_capacity(compute, len(placements))
-    driver.check_out_is_ours(config)  # a mistyped --out (a cache, a corpus) is refused before any actor is stopped
     with driver.regenerate_lock(config):  # a second run on this --out refuses here, before it stops the first one's actors
-        stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
-        wait_for_resources(compute, len(placements), log=log)
-        run_parts = functools.partial(run_parts_on_ray, placements=placements, progress=progress, log=log)
         try:
-            return driver.regenerate_unlocked(config, run_parts=run_parts, log=log)
+            plan = driver.plan_regenerate(config)
+            stop_earlier_workers(config.out, stage=STAGE, log=log)  # a killed run's actors must not write while this one starts
+            wait_for_resources(compute, len(placements), log=log)
+            book = driver.started_parts(plan, log=log)
+            if plan.pending:  # closed when the block ends: a failed publish stops the pool first
+                records = run_parts_on_ray(plan, plan.pending, placements=placements, progress=progress)
+                with contextlib.closing(records):
+                    for record in records:
+                        book.publish(record)
+            return book.finish()
         finally:
             remove_local_copies()  # the driver's node-local copies of a store corpus (its workers remove theirs)
             remove_pins()
 
 
-def run_parts_on_ray(
-    config: RegenerateConfig, pending: list[PartSpec], publish, *, placements: list, progress: bool = True, log=print
-) -> None:
-    """Keep every actor busy with one part (ray_jobs/pool.py); publish each finished part at once."""
+def run_parts_on_ray(plan: RegeneratePlan, pending: list[PartSpec], *, placements: list, progress: bool = True) -> Iterator[dict]:
+    """Keep every actor busy with one part (ray_jobs/pool.py), yielding each finished part's record
+    (with the node that wrote it) as it comes back."""
+    config = plan.config
     placements = placements[: len(pending)]
-    corpus_hash = driver.read_manifest(config.out)["provenance"]["corpus_hash"]  # the driver's, written before any part
     new_worker = actor_factory(
         RegenerateWorker, out=config.out, compute=config.compute, placements=placements,
-        args=(config, target_hash(config.target), corpus_hash), stage=STAGE,
+        args=(config, plan.provenance["target_hash"], plan.provenance["corpus_hash"]), stage=STAGE,
     )  # fmt: skip
     bar = tqdm(total=sum(s.stop - s.start for s in pending), unit="row", desc="regenerate", disable=not progress)
-
-    def on_result(spec: PartSpec, result: tuple[dict, str], num_done: int) -> None:
-        record, node = result
-        publish({**record, "node": node})
-        bar.update(spec.stop - spec.start)
-
+    results = run_pool(
+        pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.write.remote(spec),
+        name_of=lambda spec: part_name(spec.index), translate_error=plain_error, before_kill=remove_workers_copies,
+    )  # fmt: skip
     try:
-        run_pool(
-            pending, new_worker=new_worker, num_workers=len(placements), call=lambda worker, spec: worker.write.remote(spec),
-            on_result=on_result, name_of=lambda spec: part_name(spec.index), translate_error=plain_error,
-            before_kill=remove_workers_copies,
-        )  # fmt: skip
+        with contextlib.closing(results):
+            for spec, (record, node) in results:
+                yield {**record, "node": node}
+                bar.update(spec.stop - spec.start)
     finally:
         bar.close()

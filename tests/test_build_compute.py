@@ -73,9 +73,9 @@ def test_a_worker_resolving_another_dtype_is_refused_before_its_shard_is_listed(
     monkeypatch.setenv(CPU_BF16_ENV, "0")
     out = tmp_path / "cache"
 
-    def on_another_machine(config, pending, publish, *, progress=True):
+    def on_another_machine(plan, pending, *, progress=True):
         monkeypatch.setenv(CPU_BF16_ENV, "1")
-        return run_shards_here(config, pending, publish, progress=progress)
+        return run_shards_here(plan, pending, progress=progress)
 
     with pytest.raises(ValueError) as refused:
         _build(_config(toy_target, small_corpus, out), run_shards=on_another_machine)

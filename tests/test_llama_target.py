@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.corpus import render_sequence
-from pipeline.cache_build.driver import build_cache, resolve_build_mask_token_id, run_shards_here
+from pipeline.cache_build.driver import build_cache, run_shards_here
+from pipeline.cache_build.plan import resolve_build_mask_token_id
 from pipeline.cache_build.rollouts import TargetRunConfig, TargetSequence, reference_rollout, run_target_batch
 from pipeline.demo.toy import make_toy_llama_target
 from pipeline.eval.evaluate import EvalConfig, render_prompt, run_eval

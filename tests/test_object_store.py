@@ -317,11 +317,11 @@ def test_an_interrupted_store_build_resumes_to_the_same_cache(toy_target, toy_co
     writer's objects); the same command removes them, keeps the first, builds the rest."""
     from pipeline.cache_build.shard_builder import ShardBuilder
 
-    def run_one_shard_then_die(config, pending, publish, *, progress):
-        builder = ShardBuilder(config)
+    def run_one_shard_then_die(plan, pending, *, progress):
+        builder = ShardBuilder(plan.config)
         spec = pending[0]
-        publish(spec, builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner))
-        resolve(config.out).write_bytes(f"{SHARD_DIR}/shard-00001.zarr/features/c/0", b"half a shard")
+        yield builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner), None
+        plan.out.write_bytes(f"{SHARD_DIR}/shard-00001.zarr/features/c/0", b"half a shard")
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError, match="killed"):
@@ -361,12 +361,12 @@ def test_a_store_resume_rebuilds_a_shard_whose_objects_changed_since_it_was_list
 def test_a_second_build_on_the_prefix_stops_the_first(toy_target, toy_corpus, local_cache, s3_prefix):
     from pipeline.cache_build.shard_builder import ShardBuilder
 
-    def run_shards_then_claimed(config, pending, publish, *, progress):
-        builder = ShardBuilder(config)
+    def run_shards_then_claimed(plan, pending, *, progress):
+        builder = ShardBuilder(plan.config)
         for i, spec in enumerate(pending):
             if i == 1:
-                claim_cache(config.out)  # another build claims the prefix
-            publish(spec, builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner))
+                claim_cache(plan.config.out)  # another build claims the prefix
+            yield builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner), None
 
     with pytest.raises(CacheOwnershipLost) as lost:
         _build_here(toy_target, toy_corpus, s3_prefix, run_shards=run_shards_then_claimed)

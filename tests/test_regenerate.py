@@ -97,10 +97,10 @@ def test_a_rerun_writes_the_same_bytes_and_a_killed_run_resumes(greedy_run, toy_
     here = tmp_path / "here"
     cfg = config(toy_target, short_corpus, here)
 
-    def one_part_then_die(config, pending, publish):
+    def one_part_then_die(plan, pending):
         from pipeline.regenerate.parts import PartWriter
 
-        publish(PartWriter(config).write(pending[0]))
+        yield PartWriter(plan.config).write(pending[0])
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError, match="killed"):
@@ -145,6 +145,29 @@ def test_sampling_is_seeded_per_row_and_overwrite_replaces_the_output(greedy_run
     )  # fmt: skip
     regenerate_corpus(one_part, log=lambda m: None)
     assert rows_of(sampled) == rows_of(tmp_path / "one") != rows_of(out)
+
+
+def test_every_invocation_records_its_provenance(toy_target, short_corpus, tmp_path, monkeypatch):
+    """OUT/regenerate_provenance.json: one entry per invocation (a rerun that resumes adds its own),
+    each with the command, package versions, its flags and the compute `auto` resolved to; an
+    --overwrite replaces it with the output, and the output it leaves is still ours to resume."""
+    from pipeline.corpus_source import file_sha256
+    from pipeline.precision import CPU_BF16_ENV
+
+    monkeypatch.setenv(CPU_BF16_ENV, "0")  # `auto` resolves to fp32 on this CPU
+    out = tmp_path / "out"
+    regenerate_corpus(config(toy_target, short_corpus, out), log=lambda m: None)
+    corpus_hash = file_sha256(out)
+    regenerate_corpus(config(toy_target, short_corpus, out), log=lambda m: None)  # every part kept
+    assert file_sha256(out) == corpus_hash  # the record is not rows: a cache built from OUT still resumes
+    first, second = json.loads((out / "regenerate_provenance.json").read_text())["invocations"]
+    for entry in (first, second):
+        assert entry["config"]["target"] == str(toy_target) and entry["config"]["max_new_tokens"] == MAX_NEW
+        assert entry["config"]["target_dtype"] == "auto" and entry["config"]["compute"] == {"dtype": "float32", "device": "cpu"}
+        assert entry["versions"]["torch"] and isinstance(entry["command"], list)
+    regenerate_corpus(config(toy_target, short_corpus, out, length_control="truncate", overwrite=True), log=lambda m: None)
+    [replaced] = json.loads((out / "regenerate_provenance.json").read_text())["invocations"]
+    assert replaced["config"]["length_control"] == "truncate" and replaced["config"]["overwrite"] is True
 
 
 def test_truncate_and_window_match_the_corpus_turn_lengths_in_the_build(toy_target, short_corpus, tmp_path):
@@ -355,20 +378,20 @@ def test_out_may_not_be_the_corpus(greedy_run, toy_target, tmp_path):
 
 def test_a_node_whose_corpus_differs_writes_nothing(ray_address, toy_target, short_corpus, tmp_path):
     """The driver hashed other rows than this node reads (a stale copy at the same path)."""
-    from pipeline.regenerate.driver import write_manifest
-    from pipeline.regenerate.parts import PartSpec
+    import dataclasses
+
+    from pipeline.regenerate.driver import plan_regenerate
     from ray_jobs.pool import plan_pool
     from ray_jobs.regenerate import run_parts_on_ray
 
     out = tmp_path / "out"
-    out.mkdir()
-    other_rows = {"corpus_hash": "sha256:" + "0" * 64}
-    write_manifest(out, {"kind": "alrira-regenerated-corpus", "num_parts": 1, "parts": [], "provenance": other_rows})
     regen = config(toy_target, short_corpus, out)
+    plan = plan_regenerate(regen)
+    plan = dataclasses.replace(plan, provenance={**plan.provenance, "corpus_hash": "sha256:" + "0" * 64})
     placements, published = plan_pool(regen.compute, workers_per_node=None), []
     refused = rf"^node \S+: --corpus {short_corpus} holds other rows than the driver's \(corpus hash \w+, driver 000000000000\)"
     with pytest.raises(ValueError, match=refused):
-        run_parts_on_ray(regen, [PartSpec(index=0, start=0, stop=2)], published.append, placements=placements, progress=False)
+        published.extend(run_parts_on_ray(plan, plan.pending[:1], placements=placements, progress=False))
     assert published == [] and not (out / "part-00000.jsonl").exists()
 
 

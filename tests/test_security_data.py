@@ -319,11 +319,10 @@ def test_a_changed_image_is_rebuilt_by_the_overwrite_the_error_advises(vl_target
             shard_size=1, num_slots=K, overwrite=overwrite,
         )  # fmt: skip
 
-        def run_some(config, pending, publish, progress):
+        def run_some(plan, pending, progress):
+            yield from run_shards_here(plan, pending if stop_after is None else pending[:stop_after], progress=progress)
             if stop_after is not None and len(pending) > stop_after:
-                run_shards_here(config, pending[:stop_after], publish, progress=progress)
                 raise KeyboardInterrupt("killed")
-            run_shards_here(config, pending, publish, progress=progress)
 
         return build_cache(config, run_shards=run_some, progress=False, log=log)
 

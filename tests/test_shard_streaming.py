@@ -121,8 +121,8 @@ def test_the_builder_writes_a_batch_while_the_next_one_computes(toy_target, toy_
             raise AssertionError("the first batch was written before the second batch started")
         return append(writer, record)
 
-    def run_shards(config, pending, publish, *, progress):
-        builder = ShardBuilder(config)
+    def run_shards(plan, pending, *, progress):
+        builder = ShardBuilder(plan.config)
         run_batch = builder.run_batch
 
         def traced_run_batch(sequences, **kwargs):
@@ -133,7 +133,7 @@ def test_the_builder_writes_a_batch_while_the_next_one_computes(toy_target, toy_
 
         builder.run_batch = traced_run_batch
         for spec in pending:
-            publish(spec, builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner))
+            yield builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner), None
 
     monkeypatch.setattr(ShardWriter, "append", slow_append)
     config = CacheBuildConfig.from_flags(

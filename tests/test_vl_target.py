@@ -131,7 +131,7 @@ def test_image_tokens_are_never_supervised_nor_anchors(model, stage1):
 
 def test_the_manifest_records_the_vision_settings(vl_target, vl_corpus, toy_target, toy_corpus, tmp_path):
     config = CacheBuildConfig.from_flags(target=str(vl_target), corpus=str(vl_corpus), out=str(tmp_path / "c"))
-    extra = vision_cache_settings(config)
+    extra = vision_cache_settings(config, vision=corpus_vision_inputs(config.target, config.corpus))
     vision = extra["vision"]
     tokenizer = load_tokenizer(vl_target)
     assert extra["system_prompt"] == DEFAULT_VL_SYSTEM_PROMPT
@@ -148,7 +148,9 @@ def test_the_manifest_records_the_vision_settings(vl_target, vl_corpus, toy_targ
     settings = CacheSettings.from_dict(json.loads(json.dumps({**base, **extra})))
     assert CacheSettings.from_dict(settings.to_dict()) == settings and settings.modality == "image-text"
     # A text target adds nothing: its settings (and manifest) keep exactly their old keys.
-    text = vision_cache_settings(CacheBuildConfig.from_flags(target=str(toy_target), corpus=str(toy_corpus), out=str(tmp_path / "t")))
+    text = vision_cache_settings(
+        CacheBuildConfig.from_flags(target=str(toy_target), corpus=str(toy_corpus), out=str(tmp_path / "t")), vision=None
+    )
     assert text == {} and set(CacheSettings.from_dict(base).to_dict()) == set(base) | {"contents", "backend"}
     assert CacheSettings.from_dict(base).modality == "text"
 
@@ -156,7 +158,7 @@ def test_the_manifest_records_the_vision_settings(vl_target, vl_corpus, toy_targ
 def test_the_vllm_backend_refuses_a_vl_target_in_one_line(vl_target, vl_corpus, tmp_path):
     config = CacheBuildConfig.from_flags(target=str(vl_target), corpus=str(vl_corpus), out=str(tmp_path / "c"), backend="vllm")
     with pytest.raises(ValueError, match=r"^--backend vllm: .* is a vision-language target") as error:
-        vision_cache_settings(config)
+        vision_cache_settings(config, vision=corpus_vision_inputs(config.target, config.corpus))
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=r"^--backend vllm: .* use --backend hf"):
         VllmTargetRunner(vl_target, run_config=RUN)

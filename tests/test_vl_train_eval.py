@@ -5,7 +5,6 @@ sequence index; `alrira-eval` decodes image prompts losslessly against the targe
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import numpy as np
@@ -160,10 +159,6 @@ def test_image_prompts_decode_losslessly_against_generate(vl_target, alr_ira_run
     assert list(summary["groups"]) == ["llava", "openai", "text"] and summary["groups"]["llava"]["prompts"] == 2
 
 
-@pytest.mark.skipif(
-    "vision_cache_settings" not in inspect.getsource(driver),
-    reason="pipeline/cache_build/driver.py and shard_builder.py do not pass the vision inputs on yet (docs/vision.md)",
-)
 def test_the_build_driver_writes_the_same_vl_cache(vl_target, vl_corpus, vl_cache, tmp_path):
     from pipeline.cache_build.config import CacheBuildConfig
 

@@ -155,26 +155,30 @@ def mixed_vl_rows() -> list[dict]:
 
 def build_vl_cache(target: Path, corpus: Path, out: Path, **flags) -> Path:
     """A cache built in this process from the build's parts, as pipeline.cache_build.driver does once it
-    passes the vision inputs on (docs/vision.md, "Stage 1"): settings with vision_cache_settings,
+    passes the vision inputs on (docs/vision.md, "Stage 1"): settings with the corpus's vision inputs,
     the corpus tokenized with the image processor, shards from TokenizedCorpus.target_sequence."""
-    import dataclasses
-
     from pipeline.cache_build.config import CacheBuildConfig, compute_record, vision_cache_settings
     from pipeline.cache_build.corpus import corpus_vision_inputs, ingest_corpus, load_tokenized_corpus, save_tokenized_corpus
-    from pipeline.cache_build.driver import cache_settings, resolve_layer_ids
+    from pipeline.cache_build.plan import content_settings, resolve_layer_ids
     from pipeline.cache_build.rollouts import run_target_batch
     from pipeline.cache_build.shard_builder import outputs_to_record, plan_batches
-    from pipeline.target import load_target, load_tokenizer, read_generation_config, read_target_config, read_target_head, stop_token_ids
+    from pipeline.corpus_source import file_sha256
+    from pipeline.target import (
+        load_target, load_tokenizer, read_generation_config, read_target_config, read_target_head, stop_token_ids, target_hash,
+    )  # fmt: skip
     from storage.format import CORPUS_DIR
-    from storage.manifest import Manifest, save_manifest, save_target_head
+    from storage.manifest import CacheSettings, Manifest, save_manifest, save_target_head
     from storage.shards import write_shard
 
     config = CacheBuildConfig.from_flags(target=str(target), corpus=str(corpus), out=str(out), **flags)
     target_config = read_target_config(target)
     layer_ids = resolve_layer_ids(config, num_target_layers=target_config["num_hidden_layers"])
     config = config.with_taps(layer_ids)
-    settings = dataclasses.replace(cache_settings(config, layer_ids=layer_ids), **vision_cache_settings(config))
     tokenizer, vision = load_tokenizer(target), corpus_vision_inputs(target, config.corpus)
+    settings = CacheSettings(
+        target_hash=target_hash(target), layer_ids=layer_ids, corpus_hash=file_sha256(config.corpus.path),
+        **content_settings(config), **vision_cache_settings(config, vision=vision),
+    )  # fmt: skip
     save_tokenized_corpus(ingest_corpus(config.corpus, tokenizer, progress=False, vision=vision), out / CORPUS_DIR)
     corpus = load_tokenized_corpus(out / CORPUS_DIR)
     embed_tokens, lm_head = read_target_head(target)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs, effective_system_prompt
+from pipeline.cache_build.corpus import CorpusConfig, effective_system_prompt
+from pipeline.vision import VisionInputs
 from pipeline.cache_build.rollouts import TargetRunConfig
 from pipeline.config import from_flags, group, opt
 from pipeline.precision import auto_bf16
@@ -205,7 +206,7 @@ class CacheBuildConfig:
             raise ValueError("--mask-token must be a token or an id, got an empty string")
 
     def with_taps(self, layer_ids: list[int]) -> CacheBuildConfig:
-        """This config with its taps resolved (pipeline.cache_build.driver.resolve_layer_ids)."""
+        """This config with its taps resolved (pipeline.cache_build.plan.resolve_layer_ids)."""
         return replace(self, run=replace(self.run, layer_ids=list(layer_ids)))
 
     @property
@@ -249,14 +250,14 @@ def compact_layout(anchors_per_sequence: int, *, feature_codec: str) -> dict:
     }
 
 
-def vision_cache_settings(config: CacheBuildConfig) -> dict:
+def vision_cache_settings(config: CacheBuildConfig, *, vision: VisionInputs | None) -> dict:
     """The CacheSettings fields a vision-language target or --system-prompt adds ("system_prompt",
     "vision"; docs/vision.md), only those that are set: {} for a text target without
-    --system-prompt, whose settings (and manifest) stay as they were. Refuses --backend vllm for a
+    --system-prompt, whose settings (and manifest) stay as they were. `vision`: the corpus's
+    vision inputs (corpus_vision_inputs; None for a text target). Refuses --backend vllm for a
     vision-language target before anything is written."""
     from pipeline.cache_build.vllm_runner import check_vllm_target
 
-    vision = corpus_vision_inputs(config.target, config.corpus)
     if vision is not None and config.compute.backend == "vllm":
         check_vllm_target(config.target)
     settings = {}

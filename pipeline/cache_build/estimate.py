@@ -141,7 +141,7 @@ def estimate_cache(config: CacheBuildConfig, *, feature_dim: int, progress: bool
 
 def estimate_build(config: CacheBuildConfig, *, progress: bool = False) -> dict:
     """estimate_cache with the taps resolved as the build resolves them."""
-    from pipeline.cache_build.driver import resolve_layer_ids
+    from pipeline.cache_build.plan import resolve_layer_ids
     from pipeline.target import read_target_config
 
     target_config = read_target_config(config.target)

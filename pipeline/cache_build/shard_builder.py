@@ -181,7 +181,7 @@ class ShardBuilder:
 
     def __init__(self, config: CacheBuildConfig):
         if config.run.layer_ids is None:
-            raise ValueError("ShardBuilder needs resolved taps (pipeline.cache_build.driver.resolve_layer_ids)")
+            raise ValueError("ShardBuilder needs resolved taps (pipeline.cache_build.plan.resolve_layer_ids)")
         self.config = config
         torch.set_num_threads(config.compute.cpus_per_worker)
         set_codec_threads(config.compute.cpus_per_worker)  # before this process's first Zarr write

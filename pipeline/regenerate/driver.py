@@ -1,11 +1,16 @@
-"""`alrira-cache regenerate` without Ray: check the inputs and --out, plan the parts, keep the
-parts an earlier run completed (their checksums checked), hand the rest to `run_parts`, and keep
-the manifest current after every part (docs/design.md, "Regeneration").
+"""`alrira-cache regenerate` without Ray. Plan, then run: `plan_regenerate` checks the inputs and
+--out and resolves the parts, the provenance and the parts an earlier run completed (their
+checksums checked) into one frozen `RegeneratePlan`, writing nothing; `started_parts` writes the
+first manifest; the parts' writers (`run_parts_in_process` here, a Ray pool in
+ray_jobs/regenerate.py) only yield each part's record, and the caller publishes it (`PartBook`),
+keeping the manifest current after every part (docs/design.md, "Regeneration").
 
 The manifest (OUT/manifest.json) is the output's provenance and its resume state: the target hash,
 corpus hash, backend and library versions, every setting that changes the rows, the parts
 written (row range, counts, checksum) and the totals, so one line accounts for every input row:
-written + failed + skipped = input.
+written + failed + skipped = input. OUT/regenerate_provenance.json records each invocation that
+wrote it (pipeline/provenance.py: command, package versions, source revision, flags, the compute
+`auto` resolved to).
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import importlib.metadata
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.corpus_source import default_image_root, file_sha256, local_corpus
 from pipeline.chat import (
     REGENERATED_KIND,
     REGENERATED_MANIFEST,
+    REGENERATED_PROVENANCE,
     CorpusError,
     checked_regenerated_parts,
     is_jsonl_file,
@@ -30,9 +37,10 @@ from pipeline.chat import (
     jsonl_row_seeks,
     normalize_row,
 )
-from pipeline.config import flag_name, is_required, leaf_fields
+from pipeline.config import flag_name, is_required, leaf_fields, to_flags
 from pipeline.outputs import is_bookkeeping, output_lock
 from pipeline.outputs import differences as recorded_differences
+from pipeline.provenance import append_provenance
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
 from pipeline.target import target_hash
@@ -43,7 +51,8 @@ from storage.location import is_url, resolve
 FORMAT_VERSION = 1
 # Every setting's default, for outputs whose manifest predates a setting (`differences`).
 SETTING_DEFAULTS = {flag_name(f): f.default for f, _ in leaf_fields(RegenerateConfig) if not is_required(f)}
-RunParts = Callable[[RegenerateConfig, list[PartSpec], Callable[[dict], None]], None]
+# run_parts(plan, pending specs): write every pending part, yielding each one's record as it is written.
+RunParts = Callable[["RegeneratePlan", list[PartSpec]], Iterator[dict]]
 
 
 def library_versions(backend: str) -> dict[str, str | None]:
@@ -112,8 +121,8 @@ def write_manifest(out, manifest: dict) -> None:
     atomic_write_bytes(resolve(out).join(REGENERATED_MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
 
 
-# The files this stage writes: the manifest, the parts, and the temp files of their atomic writes.
-OWN_FILE = re.compile(r"^\.?(manifest\.json|part-\d{5}\.jsonl)(\..+\.tmp)?$")
+# The files this stage writes: the manifest, the parts, the provenance, and the temp files of their atomic writes.
+OWN_FILE = re.compile(rf"^\.?(manifest\.json|part-\d{{5}}\.jsonl|{re.escape(REGENERATED_PROVENANCE)})(\..+\.tmp)?$")
 
 
 def refuse_out_over_corpus(config: RegenerateConfig) -> None:
@@ -132,8 +141,8 @@ def refuse_out_over_corpus(config: RegenerateConfig) -> None:
 def check_out_is_ours(config: RegenerateConfig) -> tuple[list[str], dict | None]:
     """--out's names and its manifest (None when empty or new), touching nothing: refuses a
     non-empty --out that is not a regeneration output or holds files it did not write. Runs before
-    any earlier run's actors on --out are stopped (ray_jobs/regenerate.py)."""
-    refuse_out_over_corpus(config)
+    any earlier run's actors on --out are stopped (ray_jobs/regenerate.py); regenerate_lock has
+    refused an --out over the corpus."""
     location = resolve(config.out)
     names = [n for n in (location.names() if location.is_dir() else []) if not is_bookkeeping(n)]  # the lock: regenerate_lock's
     previous = read_manifest(config.out)
@@ -144,27 +153,6 @@ def check_out_is_ours(config: RegenerateConfig) -> tuple[list[str], dict | None]
     if foreign:
         raise ValueError(f"{config.out}: holds files regeneration did not write ({', '.join(foreign[:3])}); move them or use another --out")
     return names, previous
-
-
-def check_out(config: RegenerateConfig, new: dict) -> dict | None:
-    """The earlier run's manifest to resume, or None to start afresh (check_out_is_ours first). A
-    rerun with other inputs or settings is refused unless --overwrite (then only this stage's own
-    files are removed)."""
-    location = resolve(config.out)
-    names, previous = check_out_is_ours(config)
-    for name in names:  # temp files of a killed run's writes (its workers are stopped by now)
-        if name.endswith(".tmp"):
-            location.remove(name)
-    if previous is None:
-        return None
-    changed = differences(previous["provenance"], new)
-    if not changed:
-        return previous
-    if not config.overwrite:
-        raise ValueError(f"{config.out}: written with other settings ({'; '.join(changed)}); pass --overwrite to replace it")
-    for name in names:
-        location.remove(name)
-    return None
 
 
 def part_problem(out, record: dict, spec: PartSpec) -> str | None:
@@ -227,50 +215,30 @@ def summary_line(manifest: dict) -> str:
     )
 
 
-def run_parts_in_process(config: RegenerateConfig, pending: list[PartSpec], publish: Callable[[dict], None]) -> None:
-    """`run_parts` without Ray: one PartWriter in this process writes the parts in order."""
-    from pipeline.regenerate.parts import PartWriter
+@dataclass(frozen=True, kw_only=True)
+class RegeneratePlan:
+    """Everything a regeneration resolved before it writes anything (plan_regenerate)."""
 
-    writer = PartWriter(config)
-    try:
-        for spec in pending:
-            publish(writer.write(spec))
-    finally:
-        writer.close()
+    config: RegenerateConfig
+    provenance: dict  # what the rows depend on (`provenance`): target and corpus hash, settings, ...
+    specs: list[PartSpec]
+    kept: list[dict]  # the earlier run's parts that are intact: not written again
+    redo: list[str]  # a line for each earlier part written again, and why
+    resumed: bool  # an earlier run with the same provenance is continued
+    remove: list[str]  # --out's names removed before the first part: temp files, or all of them for --overwrite
+    compute: dict[str, str]  # device and dtype the workers compute in, `auto` resolved (WorkerConfig.planned_compute)
 
-
-@contextlib.contextmanager
-def regenerate_lock(config: RegenerateConfig):
-    """Hold --out's lock (pid and host, pipeline/outputs.py) for the run, so a second regeneration
-    of the same local --out refuses instead of stopping the first one's workers. On an object store
-    the manifest alone says whose output it is."""
-    if is_url(config.out):
-        yield
-        return
-    refuse_out_over_corpus(config)
-    with output_lock(config.out, command="alrira-cache regenerate"):
-        yield
+    @property
+    def pending(self) -> list[PartSpec]:
+        done = {record["index"] for record in self.kept}
+        return [spec for spec in self.specs if spec.index not in done]
 
 
-def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
-    """Regenerate (or resume) `config.corpus` into `config.out` under its lock; the final manifest."""
-    with regenerate_lock(config):
-        return regenerate_unlocked(config, run_parts=run_parts, log=log)
-
-
-def regenerate_unlocked(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
-    """`regenerate_corpus` for a caller that holds the lock already (ray_jobs/regenerate.py). A
-    failing filesystem (a full disk, ...) is a one-line ValueError naming the output and, for a full
-    disk, saying that a rerun resumes (the parts written so far are kept)."""
-    try:
-        return _regenerate_corpus(config, run_parts=run_parts, log=log)
-    except OSError as error:
-        from pipeline.cache_build.driver import _os_error_line
-
-        raise ValueError(_os_error_line(error, config.out, kind="output", kept="parts written")) from None
-
-
-def _regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts, log) -> dict:
+def plan_regenerate(config: RegenerateConfig) -> RegeneratePlan:
+    """Resolve the run of `config`, touching nothing: the corpus (rows, hash, each part's first
+    row), the provenance, --out's earlier output and what of it is kept. Refuses (one line) a
+    --out that is not a regeneration output and a rerun with other provenance without --overwrite.
+    Run before an earlier run's actors on --out are stopped (ray_jobs/regenerate.py)."""
     if config.compute.backend == "vllm" and is_vision_target(config.target):
         from pipeline.cache_build.vllm_runner import check_vllm_target
 
@@ -278,7 +246,6 @@ def _regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts, log) ->
     corpus = local_corpus(config.corpus)  # a store corpus: this node's copy (pipeline/corpus_source.py)
     num_rows = sum(1 for _ in iter_corpus_rows(corpus))  # a missing corpus stops here, before --out
     new = provenance(config, num_rows=num_rows)
-    previous = check_out(config, new)
     starts = range(0, num_rows, config.rows_per_part)
     # A JSONL corpus: each part's first row's byte offset, found in one pass, so no part re-reads the rows before it.
     seeks = jsonl_row_seeks(corpus, every=config.rows_per_part) if is_jsonl_file(corpus) else [None] * len(starts)
@@ -286,6 +253,12 @@ def _regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts, log) ->
         PartSpec(index=i, start=start, stop=min(start + config.rows_per_part, num_rows), seek=seek)
         for i, (start, seek) in enumerate(zip(starts, seeks, strict=True))
     ]
+    names, previous = check_out_is_ours(config)
+    remove = [name for name in names if name.endswith(".tmp")]  # temp files of a killed run's writes
+    if previous is not None and (changed := differences(previous["provenance"], new)):
+        if not config.overwrite:
+            raise ValueError(f"{config.out}: written with other settings ({'; '.join(changed)}); pass --overwrite to replace it")
+        previous, remove = None, names
     kept, redo = [], []
     for record in (previous or {}).get("parts", []):
         problem = part_problem(config.out, record, specs[record["index"]]) if record["index"] < len(specs) else "outside the plan"
@@ -293,28 +266,97 @@ def _regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts, log) ->
             kept.append(record)
         else:
             redo.append(f"{record['name']}: not kept ({problem}); writing it again")
-    if previous is not None:
-        log(f"{config.out}: resuming, {len(kept)}/{len(specs)} part(s) already written and intact")
-    for line in redo:
-        log(line)
-    manifest = {
-        "kind": REGENERATED_KIND, "format_version": FORMAT_VERSION, "out": str(config.out), "provenance": new,
-        "num_parts": len(specs), "parts": kept,
-    }  # fmt: skip
-    resolve(config.out).make_dirs()
-    write_manifest(config.out, manifest)
-    done = {r["index"] for r in kept}
+    return RegeneratePlan(
+        config=config, provenance=new, specs=specs, kept=kept, redo=redo, resumed=previous is not None,
+        remove=remove, compute=config.compute.planned_compute(),
+    )  # fmt: skip
 
-    def publish(record: dict) -> None:
+
+@dataclass(kw_only=True)
+class PartBook:
+    """The manifest of a run while its parts come back: `publish` lists each one as it arrives,
+    `finish` writes the totals and the invocation's provenance."""
+
+    plan: RegeneratePlan
+    manifest: dict
+    log: Callable[[str], None]
+
+    def publish(self, record: dict) -> None:
+        manifest = self.manifest
         manifest["parts"] = sorted([*manifest["parts"], record], key=lambda r: r["index"])
         manifest["totals"] = totals(manifest)
-        write_manifest(config.out, manifest)
-        log(f"{record['name']}: rows {record['rows'][0]}..{record['rows'][1] - 1}, {record['written']} written, "
-            f"{record['generated_tokens']} tokens")  # fmt: skip
+        write_manifest(self.plan.config.out, manifest)
+        self.log(f"{record['name']}: rows {record['rows'][0]}..{record['rows'][1] - 1}, {record['written']} written, "
+                 f"{record['generated_tokens']} tokens")  # fmt: skip
 
-    pending = [spec for spec in specs if spec.index not in done]
-    if pending:
-        run_parts(config, pending, publish)
-    manifest["totals"] = totals(manifest)
+    def finish(self) -> dict:
+        config, manifest = self.plan.config, self.manifest
+        manifest["totals"] = totals(manifest)
+        write_manifest(config.out, manifest)
+        # What produced the output: one entry per invocation (a resume adds one; pipeline/provenance.py),
+        # with the compute --target-dtype resolved to (`auto`: bf16 or fp32, as on this machine).
+        append_provenance(resolve(config.out), REGENERATED_PROVENANCE, {**to_flags(config), "compute": self.plan.compute})
+        return manifest
+
+
+def started_parts(plan: RegeneratePlan, *, log) -> PartBook:
+    """Remove what the plan says (a killed run's temp files; with --overwrite, the earlier output),
+    write the manifest with the parts kept; a PartBook for the parts still to write."""
+    config, location = plan.config, resolve(plan.config.out)
+    for name in plan.remove:
+        location.remove(name)
+    if plan.resumed:
+        log(f"{config.out}: resuming, {len(plan.kept)}/{len(plan.specs)} part(s) already written and intact")
+    for line in plan.redo:
+        log(line)
+    manifest = {
+        "kind": REGENERATED_KIND, "format_version": FORMAT_VERSION, "out": str(config.out), "provenance": plan.provenance,
+        "num_parts": len(plan.specs), "parts": list(plan.kept),
+    }  # fmt: skip
+    location.make_dirs()
     write_manifest(config.out, manifest)
-    return manifest
+    return PartBook(plan=plan, manifest=manifest, log=log)
+
+
+def run_parts_in_process(plan: RegeneratePlan, pending: list[PartSpec]) -> Iterator[dict]:
+    """The parts written one after another by one PartWriter in this process (no Ray), each
+    one's record yielded as it is published."""
+    from pipeline.regenerate.parts import PartWriter
+
+    writer = PartWriter(plan.config)
+    try:
+        for spec in pending:
+            yield writer.write(spec)
+    finally:
+        writer.close()
+
+
+@contextlib.contextmanager
+def regenerate_lock(config: RegenerateConfig):
+    """Refuse an --out over the corpus, then hold --out's lock (pid and host, pipeline/outputs.py)
+    for the run, so a second regeneration of the same local --out refuses instead of stopping the
+    first one's workers. On an object store the manifest alone says whose output it is. A failing
+    filesystem inside (a full disk, ...) leaves as one line naming the output and, for a full disk,
+    saying that a rerun resumes (the parts written so far are kept)."""
+    refuse_out_over_corpus(config)
+    with contextlib.nullcontext() if is_url(config.out) else output_lock(config.out, command="alrira-cache regenerate"):
+        try:
+            yield
+        except OSError as error:
+            from pipeline.cache_build.driver import _os_error_line
+
+            raise ValueError(_os_error_line(error, config.out, kind="output", kept="parts written")) from None
+
+
+def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
+    """Regenerate (or resume) `config.corpus` into `config.out` under its lock, the parts written
+    by `run_parts` (default: in this process); the final manifest. ray_jobs.regenerate runs the
+    same steps with a pool of Ray actors."""
+    with regenerate_lock(config):
+        plan = plan_regenerate(config)
+        book = started_parts(plan, log=log)
+        if plan.pending:  # closed when the block ends: a failed publish stops the writer first
+            with contextlib.closing(run_parts(plan, plan.pending)) as records:
+                for record in records:
+                    book.publish(record)
+        return book.finish()
