@@ -19,6 +19,7 @@ from case import make_case, run_steps, slot_weights, worker_args
 from drafter.config import DFlashConfig
 from drafter.model import DFlashDrafter
 from pipeline.train.batching import TrainBatch
+from pipeline.train.setup import adamw
 from pipeline.train.step import forward_loss
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     batch = dflash_batch(shape, case)
     del case  # the trainer holds only its batch, its head and its drafter
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=shape.lr, weight_decay=0.0)
+    optimizer = adamw(drafter.parameters(), lr=shape.lr, device=torch.device("cpu"))
 
     def step() -> float:
         stats = forward_loss(
