@@ -15,7 +15,8 @@ Every process makes the same weights and inputs from one generator (benchmarks/p
 runs one warm-up step (its loss is the first step's: alrira's and SpecForge's, on the same anchors
 and objective, must agree) and then timed steps. Trainers take turns round by round, so load from
 other jobs spreads over all of them; a row's time is the median of all its timed steps. Memory is
-the process's peak resident set (inputs, weights, optimizer state and the step's transients).
+the peak resident set over the steps, sampled every 2 ms (inputs, weights, optimizer state and the
+step's transients; not what setup held once, such as float32 weights converted to bf16).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def measure(shapes, precisions, pythons, *, rounds: int, steps: int, threads: in
             for name, results in runs.items():
                 row["trainers"][name] = {
                     "step_s": statistics.median(s for r in results for s in r["step_s"]),
-                    "peak_rss_gib": max(r["peak_rss_gib"] for r in results),
+                    "live_rss_gib": max(r["live_rss_gib"] for r in results),
+                    "step_peak_rss_gib": max(r["step_peak_rss_gib"] for r in results),
                     "first_loss": results[0]["first_loss"],
                 }
             rows.append(row)
@@ -98,7 +100,7 @@ def measure(shapes, precisions, pythons, *, rounds: int, steps: int, threads: in
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| seq | drafter layers | precision | alrira s/step | SpecForge s/step | speculators s/step | alrira vs fastest peer | peak RSS GiB (alrira / SpecForge / speculators) | first-step loss alrira / SpecForge |",
+        "| seq | drafter layers | precision | alrira s/step | SpecForge s/step | speculators s/step | alrira vs fastest peer | step peak RSS GiB (alrira / SpecForge / speculators) | first-step loss alrira / SpecForge |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -109,7 +111,7 @@ def table(rows: list[dict]) -> str:
 
         peers = [t[name]["step_s"] for name in ("specforge", "speculators") if name in t]
         ratio = f"{min(peers) / t['alrira']['step_s']:.2f}x faster" if peers else "-"
-        rss = " / ".join(cell(name, "peak_rss_gib", ".2f") for name in TRAINERS)
+        rss = " / ".join(cell(name, "step_peak_rss_gib", ".2f") for name in TRAINERS)
         losses = f"{cell('alrira', 'first_loss', '.6f')} / {cell('specforge', 'first_loss', '.6f')}"
         lines.append(
             f"| {row['seq']} | {row['layers']} | {row['precision']} | {cell('alrira', 'step_s', '.2f')} | {cell('specforge', 'step_s', '.2f')} "
@@ -124,6 +126,7 @@ def main() -> None:
     parser.add_argument("--peer-venvs", type=Path, metavar="DIR", help="where --make-peer-venvs made them")
     parser.add_argument("--quick", action="store_true", help="one small shape, one round (a smoke run)")
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--trainers", default=",".join(TRAINERS), help="which of alrira,specforge,speculators to run")
     parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 1024,2048)")
     parser.add_argument("--layers", default=None, help="comma-separated drafter layer counts (default 1,2)")
     parser.add_argument("--rounds", type=int, default=2, help="processes per trainer and row, taking turns")
@@ -135,15 +138,16 @@ def main() -> None:
         make_peer_venvs(args.make_peer_venvs)
         return
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
-    if args.seqs:
-        shapes = [replace(s, seq=int(v)) for s in shapes for v in args.seqs.split(",") if s.seq == shapes[0].seq]
-    if args.layers:
-        shapes = [replace(s, layers=int(v)) for s in shapes for v in args.layers.split(",") if s.layers == shapes[0].layers]
+    if args.seqs or args.layers:
+        base = shapes[0]
+        seqs = [int(v) for v in args.seqs.split(",")] if args.seqs else sorted({s.seq for s in shapes})
+        layers = [int(v) for v in args.layers.split(",")] if args.layers else sorted({s.layers for s in shapes})
+        shapes = [replace(base, seq=seq, layers=n) for seq in seqs for n in layers]
     precisions = args.precisions.split(",")
     bad = [p for p in precisions if p not in ("fp32", "bf16")]
     if bad:
         raise SystemExit(f"--precisions: {bad[0]!r} is not fp32 or bf16")
-    pythons = interpreters(args.peer_venvs)
+    pythons = {name: python for name, python in interpreters(args.peer_venvs).items() if name in args.trainers.split(",")}
     missing = [name for name, python in pythons.items() if python is None]
     if missing:
         print(f"not installed (left out): {', '.join(missing)}; make them with --make-peer-venvs DIR, pass --peer-venvs DIR")

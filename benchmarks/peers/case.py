@@ -13,9 +13,11 @@ lm_head, and the target's tapped features (random, at the scale of a real model'
 
 from __future__ import annotations
 
+import gc
 import json
-import resource
+import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -125,18 +127,49 @@ def worker_args() -> tuple[StepShape, str, int]:
     return StepShape(**json.loads(shape_json)), precision, int(steps)
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The largest resident set seen while running, sampled every `every_s` from another thread
+    (torch's kernels release the GIL): the step's peak, apart from what setup once held."""
+
+    def __init__(self, every_s: float = 0.002):
+        self.every_s, self.peak, self._stop = every_s, rss_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
 def run_steps(step, *, steps: int, name: str, precision: str) -> None:
     """Run `step()` (returns the loss as a float) once as warm-up, then `steps` timed times, and
-    print one JSON line: the first step's loss, each timed step's seconds, the process's peak RSS."""
-    torch.set_num_threads(int(__import__("os").environ.get("PEER_STEP_THREADS", "2")))
-    first_loss = step()
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(json.dumps({"trainer": name, "precision": precision, "first_loss": first_loss, "step_s": seconds, "peak_rss_gib": peak_gib}))
+    print one JSON line: the first step's loss, each timed step's seconds, the resident set before
+    the first step (inputs, weights: what the trainer keeps) and its peak over the steps."""
+    gc.collect()
+    live = rss_bytes()
+    with PeakRss() as peak:
+        first_loss = step()
+        seconds = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - start)
+    record = {"trainer": name, "precision": precision, "first_loss": first_loss, "step_s": seconds,
+              "live_rss_gib": live / 2**30, "step_peak_rss_gib": peak.peak / 2**30}  # fmt: skip
+    print(json.dumps(record))
 
 
 def shape_json(shape: StepShape) -> str:

@@ -11,6 +11,7 @@ flex path has no backward on CPU.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -20,6 +21,7 @@ from case import make_case, run_steps, worker_args
 
 
 def main() -> None:
+    torch.set_num_threads(int(os.environ.get("PEER_STEP_THREADS", "2")))
     warnings.filterwarnings("ignore")
     from transformers import Qwen3Config
 

@@ -12,6 +12,7 @@ memory are compared.
 
 from __future__ import annotations
 
+import os
 import contextlib
 import warnings
 
@@ -21,6 +22,7 @@ from case import make_case, run_steps, worker_args
 
 
 def main() -> None:
+    torch.set_num_threads(int(os.environ.get("PEER_STEP_THREADS", "2")))
     warnings.filterwarnings("ignore")
     from transformers import Qwen3Config
 

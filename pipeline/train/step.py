@@ -137,13 +137,15 @@ class HeadLoss(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for start in range(0, hidden.shape[0], loss_chunk):
             part = slice(start, start + loss_chunk)
-            logits = F.linear(hidden[part].to(head_dtype), head)  # [chunk, V], in the head's dtype
+            # The GEMM in the head's dtype, widened to float32 at once (a bf16 result is a temporary).
+            logits = F.linear(hidden[part].to(head_dtype), head).float()  # [chunk, V]
             chunk_sum, grad_logits, correct[part] = topk_tail_loss_and_grad(
                 draft_logits=logits, label_ids=label_ids[part], label_probs=label_probs[part], weights=weights[part]
             )
+            del logits  # float32 logits became grad_logits in place
             loss_sum += chunk_sum
             if need_grad:
-                grad_hidden[part] = (grad_logits.to(head_dtype) @ head).to(hidden.dtype)
+                grad_hidden[part] = narrow_gemm(grad_logits, head)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
         return loss_sum, correct
@@ -152,6 +154,22 @@ class HeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_correct):
         (grad_hidden,) = ctx.saved_tensors
         return grad_loss * grad_hidden, None, None, None, None, None, None
+
+
+GRAD_GEMM_ROWS = 512  # rows of the [chunk, V] logit gradient cast to a narrower head dtype at a time
+
+
+def narrow_gemm(grad_logits: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """grad_logits [M, V] float32 @ head [V, H] in the head's dtype -> float32 [M, H]. A bf16 head
+    takes its operand GRAD_GEMM_ROWS rows at a time, so no second [M, V] tensor (the bf16 copy of
+    the whole gradient) is ever held beside the float32 one."""
+    if head.dtype == grad_logits.dtype:
+        return grad_logits @ head
+    out = grad_logits.new_empty(grad_logits.shape[0], head.shape[1])
+    for start in range(0, grad_logits.shape[0], GRAD_GEMM_ROWS):
+        rows = slice(start, start + GRAD_GEMM_ROWS)
+        out[rows] = grad_logits[rows].to(head.dtype) @ head
+    return out
 
 
 def dspark_head_loss(hidden, lm_head, label_ids, label_probs, weights, prev_tokens, dist_ids, dist_probs, *, heads, dspark: DSparkLossConfig,
