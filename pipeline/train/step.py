@@ -137,15 +137,14 @@ class HeadLoss(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for start in range(0, hidden.shape[0], loss_chunk):
             part = slice(start, start + loss_chunk)
-            # The GEMM in the head's dtype, widened to float32 at once (a bf16 result is a temporary).
-            logits = F.linear(hidden[part].to(head_dtype), head).float()  # [chunk, V]
+            logits = head_logits(hidden[part], head)  # [chunk, V] float32, the GEMM in the head's dtype
             chunk_sum, grad_logits, correct[part] = topk_tail_loss_and_grad(
                 draft_logits=logits, label_ids=label_ids[part], label_probs=label_probs[part], weights=weights[part]
             )
             del logits  # float32 logits became grad_logits in place
             loss_sum += chunk_sum
             if need_grad:
-                grad_hidden[part] = narrow_gemm(grad_logits, head)
+                grad_hidden[part] = head_grad(grad_logits, head).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
         return loss_sum, correct
@@ -156,18 +155,30 @@ class HeadLoss(torch.autograd.Function):
         return grad_loss * grad_hidden, None, None, None, None, None, None
 
 
-GRAD_GEMM_ROWS = 512  # rows of the [chunk, V] logit gradient cast to a narrower head dtype at a time
+NARROW_GEMM_ROWS = 512  # rows per GEMM when the head is narrower than float32 (bf16)
 
 
-def narrow_gemm(grad_logits: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """grad_logits [M, V] float32 @ head [V, H] in the head's dtype -> float32 [M, H]. A bf16 head
-    takes its operand GRAD_GEMM_ROWS rows at a time, so no second [M, V] tensor (the bf16 copy of
-    the whole gradient) is ever held beside the float32 one."""
-    if head.dtype == grad_logits.dtype:
+def head_logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """hidden [M, H] @ head [V, H].T in the head's dtype -> float32 logits [M, V]. A bf16 head
+    makes them NARROW_GEMM_ROWS rows at a time, each widened into the float32 result, so no
+    [M, V] bf16 tensor is held beside the float32 one."""
+    if head.dtype == torch.float32:
+        return F.linear(hidden.float(), head)
+    out = hidden.new_empty(hidden.shape[0], head.shape[0], dtype=torch.float32)
+    for start in range(0, hidden.shape[0], NARROW_GEMM_ROWS):
+        rows = slice(start, start + NARROW_GEMM_ROWS)
+        out[rows] = F.linear(hidden[rows].to(head.dtype), head)
+    return out
+
+
+def head_grad(grad_logits: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """grad_logits [M, V] float32 @ head [V, H] in the head's dtype -> float32 [M, H], a bf16
+    head's operand cast NARROW_GEMM_ROWS rows at a time (no [M, V] bf16 copy of the gradient)."""
+    if head.dtype == torch.float32:
         return grad_logits @ head
     out = grad_logits.new_empty(grad_logits.shape[0], head.shape[1])
-    for start in range(0, grad_logits.shape[0], GRAD_GEMM_ROWS):
-        rows = slice(start, start + GRAD_GEMM_ROWS)
+    for start in range(0, grad_logits.shape[0], NARROW_GEMM_ROWS):
+        rows = slice(start, start + NARROW_GEMM_ROWS)
         out[rows] = grad_logits[rows].to(head.dtype) @ head
     return out
 
