@@ -74,6 +74,10 @@ def test_replay_equals_real_decoding_and_feeds_compare(toy_target, tmp_path):
         assert _rows(replay / "rounds.csv") == _rows(real / "rounds.csv")
         summary = json.loads((replay / "summary.json").read_text())
         assert summary["mode"] == "greedy_replay" and summary["speedup_geomean"] is None
+        # What produced it: the command, versions and the resolved settings, as alrira-eval run records.
+        provenance = summary["provenance"]
+        assert provenance["command"] and set(provenance["versions"]) >= {"torch", "transformers"}
+        assert provenance["config"]["drafter"] == str(drafter) and provenance["config"]["dtype_resolved"] == "float32"
         assert summary["tau_geomean"] == json.loads((real / "summary.json").read_text())["tau_geomean"]
     # A replay folder is an evaluation `compare` reads (method names from the drafters' runs).
     result = CliRunner().invoke(eval_cli, ["compare", str(tmp_path / "replay" / "a"), str(tmp_path / "replay" / "b"), "--out",

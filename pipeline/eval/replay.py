@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from drafter.drafting import block_drafts, match_lengths, position_acceptance, replay_rounds
+from pipeline.provenance import provenance_record
 from pipeline.eval.evaluate import EVAL_FILES, EvalPrompt, load_prompts, load_target_and_stops, replay_inputs
 from pipeline.eval.scores import ROUND_COLUMNS, _write_rows_and_histogram, round_rows, summarize, write_csv_rows
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode
@@ -160,6 +161,10 @@ def _replay(*, target: str, todo: dict[str, str], prompts: str, outputs: dict, m
             "acceptance_per_position": position_acceptance(
                 [n for lengths in accepted_by_group[name].values() for n in lengths], num_drafts=num_drafts
             ),
+            "provenance": provenance_record({
+                "target": target, "drafter": todo[name], "prompts": prompts, "max_new_tokens": max_new_tokens,
+                "max_prompts": max_prompts, "device_resolved": str(device), "dtype_resolved": "float32",
+            }),
         }  # fmt: skip
         (output.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         output.finish()
