@@ -188,3 +188,20 @@ def test_cache_tau_rows_share_a_cache_and_compare_paired(tmp_path):
         [sys.executable, "benchmarks/cache_tau.py", *common, "--row", "base: --shard-size 24", "--row", "draw4: | anchors_per_step=2"], cwd=ROOT
     )  # fmt: skip
     assert result.returncode != 0 and "row 'draw4' was run with" in result.stderr, result.stderr[-2000:]
+
+
+def test_peer_step_runs_alrira_and_the_installed_peers(tmp_path):
+    """benchmarks/peer_step.py at its --quick size: alrira's step always runs (a peer without its
+    virtualenv is left out in one line); with ALRIRA_PEER_VENVS pointing at --make-peer-venvs' folder,
+    SpecForge's first-step loss on the same weights, inputs and anchors equals alrira's."""
+    venvs = os.environ.get("ALRIRA_PEER_VENVS")
+    args = ["--quick", "--out", str(tmp_path), "--precisions", "fp32"] + (["--peer-venvs", venvs] if venvs else [])
+    output = run_benchmark("peer_step.py", *args)
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    alrira = row["trainers"]["alrira"]
+    assert alrira["step_s"] > 0 and 0 < alrira["first_loss"] < 20 and alrira["step_peak_rss_gib"] >= alrira["live_rss_gib"] > 0
+    if not venvs:
+        assert "not installed (left out): specforge, speculators" in output
+        assert set(row["trainers"]) == {"alrira"}
+    elif "specforge" in row["trainers"]:
+        assert row["trainers"]["specforge"]["first_loss"] == pytest.approx(alrira["first_loss"], rel=1e-5)
