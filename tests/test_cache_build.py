@@ -171,16 +171,21 @@ def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_co
     out = tmp_path / "killed"
     args = _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    killed_log = tmp_path / "killed-build.log"  # its lines, for the message should it end by itself
+    with open(killed_log, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
+            env=env, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:  # wait on the event (two shards published), not on a clock: the start may take minutes
         two_listed = wait_for(lambda: _listed(out) >= 2, what="the build publishing 2 shards", ended=lambda: proc.poll() is not None)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert two_listed, f"the build ended (exit {proc.returncode}) with {_listed(out)} shard(s) listed, before it could be killed at 2"
+    assert two_listed, (
+        f"the build ended (exit {proc.returncode}) with {_listed(out)} shard(s) listed, before it could be killed at 2: "
+        + killed_log.read_text()[-1500:]
+    )
     killed = load_manifest(out)
     assert len(killed.shards) < killed.num_shards_planned, "the build finished every shard before it could be killed"
 
