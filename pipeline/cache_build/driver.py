@@ -34,10 +34,9 @@ from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
 from pipeline.chat import row_locator
 from pipeline.corpus_source import file_sha256
 from pipeline.config import to_flags
-from pipeline.outputs import check_cache_out, claim_cache, output_lock
+from pipeline.outputs import check_cache_out, claim_cache, os_error_line, output_lock
 from pipeline.provenance import append_provenance
 from pipeline.target import read_target_head
-from storage.errors import DISK_FULL_ERRNOS
 from storage.format import BUILD_PROVENANCE_FILE, CORPUS_DIR, SHARD_COMPLETE, SHARD_DIR
 from storage.location import Location, is_url
 from storage.manifest import (
@@ -139,23 +138,13 @@ def build_lock(config: CacheBuildConfig):
     second build of the same --out refuses in one line instead of taking the directory over (and
     the Ray job's stopping the first one's workers). A lock whose process is gone (a killed build)
     is taken over. On an object store the claim alone decides (storage/ownership.py). A failing
-    filesystem inside leaves as one line (_os_error_line)."""
+    filesystem inside leaves as one line (pipeline.outputs.os_error_line)."""
     check_cache_out(config.out)
     with contextlib.nullcontext() if is_url(config.out) else output_lock(config.out, command="alrira-cache build"):
         try:
             yield
         except OSError as error:
-            raise ValueError(_os_error_line(error, config.out)) from None
-
-
-def _os_error_line(error: OSError, out: str | Location, *, kind: str = "cache", kept: str = "shards published") -> str:
-    """One line for a failing filesystem: the path, the reason, and for a full disk what to do
-    (regeneration's driver says it of its parts)."""
-    line = f"{error.filename or out}: {error.strerror or error}"
-    if error.errno in DISK_FULL_ERRNOS:
-        line += f" ({kind} {out})" if error.filename else ""
-        line += f"; the {kept} so far are kept: free space and rerun the same command to resume"
-    return line
+            raise ValueError(os_error_line(error, config.out)) from None
 
 
 @contextlib.contextmanager
