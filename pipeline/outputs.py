@@ -64,7 +64,7 @@ from storage.ownership import claim_cache
 
 __all__ = [
     "LOCK_FILE", "RECORD_FILE", "Output", "cannot_write", "check_cache_out", "check_out_path", "claim_cache", "claim_output",
-    "differences", "file_checksums", "foreign_inside", "is_bookkeeping", "log_line", "not_a_regular_file", "output_lock", "owns",
+    "differences", "file_checksums", "foreign_inside", "is_bookkeeping", "log_line", "not_a_regular_file", "os_error_line", "output_lock", "owns",
     "prepare_output", "read_record", "read_regular_file", "refuse_foreign", "refuse_foreign_inside", "remove_names", "sha256_of",
     "unproven", "write_record",
 ]  # fmt: skip
@@ -121,6 +121,16 @@ def cannot_write(out: str | os.PathLike, error: OSError, *, flag: str = "--out",
     else:
         advice = f"give another {flag}"
     return ValueError(f"{flag} {out}: cannot write {where}: {reason}; {advice}")
+
+
+def os_error_line(error: OSError, out: str | Location, *, kind: str = "cache", kept: str = "shards published") -> str:
+    """One line for a failing filesystem: the path, the reason, and for a full disk what to do
+    (`kind` and `kept` name what the command writes: a regeneration's parts, say)."""
+    line = f"{error.filename or out}: {error.strerror or error}"
+    if error.errno in DISK_FULL_ERRNOS:
+        line += f" ({kind} {out})" if error.filename else ""
+        line += f"; the {kept} so far are kept: free space and rerun the same command to resume"
+    return line
 
 
 def _inside(filename, out: str | os.PathLike) -> bool:
@@ -194,19 +204,22 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
     if (kind := not_a_regular_file(path)) is not None:
         raise ValueError(f"{flag} {out}: {path} is {kind}, not a lock this tool wrote; remove it and rerun")
     me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    stale = False  # the last try found a lock whose process is gone: it is taken over first
     for _ in range(3):
         try:
+            if stale:
+                with contextlib.suppress(FileNotFoundError):
+                    move_into_place(path, out / f"{LOCK_FILE}.stale-{uuid.uuid4().hex[:8]}", sync=False)
+                for stale_lock in out.glob(f"{LOCK_FILE}.stale-*"):
+                    stale_lock.unlink(missing_ok=True)
             create_exclusive_text(path, json.dumps(me) + "\n")  # never seen empty (an empty lock refused every rerun)
         except FileExistsError:
             if (kind := not_a_regular_file(path)) is not None:  # made between the check above and the link
                 raise ValueError(f"{flag} {out}: {path} is {kind}, not a lock this tool wrote; remove it and rerun") from None
             holder = _read_lock(path)
             pid, host = holder.get("pid"), holder.get("host")
-            if (host == me["host"] and isinstance(pid, int) and not _alive(pid)) or _holderless(path, holder):
-                with contextlib.suppress(FileNotFoundError):  # stale: its process is gone; take it over
-                    move_into_place(path, out / f"{LOCK_FILE}.stale-{uuid.uuid4().hex[:8]}", sync=False)
-                for stale in out.glob(f"{LOCK_FILE}.stale-*"):
-                    stale.unlink(missing_ok=True)
+            stale = (host == me["host"] and isinstance(pid, int) and not _alive(pid)) or _holderless(path, holder)
+            if stale:
                 continue
             raise ValueError(
                 f"{flag} {out}: in use by {holder.get('command', 'another command')} (pid {pid} on {host}, since "

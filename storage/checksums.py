@@ -11,9 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
+from storage.format import SHARD_COMPLETE, SHARD_DIR
 from storage.location import Location, resolve
+
+if TYPE_CHECKING:
+    from storage.manifest import ShardRecord
 
 
 def shard_bytes(path: str | os.PathLike | Location) -> int:
@@ -101,3 +107,25 @@ class HashingWriter:
 
     def flush(self) -> None:
         self.file.flush()
+
+
+def verified_shards(out: Location, shards: Iterable[ShardRecord]) -> tuple[dict[int, ShardRecord], list[str]]:
+    """The resume rule (docs/design.md, "A cache build") over a previous manifest's `shards`: those
+    listed complete whose checksum still verifies, by index, and the names of the others (missing or
+    corrupt: rebuilt). On a store a shard whose record has object tags is kept when one listing
+    gives the same tags (its objects are the checksummed ones) instead of downloading it; one
+    without is downloaded once."""
+    done, stale = {}, []
+    for record in shards:
+        path = out.child(f"{SHARD_DIR}/{record.name}")
+        if record.status == SHARD_COMPLETE and path.exists() and _still_verifies(path, record):
+            done[record.index] = record
+        else:
+            stale.append(record.name)
+    return done, stale
+
+
+def _still_verifies(path: Location, record: ShardRecord) -> bool:
+    if not path.is_local and record.object_tags is not None:
+        return shard_object_tags(path) == record.object_tags
+    return shard_checksum(path, scheme=checksum_scheme(record.checksum)) == record.checksum

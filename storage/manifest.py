@@ -35,7 +35,7 @@ from storage.format import (
     format_version_for,
     shard_name,
 )
-from storage.location import read_safetensors_header, resolve
+from storage.location import Location, read_safetensors_header, resolve
 
 TARGET_HEAD_KEYS = ("embed_tokens.weight", "lm_head.weight")
 # CacheSettings keys written only when set (a cache without them reads as before they existed).
@@ -453,10 +453,14 @@ def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> None:
 
 def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
     """Read and validate `cache_dir/manifest.json`; one-line ValueError naming the file otherwise."""
-    location = resolve(cache_dir)
+    return _read_manifest(resolve(cache_dir), shown=cache_dir)
+
+
+def _read_manifest(location: Location, *, shown: str | os.PathLike) -> Manifest:
+    """load_manifest of the resolved `location` (`shown`: the cache directory as the caller named it)."""
     path = location.join(MANIFEST_FILE)
     if not location.is_file(MANIFEST_FILE):
-        raise ValueError(f"{path}: no cache manifest (is {cache_dir} a cache directory?)")
+        raise ValueError(f"{path}: no cache manifest (is {shown} a cache directory?)")
     try:
         data = json.loads(location.read_bytes(MANIFEST_FILE).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -474,6 +478,41 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
         return Manifest.from_dict(data)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: invalid manifest: {e}") from None
+
+
+def previous_manifest(
+    out: Location, settings: CacheSettings, *, mask_token_id: int, compute: dict[str, str], overwrite: bool, target_dtype: str
+) -> tuple[Manifest | None, Manifest | None]:
+    """(the manifest to resume from, the manifest of the cache --overwrite replaces) for a cache build
+    of `settings` into `out`: at most one of them, both None without a manifest; refuses a changed
+    setting unless `overwrite` (--overwrite). The mask token is compared as the id it
+    resolves to (the manifest's `mask_token_id`): `--mask-token 128002` and the token it names
+    are one setting, and so are the default and the first unused row given by id. The compute
+    dtype is compared as resolved (`auto` is bf16 on one machine, fp32 on another); a cache
+    without the record (built before it) resumes in whatever this machine resolves (`target_dtype`:
+    the --target-dtype that resolved to `compute`, named in the refusal)."""
+    if not out.exists(MANIFEST_FILE):
+        return None, None
+    previous = _read_manifest(out, shown=out)
+    changed = settings_diff(previous.settings, settings)
+    if previous.mask_token_id != mask_token_id:
+        changed.append(f"mask_token_id (--mask-token): {previous.mask_token_id} -> {mask_token_id}")
+    if previous.compute is not None and previous.compute["dtype"] != compute["dtype"] and not overwrite:
+        raise ValueError(
+            f"{out}: the cache was computed in {describe_compute(previous.compute)}, this build would compute in "
+            f"{describe_compute(compute)} (--target-dtype {target_dtype}); pass --target-dtype {previous.compute['dtype']} "
+            "to continue it, --overwrite to replace it, or use a new --out"
+        )
+    if previous.compute is not None and previous.compute["dtype"] != compute["dtype"]:
+        changed.append(f"compute dtype: {previous.compute['dtype']} -> {compute['dtype']}")
+    if not changed:
+        return previous, None
+    if not overwrite:
+        raise ValueError(
+            f"{out}: existing cache was built with different settings ({'; '.join(changed)}); "
+            "use a new --out or pass --overwrite to replace it"
+        )
+    return None, previous
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,14 +51,13 @@ class CacheOwnershipLost(ValueError):
     a user error (two builds on one --out), reported in one line like every bad input."""
 
 
-def claim_cache(cache_dir: str | os.PathLike) -> str:
-    """Make a new build the owner of `cache_dir` (created if needed); return its owner id.
+def claim_cache(location: Location) -> str:
+    """Make a new build the owner of `location` (created if needed); return its owner id.
 
     From now on write_shard(owner=<an older id>) refuses to publish there: a worker that outlives
     its killed driver, or a second build started on the same directory, cannot overwrite shards of
     the build that claimed it last.
     """
-    location = resolve(cache_dir)
     owner = uuid.uuid4().hex
     if not location.is_local:  # one PUT replaces the claim whole
         location.write_bytes(BUILD_OWNER_FILE, (owner + "\n").encode())
@@ -68,22 +67,21 @@ def claim_cache(cache_dir: str | os.PathLike) -> str:
     return owner
 
 
-def check_owner(cache_dir: str | os.PathLike | Location, owner: str) -> None:
-    """Raise CacheOwnershipLost unless `owner` is the build that last claimed `cache_dir`."""
+def check_owner(location: Location, owner: str) -> None:
+    """Raise CacheOwnershipLost unless `owner` is the build that last claimed `location`."""
     try:
-        current = resolve(cache_dir).read_bytes(BUILD_OWNER_FILE).decode().strip()
+        current = location.read_bytes(BUILD_OWNER_FILE).decode().strip()
     except FileNotFoundError:
         current = None
     if current != owner:
         raise CacheOwnershipLost(
-            f"{cache_dir}: another cache build has claimed this directory (owner {current}, this writer {owner}); "
+            f"{location}: another cache build has claimed this directory (owner {current}, this writer {owner}); "
             "this writer stops without publishing"
         )
 
 
-def is_cache_dir(cache_dir: str | os.PathLike | Location) -> bool:
+def is_cache_dir(location: Location) -> bool:
     """Whether a build wrote here: a manifest, or the claim of a build that has not written one yet."""
-    location = resolve(cache_dir)
     return location.is_file(MANIFEST_FILE) or location.is_file(BUILD_OWNER_FILE)
 
 
@@ -102,22 +100,21 @@ def check_out_dir(cache_dir: str | os.PathLike | Location) -> None:
         )
 
 
-def foreign_files(directory: str | os.PathLike | Location, own_names: Iterable[str]) -> list[str]:
+def foreign_files(directory: Location, own_names: Iterable[str]) -> list[str]:
     """Names in `directory` (if it exists) that are not among `own_names`, sorted."""
     own = set(own_names)
-    return [name for name in resolve(directory).names() if name not in own]
+    return [name for name in directory.names() if name not in own]
 
 
 def remove_cache_files(
-    cache_dir: str | os.PathLike | Location, *, corpus_files: Iterable[str], shard_names: Iterable[str] = (),
+    location: Location, *, corpus_files: Iterable[str], shard_names: Iterable[str] = (),
     claim: bool = False,
 ) -> list[str]:  # fmt: skip
-    """Remove a cache's own files from `cache_dir`: the manifest, head, evaluation split, temp files of atomic writes,
+    """Remove a cache's own files from `location`: the manifest, head, evaluation split, temp files of atomic writes,
     `shards/` entries named like shards (or listed in `shard_names`) and their temp directories,
     the tokenized corpus files `corpus_files`, and with `claim` the `.build-owner` claim.
-    `shards/`, `corpus/` and `cache_dir` are removed only if that leaves them empty; anything else
-    stays. Returns the removed names (relative to `cache_dir`)."""
-    location = resolve(cache_dir)
+    `shards/`, `corpus/` and `location` are removed only if that leaves them empty; anything else
+    stays. Returns the removed names (relative to `location`)."""
     if not location.is_dir():
         return []
     listed = set(shard_names)
@@ -142,11 +139,10 @@ def remove_cache_files(
     return removed
 
 
-def remove_write_leftovers(cache_dir: str | os.PathLike | Location) -> list[str]:
+def remove_write_leftovers(location: Location) -> list[str]:
     """Delete the temp files and directories of interrupted atomic writes of the manifest, head,
-    claim and tokenized corpus (storage.atomic's names) in `cache_dir`; return their names. (A
+    claim and tokenized corpus (storage.atomic's names) in `location`; return their names. (A
     store has none: its atomic writes are single uploads.)"""
-    location = resolve(cache_dir)
     removed = [name for name in location.names() if TEMP_NAME.fullmatch(name)]
     for name in removed:
         location.remove(name)

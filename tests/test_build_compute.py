@@ -103,13 +103,13 @@ def test_a_cache_built_before_the_record_reads_and_resumes(toy_target, small_cor
 
 def test_a_corpus_rewritten_while_it_is_read_stops_the_build(toy_target, small_corpus, tmp_path, monkeypatch):
     """The corpus changes after it was hashed (another job rewrites it): rows and hash would differ."""
-    real = driver.ingest_corpus
+    real = driver.tokenize_corpus
 
-    def rewritten_meanwhile(config, tokenizer, **kwargs):
+    def rewritten_meanwhile(path, config, tokenizer, **kwargs):
         Path(config.path).write_text(Path(config.path).read_text().splitlines()[0] + "\n")
-        return real(config, tokenizer, **kwargs)
+        return real(path, config, tokenizer, **kwargs)
 
-    monkeypatch.setattr(driver, "ingest_corpus", rewritten_meanwhile)
+    monkeypatch.setattr(driver, "tokenize_corpus", rewritten_meanwhile)
     with pytest.raises(ValueError, match=rf"^{small_corpus}: changed while the build read it \(sha256:.*; rerun the build"):
         _build(_config(toy_target, small_corpus, tmp_path / "cache"))
 
@@ -122,13 +122,13 @@ def test_a_store_corpus_is_fetched_once_and_hashed_from_its_rows(toy_target, sma
     url = f"{s3_prefix}/chat.jsonl"
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     fs.put_file(str(small_corpus), url)
-    real = driver.ingest_corpus
+    real = driver.tokenize_corpus
 
-    def replaced_meanwhile(config, tokenizer, **kwargs):
+    def replaced_meanwhile(path, config, tokenizer, **kwargs):
         fs.pipe_file(url, small_corpus.read_text().splitlines()[0].encode() + b"\n")
-        return real(config, tokenizer, **kwargs)
+        return real(path, config, tokenizer, **kwargs)
 
-    monkeypatch.setattr(driver, "ingest_corpus", replaced_meanwhile)
+    monkeypatch.setattr(driver, "tokenize_corpus", replaced_meanwhile)
     manifest = _build(_config(toy_target, url, tmp_path / "cache"))
     assert manifest.settings.corpus_hash == file_sha256(small_corpus)
     assert manifest.corpus_stats["rows"] == 4

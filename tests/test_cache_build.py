@@ -274,12 +274,13 @@ def test_a_build_that_loses_the_directory_stops_and_the_claimant_finishes(
     """Another build claiming the directory mid-way (a re-run started while Ray still reaps the
     actors of a killed driver, or a second build on the same --out) stops this one at its next
     shard with a one-line error naming the directory; the claimant's resume equals a clean build."""
+    from storage.location import resolve
     from storage.ownership import CacheOwnershipLost, claim_cache
 
     reference = shard1_reference
     out = tmp_path / "contested"
     claimed_at, errors = _build_and_interrupt(
-        _config(toy_target, toy_corpus, out, shard_size=1, workers=1), lambda: bool(claim_cache(out))
+        _config(toy_target, toy_corpus, out, shard_size=1, workers=1), lambda: bool(claim_cache(resolve(out)))
     )
     assert claimed_at is not None and claimed_at < load_manifest(reference).num_shards_planned
     assert len(errors) == 1 and isinstance(errors[0], CacheOwnershipLost), errors

@@ -96,13 +96,13 @@ def test_a_writer_whose_build_lost_the_prefix_stops_and_leaves_the_claimants_sha
     a writer of a superseded build stops without touching the shard the claimant wrote."""
     records, _ = make_shard_records(2, first_row=0, num=3, codec="bf16")
     size = ShardSize.of_records(records)
-    old_owner = claim_cache(s3_prefix)
+    old_owner = claim_cache(resolve(s3_prefix))
     stale = ShardWriter(s3_prefix, shard_index=0, size=size, storage_format=storage_format, feature_codec="bf16", owner=old_owner)
     for record in records:
         stale.append(record)
-    new_owner = claim_cache(s3_prefix)  # a second build on the same prefix
+    new_owner = claim_cache(resolve(s3_prefix))  # a second build on the same prefix
     with pytest.raises(CacheOwnershipLost, match=s3_prefix):
-        check_owner(s3_prefix, old_owner)
+        check_owner(resolve(s3_prefix), old_owner)
     with pytest.raises(CacheOwnershipLost):
         ShardWriter(s3_prefix, shard_index=1, size=size, storage_format=storage_format, feature_codec="bf16", owner=old_owner)
     claimant = write_shard(
@@ -124,14 +124,14 @@ def test_out_prefix_rules_and_cleanup_keep_user_objects(s3_prefix):
     with pytest.raises(ValueError, match=r"exists and is not a prefix \(it is an object\)"):
         check_out_dir(f"{s3_prefix}/mine.txt")
 
-    claim_cache(s3_prefix)
+    claim_cache(resolve(s3_prefix))
     check_out_dir(s3_prefix)  # a cache (its claim is there): fine
     records, _ = make_shard_records(3, first_row=0, num=2, codec="bf16")
     write_shard(s3_prefix, shard_index=0, records=records, storage_format="zarr", feature_codec="bf16")
     for name in ("manifest.json", "target_head.safetensors", "corpus/input_ids.npy", "corpus/mine.txt", "shards/mine.txt"):
         store.write_bytes(name, b"x")
-    assert foreign_files(f"{s3_prefix}/corpus", ["input_ids.npy"]) == ["mine.txt"]
-    removed = remove_cache_files(s3_prefix, corpus_files=["input_ids.npy"], claim=True)
+    assert foreign_files(resolve(f"{s3_prefix}/corpus"), ["input_ids.npy"]) == ["mine.txt"]
+    removed = remove_cache_files(resolve(s3_prefix), corpus_files=["input_ids.npy"], claim=True)
     own = {".build-owner", "manifest.json", "target_head.safetensors", "corpus/input_ids.npy", "shards/shard-00000.zarr"}
     assert set(removed) == own
     assert [rel for rel, _ in store.files()] == ["corpus/mine.txt", "mine.txt", "shards/mine.txt"]
@@ -326,11 +326,11 @@ def test_an_interrupted_store_build_resumes_to_the_same_cache(toy_target, toy_co
 
     with pytest.raises(RuntimeError, match="killed"):
         _build_here(toy_target, toy_corpus, s3_prefix, run_shards=run_one_shard_then_die)
-    import pipeline.cache_build.driver
+    import storage.checksums
 
     logs = []
     with monkeypatch.context() as patch:  # the kept shard is checked by one listing, not downloaded
-        patch.setattr(pipeline.cache_build.driver, "shard_checksum", _no_download)
+        patch.setattr(storage.checksums, "shard_checksum", _no_download)
         resumed = _build_here(toy_target, toy_corpus, s3_prefix, log=logs.append)
     assert any(line.startswith("removed 1 partial shard(s)") for line in logs), logs
     assert any(line.startswith("resuming: 1 of") for line in logs), logs
@@ -365,7 +365,7 @@ def test_a_second_build_on_the_prefix_stops_the_first(toy_target, toy_corpus, lo
         builder = ShardBuilder(plan.config)
         for i, spec in enumerate(pending):
             if i == 1:
-                claim_cache(plan.config.out)  # another build claims the prefix
+                claim_cache(plan.out)  # another build claims the prefix
             yield builder.build(shard_index=spec.index, start=spec.start, stop=spec.stop, owner=spec.owner), None
 
     with pytest.raises(CacheOwnershipLost) as lost:

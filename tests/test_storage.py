@@ -33,6 +33,7 @@ from storage.manifest import (
     settings_diff,
 )
 from storage.reader import available_arrays, cache_stats, open_cache
+from storage.location import resolve
 from storage.ownership import CacheOwnershipLost, claim_cache
 from storage.checksums import shard_checksum
 from storage.layout import REBUILD_HINT
@@ -303,9 +304,9 @@ def test_a_writer_of_a_superseded_build_cannot_publish(tmp_path, storage_format,
     shard the new owner published stays byte for byte."""
     records, _ = make_shard_records(0, first_row=0, num=2, codec="bf16")
     other, _ = make_shard_records(5, first_row=20, num=2, codec="bf16")
-    old_owner = claim_cache(tmp_path)
+    old_owner = claim_cache(resolve(tmp_path))
     write_shard(tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16", owner=old_owner)
-    new_owner = claim_cache(tmp_path)
+    new_owner = claim_cache(resolve(tmp_path))
     assert new_owner != old_owner
     published = write_shard(tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16", owner=new_owner)
     with pytest.raises(CacheOwnershipLost, match=str(tmp_path)):
@@ -318,7 +319,7 @@ def test_a_writer_of_a_superseded_build_cannot_publish(tmp_path, storage_format,
 
     def fsync_then_lose_the_claim(path):
         real_fsync_tree(path)
-        claim_cache(tmp_path)
+        claim_cache(resolve(tmp_path))
 
     monkeypatch.setattr(shards, "fsync_tree", fsync_then_lose_the_claim)
     with pytest.raises(CacheOwnershipLost):

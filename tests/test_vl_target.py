@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
-from pipeline.cache_build.corpus import CorpusConfig, ingest_corpus
+from pipeline.cache_build.corpus import CorpusConfig, corpus_vision_inputs, ingest_corpus
 from pipeline.cache_build.rollouts import TargetRunConfig, reference_rollout, run_target_batch
 from pipeline.cache_build.vllm_runner import VllmTargetRunner
 from pipeline.target import load_target, load_tokenizer, read_target_config, read_target_head, tapped_features, target_hash

@@ -31,6 +31,7 @@ from pipeline.vision import (
     SequenceImage,
     VisionInputConfig,
     VisionInputs,
+    changed_images,
     effective_system_prompt,
     expand_image_tokens,
     image_record,
@@ -40,6 +41,7 @@ from pipeline.vision import (
 )
 from storage.atomic import atomic_write_dir
 from storage.errors import first_line
+from storage.location import Location, resolve
 from storage.ownership import foreign_files
 
 
@@ -304,17 +306,21 @@ def tokenize_row(
 # The whole corpus
 
 
-def ingest_corpus(
-    config: CorpusConfig, tokenizer, *, progress: bool = True, vision: VisionInputs | None = None, local_path: Path | None = None
+def ingest_corpus(config: CorpusConfig, tokenizer, *, progress: bool = True, vision: VisionInputs | None = None) -> TokenizedCorpus:
+    """tokenize_corpus of `config.path` (a store corpus: this node's copy, pipeline/corpus_source.py),
+    with the system prompt --system-prompt and `vision` give (pipeline.vision.effective_system_prompt)."""
+    system_prompt = effective_system_prompt(config.vision_input.system_prompt, vision=vision)
+    return tokenize_corpus(local_corpus(config.path), config, tokenizer, system_prompt=system_prompt, vision=vision, progress=progress)
+
+
+def tokenize_corpus(
+    path: Path, config: CorpusConfig, tokenizer, *, system_prompt: str | None, vision: VisionInputs | None, progress: bool
 ) -> TokenizedCorpus:
-    """Read, render and filter every row of `config.path` (with `vision`, images included), or of
-    `local_path`, the build's one local copy of it (whose bytes its hash was taken from). A bad
-    row raises CorpusError, or with `skip_bad_rows` is counted in stats["dropped"] under its
-    reason; so are short sequences."""
+    """Read, render and filter every row of the corpus at the local `path` (`config.path`, or its
+    local copy; with `vision`, images included). A bad row raises CorpusError, or with
+    `skip_bad_rows` is counted in stats["dropped"] under its reason; so are short sequences."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target tokenizer has no chat template; the corpus cannot be rendered")
-    system_prompt = effective_system_prompt(config.vision_input.system_prompt, vision=vision)
-    path = local_path or local_corpus(config.path)  # a store corpus: this node's copy (pipeline/corpus_source.py)
     rows = iter_corpus_rows(path)
     locate = row_locator(path)
     source_rows: list[int] = []
@@ -376,6 +382,21 @@ def ingest_corpus(
     )
 
 
+def check_corpus_lacks_mask_token(corpus, *, mask_token_id: int, tokenizer, corpus_path: str) -> None:
+    """Refuse, naming the first row, a tokenized corpus that holds the mask token: the drafter
+    could not tell that token in its context from a slot to predict (docs/design.md, "The target")."""
+    hits = np.flatnonzero(np.asarray(corpus.input_ids) == mask_token_id)
+    if len(hits) == 0:
+        return
+    sequence = int(np.searchsorted(np.asarray(corpus.offsets), hits[0], side="right")) - 1
+    where = row_locator(corpus_path)(int(corpus.source_rows[sequence]))
+    token = tokenizer.convert_ids_to_tokens(mask_token_id)
+    raise ValueError(
+        f"{where}: contains the mask token {token!r} (id {mask_token_id}); pick a token the corpus never contains "
+        "with --mask-token"
+    )
+
+
 def save_tokenized_corpus(corpus: TokenizedCorpus, out_dir: str | os.PathLike) -> None:
     """Write `corpus` to `out_dir` as {source_rows,offsets,input_ids,loss_mask}.npy + stats.json
     (+ images.json for a vision-language target), atomically (storage.atomic.atomic_write_dir): a reader sees the old directory or the new one.
@@ -384,7 +405,7 @@ def save_tokenized_corpus(corpus: TokenizedCorpus, out_dir: str | os.PathLike) -
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir}: exists and is not a tokenized corpus directory")
-    foreign = foreign_files(out_dir, CORPUS_FILES)
+    foreign = foreign_files(resolve(out_dir), CORPUS_FILES)
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ValueError(f"{out_dir}: holds files a cache build did not write ({shown}); move them or use another --out")
@@ -424,3 +445,12 @@ def load_tokenized_corpus(out_dir: str | os.PathLike, *, mmap: bool = True) -> T
         **arrays, stats=stats, images=images.get("sequences"), corpus_path=images.get("corpus_path"),
         image_processor_class=images.get("image_processor_class"),
     )  # fmt: skip
+
+
+def changed_corpus_images(corpus_dir: Location, *, vision: VisionInputs | None) -> list[str]:
+    """The images of the tokenized corpus saved in `corpus_dir` whose file changed since it was
+    tokenized (pipeline.vision.changed_images); [] for a text target or a corpus without images."""
+    if vision is None or not corpus_dir.is_file(IMAGES_FILE):
+        return []
+    corpus = load_tokenized_corpus(corpus_dir.local_copy(), mmap=True)
+    return changed_images(corpus.images or [], vision=vision)

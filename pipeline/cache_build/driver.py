@@ -23,23 +23,26 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from tqdm.auto import tqdm
 
 import pipeline
 from pipeline.cache_build.config import CacheBuildConfig
-from pipeline.cache_build.corpus import CORPUS_FILES, ingest_corpus, load_tokenized_corpus, save_tokenized_corpus
+from pipeline.cache_build.corpus import (
+    CORPUS_FILES,
+    check_corpus_lacks_mask_token,
+    load_tokenized_corpus,
+    save_tokenized_corpus,
+    tokenize_corpus,
+)
 from pipeline.cache_build.plan import BuildPlan, plan_build
 from pipeline.cache_build.shard_builder import BuildTimes, ShardBuilder
-from pipeline.chat import row_locator
 from pipeline.corpus_source import file_sha256
 from pipeline.config import to_flags
-from pipeline.outputs import check_cache_out, claim_cache, output_lock
+from pipeline.outputs import check_cache_out, claim_cache, os_error_line, output_lock
 from pipeline.provenance import append_provenance
 from pipeline.target import read_target_head
-from storage.errors import DISK_FULL_ERRNOS
 from storage.format import BUILD_PROVENANCE_FILE, CORPUS_DIR, SHARD_COMPLETE, SHARD_DIR
-from storage.location import Location, is_url
+from storage.location import is_url
 from storage.manifest import (
     Manifest,
     ShardRecord,
@@ -49,7 +52,7 @@ from storage.manifest import (
     target_head_hash,
 )
 from storage.ownership import CacheOwnershipLost, check_owner, remove_cache_files, remove_write_leftovers
-from storage.checksums import checksum_scheme, shard_checksum, shard_object_tags
+from storage.checksums import verified_shards
 from storage.shards import clean_partial_shards
 
 
@@ -139,23 +142,13 @@ def build_lock(config: CacheBuildConfig):
     second build of the same --out refuses in one line instead of taking the directory over (and
     the Ray job's stopping the first one's workers). A lock whose process is gone (a killed build)
     is taken over. On an object store the claim alone decides (storage/ownership.py). A failing
-    filesystem inside leaves as one line (_os_error_line)."""
+    filesystem inside leaves as one line (pipeline.outputs.os_error_line)."""
     check_cache_out(config.out)
     with contextlib.nullcontext() if is_url(config.out) else output_lock(config.out, command="alrira-cache build"):
         try:
             yield
         except OSError as error:
-            raise ValueError(_os_error_line(error, config.out)) from None
-
-
-def _os_error_line(error: OSError, out: str | Location, *, kind: str = "cache", kept: str = "shards published") -> str:
-    """One line for a failing filesystem: the path, the reason, and for a full disk what to do
-    (regeneration's driver says it of its parts)."""
-    line = f"{error.filename or out}: {error.strerror or error}"
-    if error.errno in DISK_FULL_ERRNOS:
-        line += f" ({kind} {out})" if error.filename else ""
-        line += f"; the {kept} so far are kept: free space and rerun the same command to resume"
-    return line
+            raise ValueError(os_error_line(error, config.out)) from None
 
 
 @contextlib.contextmanager
@@ -213,7 +206,9 @@ def _first_manifest(plan: BuildPlan, *, owner: str, progress: bool, log) -> Shar
     removed = clean_partial_shards(out, published=listed)
     if removed:
         log(f"removed {len(removed)} partial shard(s) left by an interrupted build")
-    done = _verified_shards(out, previous, log=log)
+    done, stale = verified_shards(out, previous.shards if previous else [])
+    for name in stale:
+        log(f"{name}: missing or checksum mismatch, rebuilding")
     manifest = Manifest(
         settings=settings,
         target_path=str(Path(config.target).resolve()),
@@ -317,21 +312,6 @@ def run_shards_here(plan: BuildPlan, pending: list[ShardSpec], *, progress: bool
         bar.close()
 
 
-def check_corpus_lacks_mask_token(corpus, *, mask_token_id: int, tokenizer, corpus_path: str) -> None:
-    """Refuse, naming the first row, a tokenized corpus that holds the mask token: the drafter
-    could not tell that token in its context from a slot to predict (docs/design.md, "The target")."""
-    hits = np.flatnonzero(np.asarray(corpus.input_ids) == mask_token_id)
-    if len(hits) == 0:
-        return
-    sequence = int(np.searchsorted(np.asarray(corpus.offsets), hits[0], side="right")) - 1
-    where = row_locator(corpus_path)(int(corpus.source_rows[sequence]))
-    token = tokenizer.convert_ids_to_tokens(mask_token_id)
-    raise ValueError(
-        f"{where}: contains the mask token {token!r} (id {mask_token_id}); pick a token the corpus never contains "
-        "with --mask-token"
-    )
-
-
 def _tokenized_corpus(plan: BuildPlan, *, progress: bool):
     """Tokenize the corpus once per cache; a resumed build reuses the saved copy. On a store the
     corpus is saved to a local temp directory and uploaded (one object per file, published with
@@ -341,7 +321,10 @@ def _tokenized_corpus(plan: BuildPlan, *, progress: bool):
     corpus_dir = plan.out.child(CORPUS_DIR)
     if plan.reuse_corpus and corpus_dir.exists():
         return load_tokenized_corpus(corpus_dir.local_copy(), mmap=True)
-    corpus = ingest_corpus(config.corpus, plan.tokenizer, progress=progress, vision=plan.vision, local_path=corpus_copy)
+    corpus = tokenize_corpus(
+        corpus_copy, config.corpus, plan.tokenizer, system_prompt=plan.settings.system_prompt, vision=plan.vision,
+        progress=progress,
+    )  # fmt: skip
     if (after := file_sha256(corpus_copy)) != corpus_hash:  # rewritten while it was read: rows and hash would differ
         raise ValueError(
             f"{config.corpus.path}: changed while the build read it ({corpus_hash[:19]}... when hashed, {after[:19]}... "
@@ -354,26 +337,6 @@ def _tokenized_corpus(plan: BuildPlan, *, progress: bool):
             save_tokenized_corpus(corpus, Path(staged) / CORPUS_DIR)
             corpus_dir.upload_dir(Path(staged) / CORPUS_DIR)
     return load_tokenized_corpus(corpus_dir.local_copy(), mmap=True)
-
-
-def _verified_shards(out: Location, previous: Manifest | None, *, log) -> dict[int, ShardRecord]:
-    """Shards of the previous run that are listed complete and whose checksum still verifies. On a
-    store a shard whose record has object tags is kept when one listing gives the same tags (its
-    objects are the checksummed ones) instead of downloading it; one without is downloaded once."""
-    done = {}
-    for record in previous.shards if previous else []:
-        path = out.child(f"{SHARD_DIR}/{record.name}")
-        if record.status == "complete" and path.exists() and _still_verifies(path, record):
-            done[record.index] = record
-        else:
-            log(f"{record.name}: missing or checksum mismatch, rebuilding")
-    return done
-
-
-def _still_verifies(path: Location, record: ShardRecord) -> bool:
-    if not path.is_local and record.object_tags is not None:
-        return shard_object_tags(path) == record.object_tags
-    return shard_checksum(path, scheme=checksum_scheme(record.checksum)) == record.checksum
 
 
 def _summary(manifest: Manifest, *, elapsed: float, times: BuildTimes | None = None) -> str:

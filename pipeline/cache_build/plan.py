@@ -18,7 +18,7 @@ from typing import Any
 
 from drafter.config import default_target_layer_ids
 from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
-from pipeline.cache_build.corpus import CORPUS_FILES, IMAGES_FILE, corpus_vision_inputs, load_tokenized_corpus
+from pipeline.cache_build.corpus import CORPUS_FILES, changed_corpus_images, corpus_vision_inputs
 from pipeline.chat import iter_corpus_rows
 from pipeline.corpus_source import file_sha256, local_corpus
 from pipeline.target import (
@@ -29,10 +29,10 @@ from pipeline.target import (
     stop_token_ids,
     target_hash,
 )
-from pipeline.vision import VisionInputs, changed_images
-from storage.format import CORPUS_DIR, MANIFEST_FILE
+from pipeline.vision import VisionInputs
+from storage.format import CORPUS_DIR
 from storage.location import Location, resolve
-from storage.manifest import CacheSettings, Manifest, describe_compute, load_manifest, settings_diff
+from storage.manifest import CacheSettings, Manifest, previous_manifest
 from storage.ownership import foreign_files, is_cache_dir
 
 
@@ -77,13 +77,15 @@ def plan_build(config: CacheBuildConfig, *, log=print) -> BuildPlan:
     compute = config.compute.planned_compute()
     init = drafter_init_config(config.taps.drafter_init)  # read once: its taps and its mask token
     content = content_settings(config)
+    mask_token = requested_mask_token(config, init=init)
     target_config = read_target_config(config.target)
     tokenizer = load_tokenizer(config.target)
     stop_ids = stop_token_ids(tokenizer, read_generation_config(config.target))
-    settings_target_hash = target_hash(config.target)
-    mask_token_id = resolve_build_mask_token_id(
-        config, tokenizer, vocab_size=int(target_config["vocab_size"]), stop_ids=stop_ids, init=init
+    mask_token_id = resolve_mask_token_id(
+        tokenizer, vocab_size=int(target_config["vocab_size"]), mask_token=mask_token, stop_ids=stop_ids, target=config.target
     )
+    settings_target_hash = target_hash(config.target)
+    check_init_mask_token(config, mask_token_id, init=init)
     layer_ids = resolve_layer_ids(config, num_target_layers=int(target_config["num_hidden_layers"]), init=init)
     config = config.with_taps(layer_ids)
     settings = CacheSettings(
@@ -93,8 +95,13 @@ def plan_build(config: CacheBuildConfig, *, log=print) -> BuildPlan:
     out = resolve(config.out)
     had_cache, created, corpus_dir = is_cache_dir(out), not out.exists(), out.child(CORPUS_DIR)
     has_corpus, foreign = corpus_dir.is_dir(), foreign_files(corpus_dir, CORPUS_FILES)
-    previous, replaced = previous_manifest(out, settings, mask_token_id=mask_token_id, compute=compute, config=config)
-    if previous is not None and config.overwrite and images_changed(out, vision, log=log):
+    previous, replaced = previous_manifest(
+        out, settings, mask_token_id=mask_token_id, compute=compute, overwrite=config.overwrite,
+        target_dtype=config.compute.target_dtype,
+    )  # fmt: skip
+    if previous is not None and config.overwrite and (changed := changed_corpus_images(corpus_dir, vision=vision)):
+        # What the stage-1 worker's error tells the user to rerun with --overwrite for (docs/vision.md).
+        log(f"--overwrite: {len(changed)} image(s) changed since the corpus was tokenized ({changed[0]}, ...); replacing the cache")
         previous, replaced = None, previous  # the tokenized corpus and its shards are stale: start over
     reuse_corpus = previous is not None and has_corpus
     if foreign and not reuse_corpus:
@@ -146,17 +153,30 @@ def resolve_build_mask_token_id(
     trained with its own mask token, which the drafter keeps: it is the default, and another
     --mask-token is refused (docs/design.md, "The target"). `init`: drafter_init_config, read here
     when not given."""
-    init_mask = (drafter_init_config(config.taps.drafter_init) if init is None else init).get("mask_token_id")
-    mask_token = config.mask_token if config.mask_token is not None or init_mask is None else str(init_mask)
+    init = drafter_init_config(config.taps.drafter_init) if init is None else init
     mask_token_id = resolve_mask_token_id(
-        tokenizer, vocab_size=vocab_size, mask_token=mask_token, stop_ids=stop_ids, target=config.target
-    )
+        tokenizer, vocab_size=vocab_size, mask_token=requested_mask_token(config, init=init), stop_ids=stop_ids,
+        target=config.target,
+    )  # fmt: skip
+    check_init_mask_token(config, mask_token_id, init=init)
+    return mask_token_id
+
+
+def requested_mask_token(config: CacheBuildConfig, *, init: dict) -> str | None:
+    """--mask-token, else the mask token id of --drafter-init (`init`: drafter_init_config), else
+    None (pipeline.target.resolve_mask_token_id's default)."""
+    init_mask = init.get("mask_token_id")
+    return config.mask_token if config.mask_token is not None or init_mask is None else str(init_mask)
+
+
+def check_init_mask_token(config: CacheBuildConfig, mask_token_id: int, *, init: dict) -> None:
+    """Refuse a --mask-token that resolves to another id than --drafter-init's (`init`)."""
+    init_mask = init.get("mask_token_id")
     if init_mask is not None and mask_token_id != init_mask:
         raise ValueError(
             f"--mask-token {config.mask_token} (id {mask_token_id}) is not the mask token of --drafter-init "
             f"{config.taps.drafter_init} (dflash_config.mask_token_id {init_mask}); leave --mask-token out to use it"
         )
-    return mask_token_id
 
 
 def content_settings(config: CacheBuildConfig) -> dict[str, Any]:
@@ -171,49 +191,3 @@ def content_settings(config: CacheBuildConfig) -> dict[str, Any]:
         "backend": config.compute.backend,
         **config.layout,  # codecs, --ira-parents, --compact (format version 2 when set)
     }
-
-
-def previous_manifest(
-    out: Location, settings: CacheSettings, *, mask_token_id: int, compute: dict[str, str], config: CacheBuildConfig
-) -> tuple[Manifest | None, Manifest | None]:
-    """(the manifest to resume from, the manifest of the cache --overwrite replaces): at most one
-    of them, both None without a manifest; refuses a changed setting without --overwrite. The mask token is compared as the id it
-    resolves to (the manifest's `mask_token_id`): `--mask-token 128002` and the token it names
-    are one setting, and so are the default and the first unused row given by id. The compute
-    dtype is compared as resolved (`auto` is bf16 on one machine, fp32 on another); a cache
-    without the record (built before it) resumes in whatever this machine resolves."""
-    if not out.exists(MANIFEST_FILE):
-        return None, None
-    overwrite, target_dtype = config.overwrite, config.compute.target_dtype
-    previous = load_manifest(out)
-    changed = settings_diff(previous.settings, settings)
-    if previous.mask_token_id != mask_token_id:
-        changed.append(f"mask_token_id (--mask-token): {previous.mask_token_id} -> {mask_token_id}")
-    if previous.compute is not None and previous.compute["dtype"] != compute["dtype"] and not overwrite:
-        raise ValueError(
-            f"{out}: the cache was computed in {describe_compute(previous.compute)}, this build would compute in "
-            f"{describe_compute(compute)} (--target-dtype {target_dtype}); pass --target-dtype {previous.compute['dtype']} "
-            "to continue it, --overwrite to replace it, or use a new --out"
-        )
-    if previous.compute is not None and previous.compute["dtype"] != compute["dtype"]:
-        changed.append(f"compute dtype: {previous.compute['dtype']} -> {compute['dtype']}")
-    if not changed:
-        return previous, None
-    if not overwrite:
-        raise ValueError(
-            f"{out}: existing cache was built with different settings ({'; '.join(changed)}); "
-            "use a new --out or pass --overwrite to replace it"
-        )
-    return None, previous
-
-
-def images_changed(out: Location, vision: VisionInputs | None, *, log) -> bool:
-    """--overwrite with unchanged settings: whether an image changed since the corpus was tokenized
-    (what the stage-1 worker's error tells the user to rerun with --overwrite for; docs/vision.md)."""
-    if vision is None or not out.is_file(f"{CORPUS_DIR}/{IMAGES_FILE}"):
-        return False
-    corpus = load_tokenized_corpus(out.child(CORPUS_DIR).local_copy(), mmap=True)
-    changed = changed_images(corpus.images or [], vision=vision)
-    if changed:
-        log(f"--overwrite: {len(changed)} image(s) changed since the corpus was tokenized ({changed[0]}, ...); replacing the cache")
-    return bool(changed)

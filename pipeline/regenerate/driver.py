@@ -38,7 +38,7 @@ from pipeline.chat import (
     normalize_row,
 )
 from pipeline.config import flag_name, is_required, leaf_fields, to_flags
-from pipeline.outputs import is_bookkeeping, output_lock
+from pipeline.outputs import is_bookkeeping, os_error_line, output_lock
 from pipeline.outputs import differences as recorded_differences
 from pipeline.provenance import append_provenance
 from pipeline.regenerate.config import RegenerateConfig
@@ -343,9 +343,7 @@ def regenerate_lock(config: RegenerateConfig):
         try:
             yield
         except OSError as error:
-            from pipeline.cache_build.driver import _os_error_line
-
-            raise ValueError(_os_error_line(error, config.out, kind="output", kept="parts written")) from None
+            raise ValueError(os_error_line(error, config.out, kind="output", kept="parts written")) from None
 
 
 def regenerate_corpus(config: RegenerateConfig, *, run_parts: RunParts = run_parts_in_process, log=print) -> dict:
