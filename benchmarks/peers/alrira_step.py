@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 import torch
 
-from case import make_case, run_steps, slot_weights, worker_args
+from case import make_case, qwen3_fields, run_steps, slot_weights, worker_args
 from drafter.config import DFlashConfig
 from drafter.model import DFlashDrafter
 from pipeline.train.batching import TrainBatch
@@ -29,10 +29,7 @@ def main() -> None:
     shape, precision, steps = worker_args()
     case = make_case(shape)
     config = DFlashConfig(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-        rms_norm_eps=shape.eps, rope_theta=shape.rope_theta, max_position_embeddings=max(40960, shape.seq),
-        vocab_size=shape.vocab, block_size=shape.block, num_target_layers=2 * shape.taps,
+        **qwen3_fields(shape), block_size=shape.block, num_target_layers=2 * shape.taps,
         target_layer_ids=list(range(shape.taps)), mask_token_id=shape.mask_token_id,
     )  # fmt: skip
     drafter = DFlashDrafter(config)

@@ -65,6 +65,17 @@ class StepCase:
     drafter: dict[str, torch.Tensor]  # z-lab names -> float32
 
 
+def qwen3_fields(shape: StepShape) -> dict:
+    """The drafter's Qwen3 fields, as every trainer's config (alrira's DFlashConfig, HF's
+    Qwen3Config) takes them."""
+    return dict(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        rms_norm_eps=shape.eps, rope_theta=shape.rope_theta, max_position_embeddings=max(40960, shape.seq),
+        vocab_size=shape.vocab,
+    )  # fmt: skip
+
+
 def drafter_weights(shape: StepShape, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The drafter's weights, z-lab names, HF Qwen3 init (linears N(0, 0.02), norms 1)."""
     h, q, kv, d = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.head_dim

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from case import make_case, run_steps, worker_args
+from case import make_case, qwen3_fields, run_steps, worker_args
 
 
 def main() -> None:
@@ -34,10 +34,7 @@ def main() -> None:
     shape, precision, steps = worker_args()
     case = make_case(shape)
     layer_config = Qwen3Config(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-        rms_norm_eps=shape.eps, rope_theta=shape.rope_theta, max_position_embeddings=max(40960, shape.seq),
-        vocab_size=shape.vocab, attention_bias=False, tie_word_embeddings=False,
+        **qwen3_fields(shape), attention_bias=False, tie_word_embeddings=False,
     )  # fmt: skip
     layer_config._attn_implementation = "sdpa"
     config = DFlashSpeculatorConfig(
