@@ -41,7 +41,7 @@ import torch
 import webdataset
 from transformers.utils import logging as hf_logging
 
-from _common import empty_workdir, make_bench_target, print_table, write_toy_corpus
+from _common import empty_workdir, print_table
 from cache_build import FULL, QUICK, build_config
 from pipeline.cache_build.driver import build_cache, run_shards_here
 from pipeline.train.methods import required_arrays
@@ -181,9 +181,7 @@ def report(rows: list[dict], *, codec: str) -> None:
 
 def run(sizes, *, work: Path) -> None:
     began = time.perf_counter()
-    target = make_bench_target(work / "target", sizes.target)
-    corpus = write_toy_corpus(work / "chat.jsonl", num_rows=sizes.num_rows, response_words=sizes.response_words,
-                              max_turns=sizes.max_turns)  # fmt: skip
+    target, corpus = sizes.cache.write_inputs(work)
     for codec in ("bf16", "fp8"):
         zarr_cache = work / f"zarr-{codec}"
         config = build_config(sizes, target=target, corpus=corpus, out=zarr_cache, threads=torch.get_num_threads(),

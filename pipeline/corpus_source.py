@@ -88,7 +88,7 @@ def _check_regenerated_copy(copy: Path, *, url: str) -> None:
     if manifest is None:
         return
     parts = checked_regenerated_parts(manifest, where=f"{url}/{REGENERATED_MANIFEST}")
-    expected = {REGENERATED_MANIFEST, COPY_LISTING_FILE, *(part["name"] for part in parts)}
+    expected = {REGENERATED_MANIFEST, REGENERATED_PROVENANCE, COPY_LISTING_FILE, *(part["name"] for part in parts)}
     extra = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file() and p.relative_to(copy).as_posix() not in expected)
     if extra:
         raise ValueError(f"{url}/{extra[0]}: not listed in the regenerated corpus's manifest; remove it or point --corpus elsewhere")

@@ -22,6 +22,9 @@ LOCAL = {"pipeline", "storage", "ray_jobs", "drafter", "tests", "benchmarks"}
 # Imported from a checkout named at run time, not installed: DeepSpec's reference code
 # (benchmarks/deepspec_check.py puts $ALRIRA_DEEPSPEC on sys.path; it is no package on the index).
 CHECKOUTS = {"deepspec"}
+# The peer trainers benchmarks/peer_step.py compares against, each installed with --no-deps into its
+# own virtualenv (--make-peer-venvs), never beside alrira: their dependencies would replace torch.
+PEER_VENVS = {"specforge", "speculators"}
 
 
 def _name(requirement: str) -> str:
@@ -51,7 +54,7 @@ def _imports(folder: Path) -> dict[str, str]:
                 continue
             for module in modules:
                 top = module.split(".")[0]
-                if top not in sys.stdlib_module_names and top not in local | CHECKOUTS and top != "__future__":
+                if top not in sys.stdlib_module_names and top not in local | CHECKOUTS | PEER_VENVS and top != "__future__":
                     found.setdefault(top, str(path.relative_to(ROOT)))
     return found
 
