@@ -20,6 +20,9 @@ from pathlib import Path
 from pipeline.chat import REGENERATED_MANIFEST, REGENERATED_PROVENANCE, checked_regenerated_parts, regenerated_manifest
 from storage.location import COPY_LISTING_FILE, is_url, remove_path_tolerant, resolve
 
+# Files beside a corpus's content that are not part of it: a store copy's own listing and a
+# regenerated corpus's provenance record (neither is hashed nor listed in its manifest).
+CORPUS_RECORDS = frozenset({COPY_LISTING_FILE, REGENERATED_PROVENANCE})
 _CHECKED_COPIES: set[Path] = set()  # node-local copies of regenerated corpora whose parts this process verified
 _PINS_MADE: set[Path] = set()  # this process's own hard links to node-local copies (pinned_local_corpus)
 
@@ -88,7 +91,7 @@ def _check_regenerated_copy(copy: Path, *, url: str) -> None:
     if manifest is None:
         return
     parts = checked_regenerated_parts(manifest, where=f"{url}/{REGENERATED_MANIFEST}")
-    expected = {REGENERATED_MANIFEST, REGENERATED_PROVENANCE, COPY_LISTING_FILE, *(part["name"] for part in parts)}
+    expected = {REGENERATED_MANIFEST, *CORPUS_RECORDS, *(part["name"] for part in parts)}
     extra = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file() and p.relative_to(copy).as_posix() not in expected)
     if extra:
         raise ValueError(f"{url}/{extra[0]}: not listed in the regenerated corpus's manifest; remove it or point --corpus elsewhere")
@@ -119,7 +122,7 @@ def file_sha256(path: str | os.PathLike) -> str:
         h = hashlib.sha256()
         files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*") if p.is_file())
         for relative, file in files:
-            if relative in (COPY_LISTING_FILE, REGENERATED_PROVENANCE):
+            if relative in CORPUS_RECORDS:
                 continue
             h.update(relative.encode() + b"\0")
             h.update(digest(file))

@@ -137,14 +137,14 @@ class HeadLoss(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for start in range(0, hidden.shape[0], loss_chunk):
             part = slice(start, start + loss_chunk)
-            logits = head_logits(hidden[part], head)  # [chunk, V] float32, the GEMM in the head's dtype
+            logits = head_matmul(hidden[part], head.t())  # [chunk, V] float32, the GEMM in the head's dtype
             chunk_sum, grad_logits, correct[part] = topk_tail_loss_and_grad(
                 draft_logits=logits, label_ids=label_ids[part], label_probs=label_probs[part], weights=weights[part]
             )
             del logits  # float32 logits became grad_logits in place
             loss_sum += chunk_sum
             if need_grad:
-                grad_hidden[part] = head_grad(grad_logits, head).to(hidden.dtype)
+                grad_hidden[part] = head_matmul(grad_logits, head).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
         return loss_sum, correct
@@ -158,28 +158,17 @@ class HeadLoss(torch.autograd.Function):
 NARROW_GEMM_ROWS = 512  # rows per GEMM when the head is narrower than float32 (bf16)
 
 
-def head_logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """hidden [M, H] @ head [V, H].T in the head's dtype -> float32 logits [M, V]. A bf16 head
-    makes them NARROW_GEMM_ROWS rows at a time, each widened into the float32 result, so no
-    [M, V] bf16 tensor is held beside the float32 one."""
+def head_matmul(left: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """left [M, X] float32 @ head [X, Y] (the frozen head or its transpose) in the head's dtype ->
+    float32 [M, Y]. A bf16 head takes its operand NARROW_GEMM_ROWS rows at a time, each product
+    widened into the float32 result, so no [M, V] bf16 tensor (the logits, or the cast of their
+    gradient) is ever held beside the float32 one."""
     if head.dtype == torch.float32:
-        return F.linear(hidden.float(), head)
-    out = hidden.new_empty(hidden.shape[0], head.shape[0], dtype=torch.float32)
-    for start in range(0, hidden.shape[0], NARROW_GEMM_ROWS):
+        return left.float() @ head
+    out = left.new_empty(left.shape[0], head.shape[1], dtype=torch.float32)
+    for start in range(0, left.shape[0], NARROW_GEMM_ROWS):
         rows = slice(start, start + NARROW_GEMM_ROWS)
-        out[rows] = F.linear(hidden[rows].to(head.dtype), head)
-    return out
-
-
-def head_grad(grad_logits: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """grad_logits [M, V] float32 @ head [V, H] in the head's dtype -> float32 [M, H], a bf16
-    head's operand cast NARROW_GEMM_ROWS rows at a time (no [M, V] bf16 copy of the gradient)."""
-    if head.dtype == torch.float32:
-        return grad_logits @ head
-    out = grad_logits.new_empty(grad_logits.shape[0], head.shape[1])
-    for start in range(0, grad_logits.shape[0], NARROW_GEMM_ROWS):
-        rows = slice(start, start + NARROW_GEMM_ROWS)
-        out[rows] = grad_logits[rows].to(head.dtype) @ head
+        out[rows] = left[rows].to(head.dtype) @ head
     return out
 
 
