@@ -7,7 +7,6 @@ trainer's bf16 mode (fp32 master weights under bf16 autocast, the frozen head in
 
 from __future__ import annotations
 
-import os
 import contextlib
 import sys
 from pathlib import Path
@@ -25,7 +24,6 @@ from pipeline.train.step import forward_loss
 
 
 def main() -> None:
-    torch.set_num_threads(int(os.environ.get("PEER_STEP_THREADS", "2")))
     shape, precision, steps = worker_args()
     case = make_case(shape)
     config = DFlashConfig(

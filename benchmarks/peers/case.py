@@ -76,6 +76,16 @@ def qwen3_fields(shape: StepShape) -> dict:
     )  # fmt: skip
 
 
+def hf_qwen3_config(shape: StepShape):
+    """HF's Qwen3Config of the drafter, SDPA attention: what both peers build their drafter from
+    (their flex paths have no backward on CPU)."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**qwen3_fields(shape), attention_bias=False, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    return config
+
+
 def drafter_weights(shape: StepShape, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The drafter's weights, z-lab names, HF Qwen3 init (linears N(0, 0.02), norms 1)."""
     h, q, kv, d = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.head_dim
@@ -131,7 +141,9 @@ def slot_weights(shape: StepShape, case: StepCase) -> torch.Tensor:
 
 
 def worker_args() -> tuple[StepShape, str, int]:
-    """A worker's command line: SHAPE_JSON PRECISION STEPS."""
+    """A worker's command line: SHAPE_JSON PRECISION STEPS; sets torch's threads to
+    $PEER_STEP_THREADS (2), the same for every trainer."""
+    torch.set_num_threads(int(os.environ.get("PEER_STEP_THREADS", "2")))
     shape_json, precision, steps = sys.argv[1:4]
     if precision not in ("fp32", "bf16"):
         raise SystemExit(f"precision must be fp32 or bf16, got {precision!r}")

@@ -11,33 +11,26 @@ flex path has no backward on CPU.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import nn
 
-from case import make_case, qwen3_fields, run_steps, worker_args
+from case import hf_qwen3_config, make_case, run_steps, worker_args
 
 
 def main() -> None:
-    torch.set_num_threads(int(os.environ.get("PEER_STEP_THREADS", "2")))
     warnings.filterwarnings("ignore")
-    from transformers import Qwen3Config
-
     from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
     from specforge.modeling.draft.dflash import DFlashDraftModel
     from specforge.optimizer import BF16Optimizer
 
     shape, precision, steps = worker_args()
     case = make_case(shape)
-    config = Qwen3Config(
-        **qwen3_fields(shape), attention_bias=False, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = hf_qwen3_config(shape)
     config.block_size = shape.block
     config.num_target_layers = 2 * shape.taps
     config.dflash_config = {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(range(shape.taps))}
-    config._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     draft = DFlashDraftModel(config)
     missing, unexpected = draft.load_state_dict(case.drafter, strict=False)

@@ -12,20 +12,16 @@ memory are compared.
 
 from __future__ import annotations
 
-import os
 import contextlib
 import warnings
 
 import torch
 
-from case import make_case, qwen3_fields, run_steps, worker_args
+from case import hf_qwen3_config, make_case, run_steps, worker_args
 
 
 def main() -> None:
-    torch.set_num_threads(int(os.environ.get("PEER_STEP_THREADS", "2")))
     warnings.filterwarnings("ignore")
-    from transformers import Qwen3Config
-
     import speculators.models.dflash.core as core
     from speculators.losses.utils import resolve_loss_config
     from speculators.models.dflash import DFlashDraftModel
@@ -33,10 +29,7 @@ def main() -> None:
 
     shape, precision, steps = worker_args()
     case = make_case(shape)
-    layer_config = Qwen3Config(
-        **qwen3_fields(shape), attention_bias=False, tie_word_embeddings=False,
-    )  # fmt: skip
-    layer_config._attn_implementation = "sdpa"
+    layer_config = hf_qwen3_config(shape)
     config = DFlashSpeculatorConfig(
         transformer_layer_config=layer_config, draft_vocab_size=shape.vocab, block_size=shape.block,
         aux_hidden_state_layer_ids=list(range(shape.taps)), mask_token_id=shape.mask_token_id, sample_from_anchor=False,
