@@ -336,7 +336,7 @@ def hard_offsets(*, target_dir: str, prompts: str, drafters: dict[str, str], max
             check_drafter_fits(target, model)
         except ValueError as error:
             raise ValueError(f"--{role} {drafters[role]}: {error}") from None
-    drafts_per_block = {m.config.num_drafts for m in models.values()}  # K for DFlash's K + 1 slots; B for DSpark's B
+    drafts_per_block = {m.config.num_drafts for m in models.values()}  # the family's: K for DFlash's K + 1 slots
     if len(drafts_per_block) != 1:
         raise ValueError(
             f"the drafters have different block sizes (drafts per block {sorted(drafts_per_block)}): one offset grid cannot serve them"

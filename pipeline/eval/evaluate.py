@@ -91,7 +91,7 @@ class EvalConfig:
     )
     tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
     confidence_threshold: float = opt(
-        "Drafters that predict each slot's acceptance (a DSpark confidence head): cut each round's proposal before the "
+        "Drafters that predict each slot's acceptance (a confidence head): cut each round's proposal before the "
         "first slot whose predicted acceptance is below this (a dynamic proposal length; 0 verifies every slot).",
         default=0.0,
     )

@@ -299,7 +299,7 @@ def cached_family_draft_fn(drafter, *, embed_tokens: nn.Module, lm_head: nn.Modu
     it equals the target's token, so the most likely one is the best draft. A family that predicts
     each slot's acceptance gives (tokens [D], the prediction for all slots), its proposal cut before
     the first slot whose prediction is below confidence_threshold when that is > 0 (DeepSpec's rule,
-    docs/dspark.md "Drafting"); otherwise tokens [D]."""
+    docs/design.md "Drafter families"); otherwise tokens [D]."""
     family = family_of(drafter)
     block_hidden = cached_block_hidden_fn(drafter, embed_tokens=embed_tokens, mask_token_id=drafter.config.mask_token_id)
 

@@ -211,12 +211,12 @@ class TrainBatch:
     label_probs: Tensor  # [B, N, K, k]
     slot_weights: Tensor  # [B, N, K]
     supervised_index: Tensor  # [M] long: flat indices into [B * N * K] of the slots with weight > 0, ascending
-    prev_tokens: Tensor  # [B, N, K] long: the token before each label (a DSpark Markov head's input)
+    prev_tokens: Tensor  # [B, N, K] long: the token before each label on its own track (drafter/family.py)
     num_tokens: int  # corpus tokens in the batch (for throughput)
     num_sequences: int
     indices: tuple[int, ...] = ()  # the cache's sequence index of each row (which data a step saw)
     context_feature_scales: Tensor | None = None  # [B, C] float32: fp8 bits' per-row scales
-    # The target distribution of each prediction when it is not the labels (one-hot labels under DSpark): [B, N, K, k]
+    # The target distribution of each prediction when it is not the labels (one-hot labels, `BlockLayout.distributions`): [B, N, K, k]
     dist_ids: Tensor | None = None
     dist_probs: Tensor | None = None
 

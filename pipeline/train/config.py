@@ -30,7 +30,7 @@ class DrafterInit:
     )
     drafter_init: str | None = opt(
         "Initialise from this checkpoint directory: one of the --arch family (public release or ours), or one whose "
-        "backbone starts it with fresh heads (a DFlash one for --arch dspark).",
+        "backbone starts it with fresh heads (the family's `init_from`: docs/design.md, \"Drafter families\").",
         default=None,
     )
     draft_layers: int | None = opt("Fresh drafter with this many layers (default: one per tapped target layer).", default=None)

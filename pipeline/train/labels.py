@@ -138,10 +138,10 @@ class BlockTargets:
     """Inputs, visibility and labels of one sequence's N draft blocks (slot k sits at index k - 1).
 
     Built as DFlash blocks of K + 1 slots over the cache's K label columns; a family whose block
-    differs (`BlockLayout`: DSpark's B slots, each predicting what DFlash slot k + 1 does) keeps the
+    differs (`BlockLayout`, drafter/family.py: fewer slots, each predicting what DFlash slot k + 1 does) keeps the
     first columns (`for_drafter`)."""
 
-    block_tokens: Tensor  # [N, K+1] long: slot 0 = anchor token, slots 1..K = mask_token_id (DSpark: [N, B])
+    block_tokens: Tensor  # [N, K+1] long: slot 0 = anchor token, slots 1..K = mask_token_id (another layout: [N, B])
     block_anchor_pos: Tensor  # [N] long: position of slot 0 (a, or a + j for a secondary)
     block_corpus_limit: Tensor  # [N] long: corpus features visible at positions < limit
     private_parent: Tensor  # [N] long: pool index whose rollout features the block also sees, or -1
@@ -151,7 +151,7 @@ class BlockTargets:
     slot_weights: Tensor  # [N, K] float32, 0 = unsupervised
     is_secondary: Tensor  # [N] bool
     # The token before each label on the label's own track (corpus x[a+k-1], rollout y*[k-1], a
-    # secondary's y*[j+k-1]): a family's input beside the block (DSpark's Markov head). [N, K] long.
+    # secondary's y*[j+k-1]): a family's input beside the block (a Markov head's). [N, K] long.
     prev_tokens: Tensor
     # The target distribution each prediction is compared with (a family that `reads_distributions`):
     # the labels themselves, except for one-hot labels, where the corpus pass's top-k (when read). [N, K, k]

@@ -129,8 +129,8 @@ class TrainState:
     rank: int
     world_size: int
     device: torch.device
-    num_slots: int  # labelled slots per block (the family's layout: K for DFlash, B for DSpark)
-    block_size: int  # the drafter's block (K + 1 for DFlash, B for DSpark)
+    num_slots: int  # labelled slots per block (the family's layout, drafter/family.py)
+    block_size: int  # the drafter's block (the family's layout)
     drafter: torch.nn.Module
     family_options: object  # the --arch family's options, resolved for the cache (None: it has none)
     model: torch.nn.Module  # the drafter, or its DDP wrapper
@@ -225,7 +225,7 @@ def setup(config: TrainConfig) -> TrainState:
         vision=settings.vision is not None, layout=layout,
     )
     # The flags with what the cache gave (the depth, K - 1 by default; --dflash-gamma's default from
-    # the target kind; the family's options, e.g. a DSpark block and Markov rank): what train_config.json
+    # the target kind; the family's options, their defaults from the cache): what train_config.json
     # and checkpoints record and compare.
     resolved_objective = replace(config.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
     resolved_families = config.families if options is None else replace(config.families, **{family.name: options})
