@@ -342,14 +342,7 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     draft_config = drafter.config
     prompts = eval_prompts(config, tokenizer)
     num_draft = draft_config.num_drafts
-    family = family_of(drafter)
-    if config.tree_budget is not None and not family.tree_verification:
-        raise ValueError(f"--tree-budget: {config.drafter} is a {family.title} drafter, whose slots are not drafted independently; verify a chain")
-    if config.confidence_threshold > 0 and not family.has_confidence(draft_config):
-        raise ValueError(
-            f"--confidence-threshold {config.confidence_threshold}: {config.drafter} is a {family.title} drafter without a "
-            "confidence prediction, so no threshold can cut its proposals; leave it at 0"
-        )
+    check_drafting_options(config, drafter)
 
     def run_ar(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
         return autoregressive_decode(
@@ -426,18 +419,37 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
                        block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
     summary["ar_baseline"] = {"file": str(ar_file), "reused": known_ar is not None, "reused_from": None if reused_from is None else str(reused_from)}
-    summary["arch"] = family.name
-    summary["num_drafts"] = num_draft
-    summary["slot_acceptance"] = slot_acceptance(spec_results, num_drafts=num_draft)
-    summary["acceptance_per_position"] = position_acceptance(
-        [n for r in spec_results for n in r.accepted_lengths], num_drafts=num_draft
-    )
-    summary["mean_proposed"] = (
-        sum(sum(r.proposed_lengths) for r in spec_results) / max(1, sum(len(r.proposed_lengths) for r in spec_results))
-    )
-    if family.has_confidence(draft_config):  # a threshold only a confidence prediction can apply
-        summary["confidence_threshold"] = config.confidence_threshold
+    summary |= drafting_summary(config, drafter, spec_results)
     _write_json(out / "summary.json", summary)
+    return summary
+
+
+def check_drafting_options(config: EvalConfig, drafter) -> None:
+    """The evaluation options the drafter's family supports (drafter/family.py): a token tree only
+    over slots drafted independently, a confidence threshold only with a per-slot acceptance prediction."""
+    family = family_of(drafter)
+    if config.tree_budget is not None and not family.tree_verification:
+        raise ValueError(f"--tree-budget: {config.drafter} is a {family.title} drafter, whose slots are not drafted independently; verify a chain")
+    if config.confidence_threshold > 0 and not family.has_confidence(drafter.config):
+        raise ValueError(
+            f"--confidence-threshold {config.confidence_threshold}: {config.drafter} is a {family.title} drafter without a "
+            "confidence prediction, so no threshold can cut its proposals; leave it at 0"
+        )
+
+
+def drafting_summary(config: EvalConfig, drafter, spec_results: list[DecodeResult]) -> dict:
+    """What summary.json says of the drafter's rounds: its family, drafts per block, acceptance per
+    slot and per position, the mean proposal, and the confidence threshold where one applies."""
+    family, num_drafts = family_of(drafter), drafter.config.num_drafts
+    summary = {
+        "arch": family.name,
+        "num_drafts": num_drafts,
+        "slot_acceptance": slot_acceptance(spec_results, num_drafts=num_drafts),
+        "acceptance_per_position": position_acceptance([n for r in spec_results for n in r.accepted_lengths], num_drafts=num_drafts),
+        "mean_proposed": sum(sum(r.proposed_lengths) for r in spec_results) / max(1, sum(len(r.proposed_lengths) for r in spec_results)),
+    }
+    if family.has_confidence(drafter.config):  # a threshold only a confidence prediction can apply
+        summary["confidence_threshold"] = config.confidence_threshold
     return summary
 
 

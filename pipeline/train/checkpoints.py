@@ -264,13 +264,6 @@ RUN_PATHS = re.compile(
 )  # what a run writes below its top level (drafter/checkpoint.py, save_checkpoint, tensorboard), temp names included
 
 
-def run_inputs(manifest, *, cache: str) -> dict:
-    """What a run's drafter depends on besides its flags (checked on --resume): the cache by place
-    and by what it was built from."""
-    settings = manifest.settings
-    return {"cache": cache, "target_hash": settings.target_hash, "corpus_hash": settings.corpus_hash, "cache_seed": settings.seed}
-
-
 def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log=print) -> None:
     """Check --out before a run writes to it (rank 0), with pipeline/outputs.py's checks and record:
     names a run does not write are refused; an earlier run is refused unless --resume (then it must

@@ -201,13 +201,15 @@ class TrainConfig:
     )
 
     def __post_init__(self):
-        for family in families():  # another family's settings would be recorded and never read
+        for family in families():
+            # Another family's options that size its drafter (default None: resolved from the cache) name
+            # a shape this run cannot have; its loss weights are recorded and never read (unused on resume).
             options = self.family_options(family)
             if family.name == self.drafter.arch or options is None:
                 continue
-            given = [flag for flag, value in to_flags(options).items() if value != family.option_flags()[flag]]
+            given = [flag for flag, value in to_flags(options).items() if family.option_flags()[flag] is None and value is not None]
             if given:
-                flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+                flags = " and ".join("--" + flag.replace("_", "-") for flag in given)
                 raise ValueError(f"{flags}: settings of --arch {family.name}, not of --arch {self.drafter.arch}")
         if self.log_every < 1:
             raise ValueError(f"--log-every must be >= 1, got {self.log_every}")

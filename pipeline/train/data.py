@@ -15,25 +15,27 @@ from functools import partial
 import torch
 
 from pipeline.train.batching import CacheTrainDataset, StepSampler, collate
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import LoaderConfig
 from pipeline.train.streaming import StreamTrainDataset, stream_batches, stream_position
 
 
-def make_batches(config: TrainConfig, reader, objective, *, plan, epoch_steps: list[int], start_step: int, rank: int,
-             world_size: int, device: torch.device):  # fmt: skip
-    """Iterator over this rank's micro-batches from `start_step` on: the map loader (a sampler of
-    (epoch, index) keys) or the stream (one webdataset pipeline per epoch), as --loader says."""
+def make_batches(plan):
+    """Iterator over this rank's micro-batches from the plan's start step on (pipeline/train/plan.py):
+    the map loader (a sampler of (epoch, index) keys) or the stream (one webdataset pipeline per
+    epoch), as --loader says."""
+    config, reader, ranks = plan.config, plan.reader, plan.ranks
+    loader = partial(data_loader, loader=config.loader, device=ranks.device)
+    if plan.stream is not None:
+        dataset = StreamTrainDataset(plan.stream, objective=plan.objective, feature_codec=reader.feature_codec)
+        return stream_batches(dataset, epoch_steps=plan.epoch_steps, start_step=plan.start_step,
+                              make_loader=partial(loader, batch_size=None, collate_fn=_as_is))  # fmt: skip
     optim = config.optim
-    if plan is not None:
-        dataset = StreamTrainDataset(plan, objective=objective, feature_codec=reader.feature_codec)
-        make_loader = partial(data_loader, config=config, device=device, batch_size=None, collate_fn=_as_is)
-        return stream_batches(dataset, epoch_steps=epoch_steps, start_step=start_step, make_loader=make_loader)
     sampler = StepSampler(
         len(reader), batch_size=optim.batch_size, grad_accum=optim.grad_accum, epochs=optim.epochs,
-        seed=config.seed, rank=rank, world_size=world_size, start_step=start_step,
+        seed=config.seed, rank=ranks.rank, world_size=ranks.world_size, start_step=plan.start_step,
     )  # fmt: skip
-    dataset = CacheTrainDataset(reader, objective=objective, seed=config.seed)
-    return iter(data_loader(dataset, config=config, device=device, batch_sampler=sampler, collate_fn=collate))
+    dataset = CacheTrainDataset(reader, objective=plan.objective, seed=config.seed)
+    return iter(loader(dataset, batch_sampler=sampler, collate_fn=collate))
 
 
 def data_position(step: int, *, epoch_ends: list[int], plan) -> dict:
@@ -58,11 +60,11 @@ def stream_epoch_steps(plan, num_epochs: int) -> list[int]:
     return steps
 
 
-def data_loader(dataset, *, config: TrainConfig, device: torch.device, **kwargs) -> torch.utils.data.DataLoader:
+def data_loader(dataset, *, loader: LoaderConfig, device: torch.device, **kwargs) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         dataset,
-        num_workers=config.loader.num_workers,
-        prefetch_factor=config.loader.prefetch if config.loader.num_workers else None,
+        num_workers=loader.num_workers,
+        prefetch_factor=loader.prefetch if loader.num_workers else None,
         pin_memory=device.type == "cuda",
         worker_init_fn=single_threaded_worker,
         **kwargs,
