@@ -78,11 +78,11 @@ def save_drafter(model, out_dir: str | os.PathLike, *, dtype: torch.dtype = torc
     hf["torch_dtype"] = dtype_name  # what transformers 4.x (the public DFlash code's pin) reads
     if family.auto_map is not None:
         hf["auto_map"] = dict(family.auto_map)  # the export ships its modeling code, as public releases do
+    code = {name: _exported_code(source, files=family.modeling_files) for source, name in family.modeling_files}
     # Weights and code first, config last: a directory whose config.json is new has new weights.
     atomic_write(out_dir / WEIGHTS_FILE, lambda tmp: _save_weights(tensors, tmp, shown=out_dir / WEIGHTS_FILE))
-    for source, name in family.modeling_files:
-        code = _exported_code(source, files=family.modeling_files)
-        atomic_write(out_dir / name, lambda tmp, code=code: Path(tmp).write_text(code))
+    for name, text in code.items():
+        atomic_write(out_dir / name, lambda tmp, text=text: Path(tmp).write_text(text))
 
     def write_config(tmp: str) -> None:
         with open(tmp, "w") as f:

@@ -220,13 +220,14 @@ def test_a_lock_naming_no_holder_is_taken_over_once_old(tmp_path):
 WORKER_SCRIPT = """
 import os, signal, sys, time
 import torch
-from pipeline.train.data import stop_map_loader_workers
+from pipeline.train.config import LoaderConfig
+from pipeline.train.data import release_loader
 
 loader = torch.utils.data.DataLoader(list(range(64)), batch_sampler=[[0, 1], [2, 3], [4, 5]], num_workers=1)
 batches = iter(loader)
 next(batches), next(batches)  # the trainer's last step: its batches taken, the iterator not exhausted
 if sys.argv[1] == "stop":
-    stop_map_loader_workers(batches)
+    release_loader(batches, loader=LoaderConfig(num_workers=1))
 try:
     os.kill(batches._workers[0].pid, signal.SIGKILL)  # the worker dies after the last step
 except ProcessLookupError:
@@ -242,7 +243,7 @@ def test_a_loader_worker_killed_after_the_last_step_is_not_a_traceback(stop):
     """Regression (found by the chaos harness): the map loader's workers lived until the
     interpreter exited, so one killed after the last step made torch's SIGCHLD handler raise in the
     final save or in an atexit hook: a traceback after the run ended. The trainer now stops them
-    after the last step (`stop_map_loader_workers`); without that, the control shows the raise."""
+    after the last step (`release_loader`); without that, the control shows the raise."""
     proc = subprocess.run([sys.executable, "-c", WORKER_SCRIPT, "stop" if stop else "keep"], capture_output=True, text=True,
                           timeout=chaos.RUN_CAP_S, env={**os.environ, "PYTHONPATH": str(chaos.ROOT)})  # fmt: skip
     if stop:

@@ -228,7 +228,7 @@ def test_resume_refuses_what_changes_a_stream_but_not_what_the_map_loader_ignore
 def test_the_plan_every_rank_computes_alike():
     """Pure planning, no data: the DataLoader's turn order, epochs of uneven shards sized by the
     slowest rank, and a checkpoint's data position that does not depend on the rank computing it."""
-    from pipeline.train.data import data_position as _data_position
+    from pipeline.train.streaming import data_position as _data_position
     from pipeline.train.streaming import StreamPlan, StreamShard, stream_position, turn_order, wholly_consumed_shards
 
     assert turn_order([3, 1, 2]) == [0, 1, 2, 0, 2, 0]

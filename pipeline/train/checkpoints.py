@@ -23,7 +23,15 @@ import torch
 
 from drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, exported_file_names
 from drafter.families import DEFAULT_FAMILY, FAMILIES, families
-from pipeline.outputs import LOCK_FILE, differences, read_record, refuse_foreign, refuse_foreign_inside, remove_names, write_record
+from pipeline.outputs import (
+    LOCK_FILE,
+    differences,
+    read_location_record,
+    refuse_foreign,
+    refuse_foreign_inside,
+    remove_names,
+    write_location_record,
+)
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.location import Location, is_url
@@ -60,13 +68,15 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dict, data_position: dict | None = None) -> str:
-    """Write the checkpoint after `step`, then point `latest` at it; returns where it went."""
+def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dict, data_position: dict | None = None,
+                    drafter_config: dict | None = None) -> str:  # fmt: skip
+    """Write the checkpoint after `step`, then point `latest` at it; returns where it went.
+    `drafter_config`: the drafter's config.json form, recorded beside its weights."""
     final = run.join(f"checkpoints/{checkpoint_name(step)}")
     state = {
         "step": step,
         "model": model.state_dict(),
-        "drafter_config": model.config.to_hf_dict(),
+        "drafter_config": drafter_config,
         "optimizer": optimizer.state_dict(),
         "rng": torch.get_rng_state(),
         "config": settings,
@@ -272,7 +282,7 @@ def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log
     names = run.names()
     refuse_foreign(run, names, command=TRAIN_COMMAND, own=RUN_NAMES.match)
     earlier = "train_config.json" in names or "checkpoints" in names
-    record = read_record(run)
+    record = read_location_record(run)
     if earlier and not (resume or overwrite):
         saved = json.loads(run.read_bytes("train_config.json")) if "train_config.json" in names else {}
         raise ValueError(
@@ -291,4 +301,4 @@ def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log
         log(f"--out {run}: --overwrite: removing the earlier run ({', '.join(replaced)})")
         remove_names(run.local_path, replaced)
     run.make_dirs()
-    write_record(run, {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False})
+    write_location_record(run, {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False})

@@ -216,9 +216,16 @@ class TrainConfig:
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
 
+    def resolved_settings(self, *, objective: ObjectiveConfig, family, options) -> dict:
+        """The flat flags with what the cache gave (`objective` bound to it: the depth, K - 1 by
+        default; --dflash-gamma's default from the target kind; the family's `options`, their defaults
+        from the cache or its init): what train_config.json and checkpoints record and compare."""
+        resolved_objective = dataclasses.replace(self.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
+        families = self.families if options is None else dataclasses.replace(self.families, **{family.name: options})
+        return to_flags(dataclasses.replace(self, objective=resolved_objective, families=families))
+
     def family_options(self, family=None):
         """The settings of `family` (default: the --arch one), or None when it has none."""
-        family = family or get_family(self.drafter.arch)
-        return getattr(self.families, family.name, None)
+        return getattr(self.families, self.drafter.arch if family is None else family.name, None)
 
     from_flags = classmethod(from_flags)

@@ -16,7 +16,6 @@ from pipeline/train/data.py), rank 0 logs, checkpoints (pipeline/train/checkpoin
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass, replace
@@ -27,21 +26,16 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from pipeline.outputs import output_lock
-from pipeline.provenance import append_provenance
 from pipeline.train.batching import ReadFailure, TrainBatch
 from pipeline.train.checkpoints import save_checkpoint
 from pipeline.train.config import TrainConfig
-from pipeline.train.data import stop_map_loader_workers
+from pipeline.train.data import release_loader
 from pipeline.train.eval_split import evaluate_split
-from pipeline.train.run_dir import RunLogs, save_drafter_to, summarize_history
+from pipeline.train.run_dir import RunLogs
 from pipeline.train.plan import TrainPlan, open_run, plan_training
 from pipeline.train.setup import TrainState, setup
 from pipeline.train.step import StepStats, all_reduce_on, forward_loss, lr_at
-from storage.atomic import atomic_write_text
-from storage.local_cache import sweep_orphans
 from storage.location import is_url
-
-PROVENANCE_FILE = "provenance.json"
 
 
 @dataclass(kw_only=True)
@@ -131,29 +125,17 @@ def train(config: TrainConfig) -> dict:
     places = open_run(config)  # before the lock: never a lock file in a cache or a stranger's folder
     locked = int(os.environ.get("RANK", "0")) == 0 and places.run.is_local
     with output_lock(config.out, command="alrira-train") if locked else contextlib.nullcontext():
-        return run_training(plan_training(config, places=places))
-
-
-def record_provenance(plan: TrainPlan) -> None:
-    """RUN/provenance.json: one entry per invocation of this run (a resume adds one) with the exact
-    command, package versions, source revision and the resolved config, `auto` resolved (precision,
-    attention kernel, loader workers) (pipeline/provenance.py). A new run starts the file afresh."""
-    if not plan.start_step and plan.run.is_file(PROVENANCE_FILE):
-        plan.run.remove(PROVENANCE_FILE)
-    append_provenance(plan.run, PROVENANCE_FILE, {**plan.settings, "attention_kernel": plan.attention, "start_step": plan.start_step})
+        plan = plan_training(config, places=places)
+        return run_training(plan)
 
 
 def run_training(plan: TrainPlan) -> dict:
     """Build the run from its plan and step it to the end (the module docstring)."""
     s = setup(plan)  # the map loader's workers run from here on: every exit below stops them (finally)
-    config, run, main = plan.config, plan.run, plan.ranks.rank == 0
-    history, started, logs = [], time.time(), None
+    config, main = plan.config, plan.ranks.rank == 0
+    history, started, logs, finished = [], time.time(), None, False
     try:
-        if main:  # first: what marks --out as a run (pipeline/train/preflight.py) for the other ranks' checks
-            run.make_dirs()
-            atomic_write_text(run.join("train_config.json"), json.dumps(plan.settings, indent=2))
-            record_provenance(plan)
-        logs = RunLogs.open(run, start_step=plan.start_step) if main else None
+        logs = RunLogs.start(plan) if main else None  # first: what marks --out as a run, for the other ranks' checks
         bar = tqdm(total=plan.last_step, initial=plan.start_step, unit="step", desc=config.objective.method,
                    disable=not main or not config.progress)  # fmt: skip
         window, window_start = [], time.time()
@@ -172,33 +154,23 @@ def run_training(plan: TrainPlan) -> dict:
                 if logs is not None:
                     logs.add(record)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", acc1=f"{record['slot_acc'][0]:.3f}")
-            if not main:
-                continue
-            bar.update(1)
-            end_of_epoch = (step + 1) in plan.epoch_ends
-            if end_of_epoch or (config.checkpoint.save_every and (step + 1) % config.checkpoint.save_every == 0):
-                logs.publish()  # on a store: the metrics up to this step, before the checkpoint commits
-                save_checkpoint(
-                    run, step=step + 1, model=s.drafter, optimizer=s.optimizer, settings=plan.settings,
-                    data_position=plan.data_position(step + 1),
-                )  # fmt: skip
-        stop_map_loader_workers(s.batches)
+            if main:
+                bar.update(1)
+                if (step + 1) in plan.epoch_ends or (config.checkpoint.save_every and (step + 1) % config.checkpoint.save_every == 0):
+                    position = plan.data_position(step + 1)
+                    logs.publish()  # on a store: the metrics up to this step, before the checkpoint commits
+                    save_checkpoint(plan.run, step=step + 1, model=s.drafter, optimizer=s.optimizer, settings=plan.settings,
+                                    data_position=position, drafter_config=plan.drafter.hf_config)  # fmt: skip
         bar.close()
-        summary = {"run": str(run), "method": config.objective.method, "steps": plan.last_step, "elapsed_s": time.time() - started}
-        if logs is not None:
-            logs.close()
-            save_drafter_to(run, s.drafter, dtype=getattr(torch, config.checkpoint.save_dtype))
-            summary.update(summarize_history(history, num_slots=plan.num_slots))
-            atomic_write_text(run.join("summary.json"), json.dumps(summary, indent=2))  # last: the run is done
+        finished = True
     finally:
-        if logs is not None:
+        release_loader(s.batches, loader=config.loader)  # before the export: a worker that dies then cannot break it
+        if logs is not None and not finished:
             logs.discard()
-        stop_map_loader_workers(s.batches)
-        if config.loader.kind == "stream":
-            with contextlib.suppress(Exception):  # never hides the run's own error
-                getattr(s.batches, "close", lambda: None)()  # stops the last epoch's workers
-            with contextlib.suppress(OSError):
-                sweep_orphans(config.loader.local_cache_root)  # copies of workers stopped at an epoch's end
+    summary = {"run": str(plan.run), "method": config.objective.method, "steps": plan.last_step, "elapsed_s": time.time() - started}
+    if logs is not None:
+        summary = logs.finish(summary, history, drafter=s.drafter, num_slots=plan.num_slots,
+                              dtype=getattr(torch, config.checkpoint.save_dtype))  # fmt: skip
     if plan.ranks.world_size > 1:
         dist.barrier()
     return summary

@@ -16,15 +16,16 @@ import itertools
 import os
 from dataclasses import dataclass, replace
 from functools import cached_property
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from drafter.checkpoint import check_compatible, read_drafter_config
 from drafter.config import DFlashConfig
-from drafter.families import get_family
+from drafter.families import check_init, get_family
 from drafter.family import BlockLayout, DrafterFamily
-from pipeline.config import to_flags
+from pipeline.outputs import is_bookkeeping
 from pipeline.precision import auto_bf16
 from pipeline.train.batching import steps_per_epoch
 from pipeline.train.checkpoints import (
@@ -35,14 +36,12 @@ from pipeline.train.checkpoints import (
     restart_settings_check,
 )
 from pipeline.train.config import TrainConfig
-from pipeline.train.data import data_position, stream_epoch_steps
 from pipeline.train.labels import ObjectiveConfig
-from pipeline.train.methods import check_cache_serves
-from pipeline.train.preflight import check_cache_complete, check_run_dir
-from pipeline.train.streaming import StreamPlan, stream_plan
+from pipeline.train.methods import check_cache_serves, check_ira_parents_serve
+from pipeline.train.streaming import StreamPlan, data_position, plan_stream, stream_epoch_steps
 from storage.eval_split import EvalSplit, read_eval_split, read_eval_split_record
 from storage.location import Location, resolve
-from storage.manifest import Manifest
+from storage.manifest import Manifest, read_target_head
 from storage.reader import CacheReader, available_arrays, open_cache
 
 
@@ -74,6 +73,11 @@ class DrafterPlan:
     seed: int  # fresh weights: the run's seed
     activation_checkpointing: bool
 
+    @cached_property
+    def hf_config(self) -> dict:
+        """The drafter's config.json form (its checkpoints record it)."""
+        return self.config.to_hf_dict()
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainPlan:
@@ -94,6 +98,7 @@ class TrainPlan:
     last_step: int  # the run stops after this step count (--max-steps)
     resume: dict | None  # the checkpoint --resume continues (its state), None: the run starts at step 0
     eval_split: EvalSplit | None  # rank 0's: the cache's evaluation split (--eval-every), if it has one
+    head: dict  # the target's embed_tokens / lm_head as the cache stores them (CPU), checked to be its target's
 
     @property
     def manifest(self) -> Manifest:
@@ -178,6 +183,7 @@ def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks
     drafter = plan_drafter(config, manifest)
     check_cache_serves(config.objective.method, available_arrays(reader), config.cache, arch=drafter.family.name,
                        distributions=drafter.layout.distributions)  # fmt: skip
+    check_ira_parents_serve(config.objective, ira_parents=reader.ira_parents, anchors_per_sequence=manifest.settings.anchors_per_sequence)
     check_batch(optim.batch_size, grad_accum=optim.grad_accum, world_size=ranks.world_size, num_sequences=len(reader))
     settings = manifest.settings
     objective = config.objective.for_cache(
@@ -185,37 +191,37 @@ def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks
         vision=settings.vision is not None, layout=drafter.layout,
     )  # fmt: skip
     compute_dtype = resolve_precision(optim.precision, device=ranks.device)
-    run_settings = resolved_settings(config, objective=objective, drafter=drafter) | {
+    run_settings = config.resolved_settings(objective=objective, family=drafter.family, options=drafter.options) | {
         "compute_dtype": str(compute_dtype).removeprefix("torch."), "device_kind": ranks.device.type,  # `auto` is part of the run
     }  # fmt: skip
-    stream = plan_stream(config, reader, ranks=ranks) if config.loader.kind == "stream" else None
+    stream = plan_stream(config, reader, rank=ranks.rank, world_size=ranks.world_size) if config.loader.kind == "stream" else None
     epoch_steps = stream_epoch_steps(stream, optim.epochs) if stream else [steps_per_epoch(len(reader), batch_size=optim.batch_size)] * optim.epochs
     epoch_ends = tuple(itertools.accumulate(epoch_steps))
     last_step = min(epoch_ends[-1], config.max_steps) if config.max_steps else epoch_ends[-1]
     plan = TrainPlan(
         config=config, ranks=ranks, run=run, cache=cache, reader=reader, drafter=drafter, objective=objective, settings=run_settings,
         compute_dtype=compute_dtype, attention=resolve_attention(optim.attention, device=ranks.device), stream=stream,
-        epoch_ends=epoch_ends, last_step=last_step, resume=None, eval_split=None,
+        epoch_ends=epoch_ends, last_step=last_step, resume=None, eval_split=None, head={},
     )  # fmt: skip
-    return replace(plan, resume=resume_state(plan), eval_split=load_eval_split(plan))
+    return replace(plan, resume=resume_state(plan), eval_split=load_eval_split(plan),
+                   head=read_target_head(cache, target_hash=settings.target_hash))  # fmt: skip
 
 
 def plan_drafter(config: TrainConfig, manifest: Manifest) -> DrafterPlan:
     """The --arch family with its options resolved for the cache, its layout, and the drafter's
     config: a --drafter-init's (read from its config.json, checked against the family and the
     cache), that init's backbone in the family's shape, or a fresh one on the target's shape."""
-    family = get_family(config.drafter.arch)
-    settings, init = manifest.settings, config.drafter.drafter_init
-    options = config.family_options(family)
-    if options is not None:
-        options = family.resolve_options(options, num_slots=settings.num_slots, vocab_size=manifest.vocab_size)
-    layout = family.layout(options, num_slots=settings.num_slots)
-    init_family = None
+    options, settings, init = config.family_options(), manifest.settings, config.drafter.drafter_init
+    family, init_family, init_config = get_family(config.drafter.arch), None, None
     if init is not None:
-        init_family, drafter_config = read_drafter_config(init)
-        check_init(init, family=family, init_family=init_family, init_config=drafter_config, options=options,
-                   mask_token_id=manifest.mask_token_id)  # fmt: skip
-        drafter_config = replace(drafter_config, dtype="float32")  # its weights load in float32 (master weights)
+        init_family, init_config = read_drafter_config(init)
+        check_init(init, family=family, init_family=init_family, init_config=init_config, mask_token_id=manifest.mask_token_id)
+    if options is not None:
+        options = family.resolve_options(options, num_slots=settings.num_slots, vocab_size=manifest.vocab_size,
+                                         init=(init, init_config) if init_family is family else None)  # fmt: skip
+    layout = family.layout(options, num_slots=settings.num_slots)
+    if init is not None:
+        drafter_config = replace(init_config, dtype="float32")  # its weights load in float32 (master weights)
         if init_family is not family:
             drafter_config = family.new_config(drafter_config, options)
     else:
@@ -227,21 +233,6 @@ def plan_drafter(config: TrainConfig, manifest: Manifest) -> DrafterPlan:
                      vocab_size=manifest.vocab_size, block_size=layout.block_size)  # fmt: skip
     return DrafterPlan(family=family, options=options, layout=layout, config=drafter_config, init=init, init_family=init_family,
                        seed=config.seed, activation_checkpointing=config.drafter.activation_checkpointing)  # fmt: skip
-
-
-def check_init(init: str, *, family: DrafterFamily, init_family: DrafterFamily, init_config, options, mask_token_id: int) -> None:
-    """A --drafter-init the run can start from: the cache's mask token (its export would name the
-    wrong one), and either the family's own checkpoint (its settings checked against the run's) or
-    one whose backbone the family starts from (`init_from`)."""
-    if init_config.mask_token_id != mask_token_id:
-        raise ValueError(
-            f"--drafter-init {init}: its mask token {init_config.mask_token_id} is not the cache's {mask_token_id}; build the "
-            f"cache with --mask-token {init_config.mask_token_id}"
-        )
-    if init_family is family:
-        family.check_init(init_config, options, init=init)
-    elif init_family.name not in family.init_from:
-        raise ValueError(f"--drafter-init {init} is a {init_family.title} drafter: train it with --arch {init_family.name}")
 
 
 def check_batch(batch_size: int, *, grad_accum: int, world_size: int, num_sequences: int) -> None:
@@ -263,26 +254,6 @@ def resolve_attention(attention: str, *, device: torch.device) -> str:
     if resolved == "flex" and device.type != "cuda":
         raise ValueError(f"--attention flex needs a CUDA device (PyTorch has no flex-attention backward on {device.type}); use sdpa or auto")
     return resolved
-
-
-def resolved_settings(config: TrainConfig, *, objective: ObjectiveConfig, drafter: DrafterPlan) -> dict:
-    """The flags with what the cache gave (the depth, K - 1 by default; --dflash-gamma's default from
-    the target kind; the family's options, their defaults from the cache): what train_config.json and
-    checkpoints record and compare."""
-    resolved_objective = replace(config.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
-    families = config.families if drafter.options is None else replace(config.families, **{drafter.family.name: drafter.options})
-    return to_flags(replace(config, objective=resolved_objective, families=families))
-
-
-def plan_stream(config: TrainConfig, reader: CacheReader, *, ranks: Ranks) -> StreamPlan:
-    """--loader stream: which shards every rank and worker streams (a Zarr cache is refused)."""
-    optim, loader = config.optim, config.loader
-    return stream_plan(
-        reader, seed=config.seed, rank=ranks.rank, world_size=ranks.world_size, num_workers=loader.num_workers,
-        micro_batch=optim.batch_size // (ranks.world_size * optim.grad_accum), grad_accum=optim.grad_accum,
-        shuffle_buffer=loader.shuffle_buffer, local_cache_gib=loader.local_cache_gib, local_cache_dir=loader.local_cache_root,
-        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), prefetch_shards=loader.prefetch_shards,
-    )  # fmt: skip
 
 
 def resume_state(plan: TrainPlan) -> dict | None:
@@ -326,3 +297,53 @@ def load_eval_split(plan: TrainPlan) -> EvalSplit | None:
             "`alrira-cache build` and --eval-prompts (the shards are kept)"
         )
     return split
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run checks before it writes anything: --out is a run directory (new, empty, or a run's) and
+# not the cache, and the cache is whole unless --allow-partial (docs/failure-modes.md).
+
+RUN_MARKERS = ("train_config.json", "checkpoints")  # what every run directory holds from its first step on
+
+
+def _same_or_inside(inner: Location, outer: Location) -> bool:
+    """Whether `inner` is `outer` or lies under it (local paths resolved, store URLs compared as prefixes)."""
+    if inner.is_local != outer.is_local:
+        return False
+    if inner.is_local:
+        a, b = Path(os.path.realpath(inner.local_path)), Path(os.path.realpath(outer.local_path))
+        return a == b or b in a.parents
+    a, b = str(inner).rstrip("/"), str(outer).rstrip("/")
+    return a == b or a.startswith(b + "/")
+
+
+def check_run_dir(run: Location, *, cache: Location) -> None:
+    """Refuse an --out that is (or is inside) the cache, a file, or a non-empty directory that is
+    not a training run: a run writes metrics.jsonl, train_config.json and drafter/ there, and
+    would overwrite a user's files of those names."""
+    if _same_or_inside(run, cache):
+        raise ValueError(f"--out {run}: is the cache (--cache {cache}) or inside it; give the run its own directory")
+    if run.is_local and run.exists() and not run.is_dir():
+        raise ValueError(f"--out {run}: is a file, not a directory")
+    names = [n for n in run.names() if not is_bookkeeping(n)]  # the lock and record: pipeline/outputs.py's
+    if names and not any(marker in names for marker in RUN_MARKERS):
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ValueError(
+            f"--out {run}: not empty and not a training run (no {' or '.join(RUN_MARKERS)}; holds {shown}); "
+            "use an empty or new directory"
+        )
+
+
+def check_cache_complete(manifest: Manifest, *, cache: Location, allow_partial: bool, log=print) -> None:
+    """A cache whose build stopped early (some planned shards not complete) trains only with
+    --allow-partial, which then says how much of it is used."""
+    done, planned = len(manifest.complete_shards), manifest.num_shards_planned
+    if done >= planned:
+        return
+    used = f"{done} of {planned} planned shards ({manifest.num_sequences} sequences)"
+    if not allow_partial:
+        raise ValueError(
+            f"--cache {cache}: the build did not finish: {used} are complete; rerun the build to finish it, "
+            "or pass --allow-partial to train on what is there"
+        )
+    log(f"--allow-partial: training on {used} of {cache}")

@@ -15,7 +15,6 @@ from drafter.checkpoint import load_drafter
 from pipeline.train.checkpoints import claim_run
 from pipeline.train.data import make_batches
 from pipeline.train.plan import DrafterPlan, TrainPlan
-from storage.manifest import load_target_head
 
 
 def adamw(params, *, lr: float, device: torch.device) -> torch.optim.AdamW:
@@ -59,14 +58,14 @@ class TrainState:
 
 
 def setup(plan: TrainPlan) -> TrainState:
-    ranks, dtype = plan.ranks, plan.compute_dtype
+    ranks, dtype, head = plan.ranks, plan.compute_dtype, plan.head
+    loader = make_batches(plan)  # its workers start when it is first iterated, below
     drafter = build_drafter(plan.drafter).to(ranks.device)
     optimizer = adamw(drafter.parameters(), lr=plan.config.optim.lr, device=ranks.device)
     if plan.resume is not None:
         drafter.load_state_dict(plan.resume["model"])
         optimizer.load_state_dict(plan.resume["optimizer"])
         torch.set_rng_state(plan.resume["rng"])
-    head = load_target_head(plan.cache, target_hash=plan.manifest.settings.target_hash)
     if ranks.rank == 0:  # after every refusal (the plan's, the weights' loading): a refused run leaves nothing in --out
         checkpoint = plan.config.checkpoint
         claim_run(plan.run, inputs=plan.inputs, resume=checkpoint.resume, overwrite=checkpoint.overwrite, log=ranks.log)
@@ -77,6 +76,6 @@ def setup(plan: TrainPlan) -> TrainState:
         embed_tokens=head["embed_tokens.weight"].to(ranks.device, dtype),
         lm_head=head["lm_head.weight"].to(ranks.device, dtype),
         autocast=torch.autocast(ranks.device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext(),
-        batches=make_batches(plan),
+        batches=iter(loader),
         head=head if plan.eval_split is not None else None,
     )
