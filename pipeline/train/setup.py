@@ -172,23 +172,27 @@ class TrainState:
 
 
 def load_eval_split(config: TrainConfig, settings, *, rank: int) -> EvalSplit | None:
-    """Rank 0's evaluation split of the cache (--eval-every), checked to belong to its target and
-    taps; None on the other ranks or without one (refused with --eval-every)."""
+    """Rank 0's evaluation split of the cache (--eval-every), checked in full before step 1 (its
+    record, target and taps, counts against its tensors, token ids against the vocabulary, feature
+    widths against the taps: storage/eval_split.py); None on the other ranks or without one
+    (refused with --eval-every). A resume whose earlier evaluation points measured another split is
+    refused on every rank: one tau curve never joins two splits."""
+    from storage.eval_split import check_same_split, logged_split_identities, split_identity
+    from storage.manifest import load_manifest
+
     cache = resolve(config.cache)
-    if read_eval_split_record(cache) is None:
+    record = read_eval_split_record(cache)
+    if record is None:
         if config.eval_every:
             raise ValueError(f"--eval-every: {config.cache} has no evaluation split; build the cache with --eval-prompts FILE")
         return None
+    run = resolve(config.out)
+    if config.checkpoint.resume and run.is_file("metrics.jsonl"):
+        earlier = logged_split_identities(run.read_bytes("metrics.jsonl"))
+        check_same_split(earlier, split_identity(record), run=str(run))
     if rank != 0:
         return None
-    split = read_eval_split(cache)
-    made_for = {"target_hash": split.key.get("target_hash"), "layer_ids": split.key.get("layer_ids")}
-    if made_for != {"target_hash": settings.target_hash, "layer_ids": list(settings.layer_ids)}:
-        raise ValueError(
-            f"{config.cache}: its evaluation split was computed for another target or taps ({made_for}); rebuild it with "
-            "`alrira-cache build` and --eval-prompts (the shards are kept)"
-        )
-    return split
+    return read_eval_split(cache, load_manifest(cache))
 
 
 def resume_from_checkpoint(config: TrainConfig, *, run: Location, settings: dict, position_after, last_step: int, drafter,
