@@ -49,7 +49,7 @@ from pipeline.eval.scores import (
 )
 from pipeline.eval.tree import tree_speculative_decode
 from pipeline.outputs import check_out_path, claim_output, log_line, owns
-from pipeline.target import load_target, load_tokenizer, stop_token_ids
+from pipeline.target import context_limit, load_target, load_tokenizer, prompt_budgets, stop_token_ids
 from pipeline.vision import (
     SequenceImage,
     VisionInputConfig,
@@ -210,6 +210,22 @@ def select_evenly(rows: list[tuple], *, max_prompts: int | None) -> list[tuple]:
     return [rows[position] for position in sorted(itertools.islice(rounds, max_prompts))]
 
 
+def context_budgets(target_dir: str, tokenizer, prompts: list[EvalPrompt], *, max_new_tokens: int, flag: str, path: str,
+                    log=log_line) -> dict[int, int]:  # fmt: skip
+    """{prompt id: tokens it may generate}: `max_new_tokens`, cut where the prompt and its response
+    would outgrow the target's context (pipeline.target.context_limit), with one line saying so; a
+    prompt that fills the context is refused naming its row. Every decode of a prompts file (run,
+    replay, hard, the cache's evaluation split) goes through it."""
+    locate = row_locator(path)
+    budgets, line = prompt_budgets(
+        context_limit(target_dir, tokenizer), [len(p.input_ids) for p in prompts], max_new_tokens=max_new_tokens, flag=flag,
+        where=[locate(p.prompt_id) for p in prompts],
+    )  # fmt: skip
+    if line is not None:
+        log(line)
+    return {p.prompt_id: budget for p, budget in zip(prompts, budgets, strict=True)}
+
+
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -327,7 +343,7 @@ def run_eval(config: EvalConfig, *, log=log_line) -> dict:
                       log=log) as output:  # fmt: skip
         if output.kept:
             return json.loads((output.path / "summary.json").read_text())
-        summary = _run_eval(config, device=device, dtype=dtype)
+        summary = _run_eval(config, device=device, dtype=dtype, log=log)
         summary["inputs"] = inputs
         summary["provenance"] = provenance_record({**to_flags(config), "dtype_resolved": str(dtype).removeprefix("torch."),
                                                    "device_resolved": str(device)})  # fmt: skip
@@ -336,11 +352,13 @@ def run_eval(config: EvalConfig, *, log=log_line) -> dict:
     return summary
 
 
-def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -> dict:
+def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype, log=log_line) -> dict:
     target, tokenizer, drafter, stops = load_models(config, device, dtype)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     draft_config = drafter.config
     prompts = eval_prompts(config, tokenizer)
+    budgets = context_budgets(config.target, tokenizer, prompts, max_new_tokens=config.max_new_tokens, flag="--max-new-tokens",
+                              path=config.prompts, log=log)  # fmt: skip
     num_draft = draft_config.num_drafts
     dspark = isinstance(drafter, DSparkDrafter)
     if dspark and config.tree_budget is not None:
@@ -385,8 +403,10 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     ar_key = ar_baseline_key(config, prompts, dtype=dtype, device=device)
     found = find_ar_baseline(ar_baseline_candidates(config.out, config.ar_baseline_from), ar_key, prompts) if config.reuse_ar_baseline else None
     reused_from, known_ar = found if found is not None else (None, None)
+    if known_ar is not None and any(len(known_ar[p.prompt_id].tokens) > budgets[p.prompt_id] for p in prompts):
+        reused_from, known_ar = None, None  # decoded past the target's context by an older version: not this run's baseline
     # Untimed warm-up of both decoders: first-call costs (allocator, kernels) would skew prompt 0.
-    warmup = min(config.max_new_tokens, WARMUP_TOKENS)
+    warmup = min(budgets[prompts[0].prompt_id], WARMUP_TOKENS)
     if known_ar is None:
         run_ar(prompts[0], warmup, config.seed)
     run_spec(prompts[0], warmup, config.seed)
@@ -395,15 +415,15 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     accepted_by_group: dict[str, list[int]] = {}
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=not config.progress)
     for i, prompt in enumerate(bar):
-        seed = config.seed + i
+        seed, max_new_tokens = config.seed + i, budgets[prompt.prompt_id]
         if known_ar is not None:
-            ar, spec = known_ar[prompt.prompt_id], run_spec(prompt, config.max_new_tokens, seed)
+            ar, spec = known_ar[prompt.prompt_id], run_spec(prompt, max_new_tokens, seed)
         elif i % 2 == 0:
-            ar = run_ar(prompt, config.max_new_tokens, seed)
-            spec = run_spec(prompt, config.max_new_tokens, seed)
+            ar = run_ar(prompt, max_new_tokens, seed)
+            spec = run_spec(prompt, max_new_tokens, seed)
         else:
-            spec = run_spec(prompt, config.max_new_tokens, seed)
-            ar = run_ar(prompt, config.max_new_tokens, seed)
+            spec = run_spec(prompt, max_new_tokens, seed)
+            ar = run_ar(prompt, max_new_tokens, seed)
         ar_results[prompt.prompt_id] = ar
         spec_results.append(spec)
         if config.temperature == 0 and spec.tokens != ar.tokens:
@@ -420,6 +440,7 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     write_csv_rows(out / "rounds.csv", rounds, columns=ROUND_COLUMNS)
     summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
                        block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
+    summary["capped_prompts"] = sum(b < config.max_new_tokens for b in budgets.values())  # by the target's context
     summary["ar_baseline"] = {"file": str(ar_file), "reused": known_ar is not None, "reused_from": None if reused_from is None else str(reused_from)}
     summary["arch"] = "dspark" if dspark else "dflash"
     summary["num_drafts"] = num_draft
