@@ -400,11 +400,7 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype, l
             confidence_threshold=config.confidence_threshold,
         )
 
-    ar_key = ar_baseline_key(config, prompts, dtype=dtype, device=device)
-    found = find_ar_baseline(ar_baseline_candidates(config.out, config.ar_baseline_from), ar_key, prompts) if config.reuse_ar_baseline else None
-    reused_from, known_ar = found if found is not None else (None, None)
-    if known_ar is not None and any(len(known_ar[p.prompt_id].tokens) > budgets[p.prompt_id] for p in prompts):
-        reused_from, known_ar = None, None  # decoded past the target's context by an older version: not this run's baseline
+    ar_key, reused_from, known_ar = _kept_ar_baseline(config, prompts, budgets, dtype=dtype, device=device)
     # Untimed warm-up of both decoders: first-call costs (allocator, kernels) would skew prompt 0.
     warmup = min(budgets[prompts[0].prompt_id], WARMUP_TOKENS)
     if known_ar is None:
@@ -455,6 +451,18 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype, l
         )
     _write_json(out / "summary.json", summary)
     return summary
+
+
+def _kept_ar_baseline(config: EvalConfig, prompts: list[EvalPrompt], budgets: dict[int, int], *, dtype: torch.dtype,
+                      device: torch.device) -> tuple[str, Path | None, dict | None]:  # fmt: skip
+    """(the AR baseline's key, where a kept one was found, its results by prompt id) (None, None
+    when none is reused: --no-reuse-ar-baseline, none found, or one holding more tokens than a
+    prompt's budget under the target's context, which this run would not decode)."""
+    ar_key = ar_baseline_key(config, prompts, dtype=dtype, device=device)
+    found = find_ar_baseline(ar_baseline_candidates(config.out, config.ar_baseline_from), ar_key, prompts) if config.reuse_ar_baseline else None
+    if found is None or any(len(found[1][p.prompt_id].tokens) > budgets[p.prompt_id] for p in prompts):
+        return ar_key, None, None
+    return ar_key, found[0], found[1]
 
 
 def _summary(config: EvalConfig, rows: list[dict], *, num_groups: int, mismatches: int, dtype: torch.dtype,
