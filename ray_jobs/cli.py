@@ -85,7 +85,7 @@ def _cache_argument(ctx, param, value: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def cache_info(cache: str, as_json: bool):
     """Sequences, tokens, anchors, bytes per token, compression, and which objectives the cache serves."""
-    from storage.eval_split import eval_split_problems
+    from storage.eval_split import SplitFit, eval_split_problems
     from storage.location import resolve
     from storage.verify import identity_note, identity_problems, size_problems
 
@@ -94,7 +94,7 @@ def cache_info(cache: str, as_json: bool):
         problems = size_problems(cache, reader.manifest)
         problems = problems or identity_problems(reader)  # opens each shard: only when all are there
         # The split's record against its tensors' header and the taps (no data read: `verify` reads it all).
-        split_problems = eval_split_problems(resolve(cache), reader.manifest, full=False)
+        split_problems = eval_split_problems(resolve(cache), SplitFit.of(reader.manifest), full=False)
         if split_problems:
             info["eval_split"] = "damaged (see below)"
         problems += split_problems

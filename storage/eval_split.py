@@ -226,12 +226,11 @@ def _value_problems(tensors: dict[str, np.ndarray], record: dict, fit: SplitFit)
     return problems
 
 
-def eval_split_problems(cache: Location, manifest, *, full: bool = True) -> list[str]:
+def eval_split_problems(cache: Location, fit: SplitFit, *, full: bool = True) -> list[str]:
     """Every problem of the cache's split, one line each ([] without a split): its record, what it
     was computed for, its tensors' shapes against the record and the taps; with `full`
     (`verify`, training) also its bytes against the record's sha256 and its values (offsets, token
     ids against the vocabulary, finite features). Without, only the header is read (`info`)."""
-    fit = SplitFit.of(manifest)
     try:
         record = read_eval_split_record(cache)
         if record is None:
@@ -268,13 +267,12 @@ def _checked_tensors(cache: Location, record: dict, fit: SplitFit) -> tuple[dict
     return tensors, [f"{where}: {p}" for p in problems]
 
 
-def read_eval_split(cache: Location, manifest) -> EvalSplit:
+def read_eval_split(cache: Location, fit: SplitFit) -> EvalSplit:
     """The cache's split, checked in full against its record and the cache (`eval_split_problems`):
     one line naming the file for the first problem."""
     record = read_eval_split_record(cache)
     if record is None:
         raise ValueError(f"{cache}: has no evaluation split (build the cache with --eval-prompts FILE)")
-    fit = SplitFit.of(manifest)
     if (problem := _fit_problem(record, fit)) is not None:
         raise ValueError(f"{cache.join(EVAL_SPLIT_RECORD)}: {problem}")
     if not cache.is_file(EVAL_SPLIT_FILE):

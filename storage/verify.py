@@ -17,7 +17,7 @@ from storage.format import (
     TARGET_HEAD_FILE,
     MANIFEST_FILE,
 )
-from storage.eval_split import eval_split_problems
+from storage.eval_split import SplitFit, eval_split_problems
 from storage.location import Location, read_safetensors_header, resolve
 from storage.manifest import (
     TARGET_HEAD_HASH_KEY,
@@ -253,7 +253,7 @@ def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
             f"{cache.join(MANIFEST_FILE)}: {len(manifest.complete_shards)} of {manifest.num_shards_planned} planned shards are complete"
         )
     problems += _target_head_problems(cache, manifest)
-    problems += eval_split_problems(cache, manifest)  # checked like a shard: record, counts, token ids, widths
+    problems += eval_split_problems(cache, SplitFit.of(manifest))  # checked like a shard: record, counts, token ids, widths
     for record in manifest.complete_shards:
         problems += [f"{record.name}: {p}" for p in _shard_problems(cache, manifest, record)]
     if not problems:  # every shard whole: is each the one its record names (rows, not only bytes)?

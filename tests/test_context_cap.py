@@ -125,7 +125,7 @@ def test_a_prompt_that_fills_the_context_is_refused_naming_its_row(toy_target, d
 def test_the_eval_split_is_capped_by_the_context(short_target, prompts, toy_corpus, tmp_path):
     """--eval-max-new-tokens: the plan says the cut in one line and every stored sequence fits."""
     from pipeline.eval.split import build_eval_split, plan_eval_split
-    from storage.eval_split import EVAL_SPLIT_RECORD
+    from storage.eval_split import EVAL_SPLIT_RECORD, SplitFit
     from storage.location import resolve
 
     logs: list[str] = []
@@ -135,7 +135,8 @@ def test_the_eval_split_is_capped_by_the_context(short_target, prompts, toy_corp
     assert plan.max_tokens == CONTEXT * len(PROMPTS)
     out = tmp_path / "cache"
     out.mkdir()
-    record = build_eval_split(resolve(out), plan, target=str(short_target), target_hash="sha256:x", layer_ids=[0, 2], log=logs.append)
+    fit = SplitFit(target_hash="sha256:x", layer_ids=[0, 2], vocab_size=10**6, feature_width=2 * 64)
+    record = build_eval_split(resolve(out), plan, target=str(short_target), fit=fit, log=logs.append)
     assert record["num_tokens"] <= CONTEXT * len(PROMPTS) and json.loads((out / EVAL_SPLIT_RECORD).read_text()) == record
 
 

@@ -21,7 +21,7 @@ from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.driver import build_cache
 from pipeline.train.config import TrainConfig
 from ray_jobs.cli import cache_cli
-from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD, read_eval_split, split_identity, write_eval_split
+from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD, SplitFit, read_eval_split, split_identity, write_eval_split
 from storage.location import resolve
 from storage.manifest import load_manifest
 from storage.verify import verify_cache
@@ -155,8 +155,21 @@ def test_verify_info_and_training_check_the_split_like_a_shard(split_cache, tmp_
 def test_the_intact_split_passes_every_check(split_cache):
     cache, _ = split_cache
     assert verify_cache(cache) == []
-    split = read_eval_split(resolve(cache), load_manifest(cache))
+    split = read_eval_split(resolve(cache), SplitFit.of(load_manifest(cache)))
     assert split.num_prompts == 4 and int(split.tokens.max()) < _vocab(cache) and split.features.shape[1] == load_manifest(cache).feature_dim
+
+
+def test_a_rebuild_computes_a_damaged_split_again(split_cache, toy_target, corpus, tmp_path):
+    """What the refusals advise works: the same build again keeps the shards and replaces a split
+    that fails its checks (a split of the same key was kept, damaged or not)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(split_cache[0], cache)
+    _craft(cache, tensors=CRAFTED["token-past-vocab"][0])
+    prompts = json.loads((cache / "build_provenance.json").read_text())["invocations"][0]["config"]["eval_prompts"]
+    logs: list[str] = []
+    build_cache(_config(toy_target, corpus, cache, eval_prompts=prompts), progress=False, log=logs.append)
+    assert any("outside the target's vocabulary" in line and line.endswith("; computing it again") for line in logs), logs
+    assert verify_cache(cache) == [] and (cache / EVAL_SPLIT_FILE).read_bytes() == (split_cache[0] / EVAL_SPLIT_FILE).read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -220,7 +233,7 @@ def test_every_eval_point_names_its_split_and_a_resume_on_another_split_is_refus
     assert evaluated and all(e["split"] == split_identity(record) for e in evaluated)
     _train(cache, run, epochs=2, resume=True)  # the same split: the curve goes on
     # The cache's split replaced by another (3 of its prompts, as a rebuild with other --eval-prompts leaves it).
-    split = read_eval_split(resolve(cache), load_manifest(cache))
+    split = read_eval_split(resolve(cache), SplitFit.of(load_manifest(cache)))
     n = 3
     write_eval_split(
         resolve(cache), sequences=[split.sequence(i)[0] for i in range(n)], prompt_lengths=split.prompt_lengths[:n].tolist(),

@@ -280,10 +280,12 @@ class ShardBook:
             from pipeline.eval.split import build_eval_split
 
             check_owner(out, self.owner)
-            build_eval_split(
-                out, plan.eval_split, target=plan.config.target, target_hash=plan.settings.target_hash,
-                layer_ids=plan.settings.layer_ids, device="cuda" if torch.cuda.is_available() else "cpu", log=self.log,
-            )  # fmt: skip
+            from storage.eval_split import SplitFit
+
+            fit = SplitFit(target_hash=plan.settings.target_hash, layer_ids=list(plan.settings.layer_ids), vocab_size=plan.vocab_size,
+                           feature_width=len(plan.settings.layer_ids) * int(plan.target_config["hidden_size"]))  # fmt: skip
+            build_eval_split(out, plan.eval_split, target=plan.config.target, fit=fit,
+                             device="cuda" if torch.cuda.is_available() else "cpu", log=self.log)  # fmt: skip
         # What produced the cache: one entry per build invocation (a resume adds one; pipeline/provenance.py).
         append_provenance(
             out, BUILD_PROVENANCE_FILE, {**to_flags(plan.config), "compute": plan.compute, "mask_token_id": plan.mask_token_id}

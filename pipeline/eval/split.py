@@ -26,7 +26,7 @@ from pipeline.corpus_source import file_sha256
 from pipeline.eval.evaluate import EvalPrompt, context_budgets, load_prompts, load_target_and_stops
 from pipeline.eval.replay import greedy_response
 from pipeline.target import tapped_features
-from storage.eval_split import read_eval_split_record, write_eval_split
+from storage.eval_split import SplitFit, eval_split_problems, read_eval_split_record, write_eval_split
 from storage.location import Location
 
 SPLIT_DTYPE = torch.float32  # replay's: the split's tau is replay's tau
@@ -108,22 +108,25 @@ def eval_split_key(*, target_hash: str, prompts: str, max_new_tokens: int, max_p
     }  # fmt: skip
 
 
-def build_eval_split(cache: Location, plan: SplitPlan, *, target: str, target_hash: str, layer_ids: list[int], device: str = "cpu",
-                     log=print) -> dict:  # fmt: skip
-    """Compute and write the split of `plan` into `cache` unless one of the same key is there; its record."""
-    key = eval_split_key(target_hash=target_hash, prompts=plan.prompts_path, max_new_tokens=plan.max_new_tokens,
-                         max_prompts=plan.max_prompts, layer_ids=layer_ids)  # fmt: skip
-    existing = read_eval_split_record(cache)
+def build_eval_split(cache: Location, plan: SplitPlan, *, target: str, fit: SplitFit, device: str = "cpu", log=print) -> dict:
+    """Compute and write the split of `plan` into `cache` unless a whole one of the same key is there
+    (one that fails its checks, `eval_split_problems`, is computed again); its record."""
+    key = eval_split_key(target_hash=fit.target_hash, prompts=plan.prompts_path, max_new_tokens=plan.max_new_tokens,
+                         max_prompts=plan.max_prompts, layer_ids=fit.layer_ids)  # fmt: skip
+    problems = eval_split_problems(cache, fit)  # [] without a split
+    existing = None if problems else read_eval_split_record(cache)
     if existing is not None and existing["key"] == key:
         log(f"eval split: kept ({existing['num_prompts']} prompts, same inputs)")
         return existing
+    if problems:
+        log(f"eval split: {problems[0]}; computing it again")
     model, _, stops = load_target_and_stops(target, device=torch.device(device), dtype=SPLIT_DTYPE)
     sequences, prompt_lengths, features = [], [], []
     for prompt in plan.prompts:
         ar, hidden_states = greedy_response(model, prompt, max_new_tokens=plan.budgets[prompt.prompt_id], stops=stops)
         sequences.append(list(prompt.input_ids) + ar.tokens)
         prompt_lengths.append(len(prompt.input_ids))
-        features.append(tapped_features(hidden_states, list(layer_ids))[0].float().cpu().numpy())  # [S, F]
+        features.append(tapped_features(hidden_states, list(fit.layer_ids))[0].float().cpu().numpy())  # [S, F]
     record = write_eval_split(
         cache, sequences=sequences, prompt_lengths=prompt_lengths, prompt_ids=[p.prompt_id for p in plan.prompts], features=features,
         key=key, held_out=plan.held_out,

@@ -177,7 +177,7 @@ def load_eval_split(config: TrainConfig, settings, *, rank: int) -> EvalSplit | 
     widths against the taps: storage/eval_split.py); None on the other ranks or without one
     (refused with --eval-every). A resume whose earlier evaluation points measured another split is
     refused on every rank: one tau curve never joins two splits."""
-    from storage.eval_split import check_same_split, logged_split_identities, split_identity
+    from storage.eval_split import SplitFit, check_same_split, logged_split_identities, split_identity
     from storage.manifest import load_manifest
 
     cache = resolve(config.cache)
@@ -192,7 +192,7 @@ def load_eval_split(config: TrainConfig, settings, *, rank: int) -> EvalSplit | 
         check_same_split(earlier, split_identity(record), run=str(run))
     if rank != 0:
         return None
-    return read_eval_split(cache, load_manifest(cache))
+    return read_eval_split(cache, SplitFit.of(load_manifest(cache)))
 
 
 def resume_from_checkpoint(config: TrainConfig, *, run: Location, settings: dict, position_after, last_step: int, drafter,
