@@ -12,29 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
-from pipeline.cache_build.config import CacheBuildConfig
-from pipeline.cli import eval_cli, train_cli
 from pipeline.config import from_flags
-from pipeline.eval.evaluate import EvalConfig
 from pipeline.recipes import RECIPE_MAX_BYTES, RECIPE_MAX_NODES, recipe_flags, recipe_loader
-from pipeline.regenerate.config import RegenerateConfig
-from pipeline.train.config import TrainConfig
-from ray_jobs.cli import cache_cli
-
-COMMANDS = {
-    "build": (cache_cli, ["build"], CacheBuildConfig),
-    "regenerate": (cache_cli, ["regenerate"], RegenerateConfig),
-    "train": (train_cli, [], TrainConfig),
-    "eval": (eval_cli, ["run"], EvalConfig),
-}
-
-
-def invoke(command: str, *args: str):
-    group, head, _ = COMMANDS[command]
-    return CliRunner().invoke(group, [*head, *args])
-
+from tests.test_recipes import COMMANDS, invoke
 
 def one_error_line(result, recipe: str | None = None) -> str:
     """The refusal's one line (exit 2, no traceback), which names the recipe when given."""
