@@ -36,8 +36,8 @@ if str(ROOT) not in sys.path:
 
 from drafter.checkpoint import WEIGHTS_FILE, save_drafter  # noqa: E402
 from drafter.config import DFlashConfig  # noqa: E402
-from drafter.dspark import DSparkConfig, DSparkDrafter, dspark_draft  # noqa: E402
-from pipeline.train.objectives import dspark_slot_losses  # noqa: E402
+from drafter.dspark import dspark_slot_losses  # noqa: E402
+from drafter.dspark_model import DSparkConfig, DSparkDrafter, dspark_draft  # noqa: E402
 
 TARGET = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,

@@ -54,7 +54,7 @@ def _pair(work: Path, paper_out: Path | None) -> tuple[Path, Path, Path]:
             return Path(json.loads(report.read_text())["target"]), drafter, prompts
     from drafter.checkpoint import save_drafter
     from drafter.config import DFlashConfig
-    from drafter.dspark import DSparkConfig, DSparkDrafter, default_markov_rank
+    from drafter.dspark_model import DSparkConfig, DSparkDrafter, default_markov_rank
     from pipeline.demo.toy import make_toy_target
 
     target = work / "dspark-target"

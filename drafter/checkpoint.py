@@ -1,11 +1,12 @@
-"""Drafter checkpoints in the public DFlash layout: config.json + model.safetensors (docs/design.md, "The drafter").
+"""Drafter checkpoints of every family: config.json + model.safetensors (docs/design.md, "The drafter").
 
-Tensor names carry no `model.` prefix and there is no embedding or lm_head; the same directory
-loads in the public DFlash code, SGLang and vLLM, and a public release loads here. Like the public
-releases, it also ships its modeling code (`modeling_dflash.py` + the drafter's own model and
-config files) with an `auto_map`, so `AutoModel.from_pretrained(dir, trust_remote_code=True)`
-returns the drafter (drafter/hf_modeling.py). Every file is written atomically (storage/atomic.py),
-so a reader never sees a half-written one.
+The family (drafter/families.py) decides the contract: its config's `to_hf_dict` / `from_hf_dict`,
+found by the `architectures` a config.json names. Tensor names carry no `model.` prefix and there is
+no embedding or lm_head; a DFlash directory loads in the public DFlash code, SGLang and vLLM, and a
+public release loads here. Like the public releases, an export ships its family's modeling code
+(for DFlash `modeling_dflash.py` + the drafter's own model and config files) with an `auto_map`, so
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` returns the drafter (drafter/hf_modeling.py).
+Every file is written atomically (storage/atomic.py), so a reader never sees a half-written one.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from drafter.config import AUTO_MAP, DFlashConfig
-from drafter.dspark import AUTO_MAP as DSPARK_AUTO_MAP
-from drafter.dspark import DSparkConfig, DSparkDrafter, is_dspark_hf_config
-from drafter.model import DFlashDrafter
+from drafter.config import DFlashConfig
+from drafter.families import families, family_of, family_of_hf_config
 from storage.atomic import atomic_write  # the one storage module drafter/ uses (tests/test_boundaries.py)
 
 CONFIG_FILE = "config.json"
@@ -34,11 +33,11 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 # target's own copies, so these are skipped rather than refused.
 IGNORED_TENSORS = frozenset({"embed_tokens.weight", "lm_head.weight"})
 
-# Files copied into every export: (source in this package, name in the checkpoint). The copies
-# import each other relatively, as HF's dynamic modules require.
-MODELING_FILES = (("hf_modeling.py", "modeling_dflash.py"), ("model.py", "dflash_model.py"), ("config.py", "dflash_config.py"))
-# A DSpark export ships its wrapper and the DSpark module beside the backbone's files.
-DSPARK_MODELING_FILES = (("hf_modeling_dspark.py", "modeling_dspark.py"), ("dspark.py", "dspark_model.py"), *MODELING_FILES[1:])
+
+
+def exported_file_names() -> set[str]:
+    """Every modeling file name an export of a registered family ships (what a run's drafter/ may hold)."""
+    return {shipped for family in families() for _, shipped in family.modeling_files}
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -63,11 +62,11 @@ def _save_weights(tensors: dict[str, torch.Tensor], tmp: str, *, shown: Path) ->
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(shown)) from None
 
 
-def save_drafter(
-    model: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16
-) -> None:
-    """Write config.json and model.safetensors (weights cast to dtype) into out_dir: a DFlash
-    drafter as the public DFlash releases, a DSpark one as DeepSpec's Qwen3DSparkModel."""
+def save_drafter(model, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json, model.safetensors (weights cast to dtype) and the family's modeling code
+    into out_dir, in the family's contract (DFlash: the public releases'; DSpark: DeepSpec's
+    Qwen3DSparkModel)."""
+    family = family_of(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype_name = _dtype_name(dtype)
@@ -77,12 +76,13 @@ def save_drafter(
     hf = model.config.to_hf_dict()
     hf["dtype"] = dtype_name
     hf["torch_dtype"] = dtype_name  # what transformers 4.x (the public DFlash code's pin) reads
-    dspark = isinstance(model, DSparkDrafter)
-    hf["auto_map"] = dict(DSPARK_AUTO_MAP if dspark else AUTO_MAP)  # the export ships its modeling code, as public releases do
+    if family.auto_map is not None:
+        hf["auto_map"] = dict(family.auto_map)  # the export ships its modeling code, as public releases do
     # Weights and code first, config last: a directory whose config.json is new has new weights.
     atomic_write(out_dir / WEIGHTS_FILE, lambda tmp: _save_weights(tensors, tmp, shown=out_dir / WEIGHTS_FILE))
-    for source, name in DSPARK_MODELING_FILES if dspark else MODELING_FILES:
-        atomic_write(out_dir / name, lambda tmp, source=source: Path(tmp).write_text(_exported_code(source)))
+    for source, name in family.modeling_files:
+        code = _exported_code(source, files=family.modeling_files)
+        atomic_write(out_dir / name, lambda tmp, code=code: Path(tmp).write_text(code))
 
     def write_config(tmp: str) -> None:
         with open(tmp, "w") as f:
@@ -92,18 +92,14 @@ def save_drafter(
     atomic_write(out_dir / CONFIG_FILE, write_config)
 
 
-def _exported_code(source: str) -> str:
-    """A drafter module as the checkpoint ships it: imports of its siblings made relative to the
-    checkpoint's own file names."""
+def _exported_code(source: str, *, files: tuple[tuple[str, str], ...]) -> str:
+    """A drafter module as the checkpoint ships it: imports of its shipped siblings (absolute or
+    relative) made relative to the checkpoint's own file names."""
     code = (Path(__file__).parent / source).read_text()
-    for absolute, relative in (
-        ("from drafter.config import", "from .dflash_config import"),
-        ("from .config import", "from .dflash_config import"),
-        ("from .model import", "from .dflash_model import"),
-        ("from drafter.model import", "from .dflash_model import"),
-        ("from .dspark import", "from .dspark_model import"),
-    ):
-        code = code.replace(absolute, relative)
+    for sibling, shipped in files:
+        module, renamed = sibling.removesuffix(".py"), shipped.removesuffix(".py")
+        for form in (f"from drafter.{module} import", f"from .{module} import"):
+            code = code.replace(form, f"from .{renamed} import")
     return code
 
 
@@ -154,24 +150,28 @@ def drafter_hash(path: str | os.PathLike) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def load_drafter(
-    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> DFlashDrafter:
-    """Load a drafter directory (ours, a public DFlash release, or a DSpark checkpoint: its
-    config's architectures decide); dtype None = the config's."""
-    path = Path(path)
-    config_path = path / CONFIG_FILE
+def read_drafter_config(path: str | os.PathLike):
+    """(family, checked config) of a drafter directory's config.json, its `architectures` deciding
+    the family; no weights are read."""
+    config_path = Path(path) / CONFIG_FILE
     if not config_path.exists():
         raise ValueError(f"{config_path} does not exist")
     with open(config_path) as f:
         hf = json.load(f)
-    dspark = is_dspark_hf_config(hf)
-    config = DSparkConfig.from_hf_dict(hf) if dspark else DFlashConfig.from_hf_dict(hf)
+    family = family_of_hf_config(hf)
+    return family, family.config_class.from_hf_dict(hf)
+
+
+def load_drafter(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """Load a drafter directory (ours, a public DFlash release, or another family's checkpoint: its
+    config's architectures decide); dtype None = the config's."""
+    path = Path(path)
+    family, config = read_drafter_config(path)
     if dtype is None:
         dtype = _DTYPES[config.dtype]
 
     with torch.device("meta"):
-        model = DSparkDrafter(config) if dspark else DFlashDrafter(config)
+        model = family.model_class(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
     state: dict[str, torch.Tensor] = {}

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import torch
 
-from drafter.dspark import DSparkDrafter, dspark_draft
+from drafter.families import family_of
 from drafter.masks import SHARED_OWNER, visibility_mask
 
 
 @torch.inference_mode()
 def block_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features: torch.Tensor, sequence: list[int],
                  anchors: list[int], chunk: int = 16) -> torch.Tensor:  # fmt: skip
-    """Drafts [N, K]: for each anchor position a of `sequence`, the block [x[a], MASK x K] drafted
-    from the features of positions < a, as a decoding round sees them (several blocks per forward,
-    each with its own corpus limit). features [S, F] of the whole sequence. A DSpark drafter gives
-    [N, B]: all its slots, the Markov head run slot by slot on its own drafts (drafter/dspark.py)."""
+    """Drafts [N, D]: for each anchor position a of `sequence`, the block [x[a], MASK x (B - 1)]
+    drafted from the features of positions < a, as a decoding round sees them (several blocks per
+    forward, each with its own corpus limit), by its family's `draft` (D = the config's num_drafts:
+    K for DFlash, B for DSpark, whose Markov head runs slot by slot on its own drafts). features
+    [S, F] of the whole sequence."""
     block_size = drafter.config.block_size
+    family = family_of(drafter)
     dtype = next(drafter.parameters()).dtype
     device = features.device
     tokens = torch.as_tensor(sequence, device=device)
@@ -43,11 +45,7 @@ def block_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features
             block_embeds=embed_tokens(block_ids.reshape(1, -1)).to(dtype),
             block_positions=(group[:, None] + torch.arange(block_size, device=device)).reshape(1, -1), attention_mask=mask,
         ).reshape(len(group), block_size, -1)  # fmt: skip  # [N, B, H]
-        if isinstance(drafter, DSparkDrafter):
-            base_logits = lm_head(hidden.to(lm_head.weight.dtype))  # [N, B, V]
-            drafts.append(dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=block_ids[:, 0])[0])  # [N, B]
-        else:
-            drafts.append(lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).argmax(dim=-1))  # [N, K]
+        drafts.append(family.draft(drafter, hidden=hidden, anchor_tokens=block_ids[:, 0], lm_head=lm_head).tokens)  # [N, D]
     return torch.cat(drafts)
 
 

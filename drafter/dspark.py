@@ -1,22 +1,15 @@
-"""The DSpark drafter: the DFlash backbone plus a Markov head and a confidence head (docs/dspark.md).
+"""The DSpark family (docs/dspark.md): the DFlash backbone plus a Markov head and a confidence head.
 
-Facts checked against the reference code (deepseek-ai/DeepSpec, `deepspec/modeling/dspark/`; our
-code, their math):
-- Backbone = DFlash (drafter/model.py): tapped target features -> `fc` -> `hidden_norm`, layers that
-  attend to [context before the anchor; the whole block], a final `norm`; the target's frozen
-  embed_tokens embeds the block and its lm_head gives the base logits.
-- Layout: a block of B slots, slot 0 = the anchor x[p], slots 1..B-1 = the mask token, all at
-  positions p + k; **slot k predicts x[p + k + 1]** (B drafts; DFlash's slot k predicts x[p + k]).
-- Markov head (`vanilla`): markov_w1 = Embedding(V, r), markov_w2 = Linear(r, V, no bias);
-  logits_k = lm_head(h_k) + markov_w2(markov_w1[prev_k]). prev_0 is the anchor; in training prev_k
-  is the token slot k-1 is labelled with (teacher forcing), when drafting the drafter's own token
-  of slot k-1, so drafting runs the head slot by slot after one backbone pass.
-- Confidence head: c_k = proj([h_k; markov_w1[prev_k]]) (a logit; `confidence_head_with_markov`),
-  sigmoid(c_k) = the predicted chance slot k is accepted given the slots before it were.
-- Initialisation as HF Qwen3's `_init_weights`: linears and embeddings ~ N(0, 0.02), biases 0.
-- Checkpoint names (`Qwen3DSparkModel`, no prefix): the DFlash backbone's, plus
-  `markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r],
-  `confidence_head.proj.weight` [1, H + r], `confidence_head.proj.bias` [1].
+Its model is drafter/dspark_model.py (`DSparkConfig`, `DSparkDrafter`, `dspark_draft`), the file its
+export ships. This module holds what training and evaluation need of it:
+- options (`--dspark-block`, `--markov-rank`, `--confidence-head`, the loss weights), their defaults
+  resolved for the cache: B = K, DeepSpec's rank 256 capped at a quarter of the vocabulary;
+- the layout: a block of B slots whose slot k predicts x[a + k + 1], so row k takes the cache's
+  label column k (the first B of its K), each with DeepSpec's envelope exp(-k / 4) whatever the method;
+- DeepSpec's loss (0.1 CE + 0.9 L1 + 1.0 BCE), against the target's top-k + tail distribution;
+- drafting: one backbone pass, then the Markov head slot by slot; the confidence head's predicted
+  acceptance per slot;
+- init: a DSpark checkpoint as it is, or a DFlash one's backbone with fresh heads.
 """
 
 from __future__ import annotations
@@ -25,211 +18,183 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
-from drafter.config import ARCHITECTURE as DFLASH_ARCHITECTURE
-from drafter.config import DFlashConfig
-from drafter.model import INITIALIZER_RANGE, DFlashDrafter
+from drafter.dspark_model import ARCHITECTURE, AUTO_MAP, DSparkConfig, DSparkDrafter, default_markov_rank, dspark_draft
+from drafter.family import BlockLayout, DrafterFamily, Drafts, SupervisedSlots, option
+from drafter.losses import topk_tail_l1, topk_tail_slot_losses
 
-ARCHITECTURE = "Qwen3DSparkModel"
-AUTO_MAP = {"AutoModel": "modeling_dspark.Qwen3DSparkModel"}
-MARKOV_HEAD_TYPES = ("vanilla",)
-DEFAULT_MARKOV_RANK = 256  # DeepSpec's default
-DEFAULT_NUM_ANCHORS = 512  # DeepSpec's anchors per sequence (recorded in the config; training draws its own)
-
-# The keys a DSpark config.json adds to the Qwen3 keys (all top level).
-DSPARK_KEYS = (
-    "target_layer_ids",
-    "mask_token_id",
-    "num_anchors",
-    "markov_rank",
-    "markov_head_type",
-    "enable_confidence_head",
-    "confidence_head_with_markov",
-)
-
-
-def default_markov_rank(vocab_size: int) -> int:
-    """DeepSpec's rank 256, capped at a quarter of the vocabulary: a rank near V is a full bigram
-    table, far more parameters than a tiny vocabulary's transitions need."""
-    return max(1, min(DEFAULT_MARKOV_RANK, vocab_size // 4))
+CONFIDENCE_TARGETS = ("overlap", "greedy")
+# Files copied into every DSpark export: its wrapper and model beside the backbone's files.
+MODELING_FILES = (
+    ("hf_modeling_dspark.py", "modeling_dspark.py"), ("dspark_model.py", "dspark_model.py"), ("model.py", "dflash_model.py"),
+    ("config.py", "dflash_config.py"),
+)  # fmt: skip
 
 
 @dataclass(kw_only=True)
-class DSparkConfig(DFlashConfig):
-    """Shape of a DSpark drafter: the DFlash backbone's fields (block_size = B, the DSpark block)
-    plus its heads. markov_rank 0 means no Markov head."""
+class DSparkOptions:
+    """--arch dspark: the DSpark block, its heads and the weights of DeepSpec's loss terms (docs/dspark.md)."""
 
-    markov_rank: int = DEFAULT_MARKOV_RANK
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    num_anchors: int = DEFAULT_NUM_ANCHORS
+    dspark_block: int | None = option(
+        "--arch dspark: B, the slots of a DSpark block (each drafts one token); at most and by default the cache's "
+        "K predicted slots (--num-slots of the build; one less than the DFlash block size).",
+        default=None,
+    )
+    markov_rank: int | None = option(
+        "--arch dspark: rank of the Markov head, 0 for none (default: DeepSpec's 256, at most a quarter of the vocabulary).",
+        default=None,
+    )
+    confidence_head: bool = option("--arch dspark: train the confidence head (its acceptance prediction).", default=True)
+    dspark_gamma: float = option(
+        "--arch dspark: slot envelope decay exp(-k / gamma) over DSpark slot k = 0..B-1, for every method (DeepSpec's 4).",
+        default=4.0,
+    )
+    ce_alpha: float = option("--arch dspark: weight of the label cross-entropy (the method's labels).", default=0.1)
+    l1_alpha: float = option(
+        "--arch dspark: weight of ||q - p||_1 against the target's distribution (top-k + tail: a lower bound).", default=0.9
+    )
+    confidence_alpha: float = option("--arch dspark: weight of the confidence head's BCE.", default=1.0)
+    confidence_target: str = option(
+        "--arch dspark: what the confidence head predicts: overlap (sum min(q, p), acceptance at T = 1; DeepSpec's) or "
+        "greedy (argmax q == the target's top token, acceptance at T = 0).",
+        default="overlap",
+    )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or not 0 <= self.markov_rank <= self.vocab_size:
-            raise ValueError(f"markov_rank must be an int in [0, vocab_size = {self.vocab_size}], got {self.markov_rank!r}")
-        if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {self.markov_head_type!r}")
-        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
-            raise ValueError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
-        if not isinstance(self.num_anchors, int) or self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be a positive int, got {self.num_anchors!r}")
+    def __post_init__(self):
+        if self.dspark_block is not None and self.dspark_block < 1:
+            raise ValueError(f"--dspark-block must be >= 1, got {self.dspark_block}")
+        if self.markov_rank is not None and self.markov_rank < 0:
+            raise ValueError(f"--markov-rank must be >= 0, got {self.markov_rank}")
+        if not self.dspark_gamma > 0:
+            raise ValueError(f"dspark_gamma must be > 0, got {self.dspark_gamma}")
+        for name in ("ce_alpha", "l1_alpha", "confidence_alpha"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.confidence_target not in CONFIDENCE_TARGETS:
+            raise ValueError(f"--confidence-target must be overlap or greedy, got {self.confidence_target!r}")
 
-    @property
-    def num_drafts(self) -> int:
-        """Draft tokens per block: every slot drafts (DFlash: block_size - 1)."""
-        return self.block_size
 
-    @classmethod
-    def from_dflash(cls, backbone: DFlashConfig, *, block_size: int, markov_rank: int, enable_confidence_head: bool) -> DSparkConfig:
-        """A DSpark config on a DFlash backbone's shape (its block size replaced by the DSpark block)."""
-        fields = {f.name: getattr(backbone, f.name) for f in dataclasses.fields(DFlashConfig)}
-        fields["block_size"] = block_size
-        return cls(**fields, markov_rank=markov_rank, enable_confidence_head=enable_confidence_head,
-                   confidence_head_with_markov=enable_confidence_head and markov_rank > 0)  # fmt: skip
-
-    def to_hf_dict(self) -> dict:
-        """config.json in the contract of DeepSpec's `Qwen3DSparkModel` (what vLLM's and SGLang's
-        DSpark loaders read): the Qwen3 keys, then the DSpark keys at the top level."""
-        hf = super().to_hf_dict()
-        hf.pop("dflash_config")
-        hf.pop("eagle_aux_hidden_state_layer_ids")
-        hf["architectures"] = [ARCHITECTURE]
-        hf.update(
-            target_layer_ids=list(self.target_layer_ids),
-            mask_token_id=self.mask_token_id,
-            num_anchors=self.num_anchors,
-            markov_rank=self.markov_rank,
-            markov_head_type=self.markov_head_type,
-            enable_confidence_head=self.enable_confidence_head,
-            confidence_head_with_markov=self.enable_confidence_head and self.confidence_head_with_markov,
+def resolve_dspark_options(options: DSparkOptions, *, num_slots: int, vocab_size: int) -> DSparkOptions:
+    """B and the Markov rank of a run on a cache of K = num_slots: B defaults to K and may not exceed
+    it (slot B - 1 needs the label of the cache's last slot); the rank defaults to DeepSpec's 256,
+    at most a quarter of the vocabulary, and may not exceed the vocabulary."""
+    block = num_slots if options.dspark_block is None else options.dspark_block
+    if block > num_slots:
+        raise ValueError(
+            f"--dspark-block {block} is larger than this cache supports: it labels K = {num_slots} predicted slots per anchor "
+            f"(DFlash block size {num_slots + 1}), so a DSpark block has at most B = {num_slots}; build a cache with --num-slots {block} or more"
         )
-        return hf
-
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> DSparkConfig:
-        """Read a DSpark config.json (ours or DeepSpec's); the Qwen3 part is checked as strictly as
-        a DFlash config (drafter/config.py), unknown keys refused."""
-        d = dict(d)
-        architectures = d.pop("architectures", [ARCHITECTURE])
-        if ARCHITECTURE not in architectures:
-            raise ValueError(f"architectures must include {ARCHITECTURE!r}, got {architectures}")
-        for name in ("target_layer_ids", "mask_token_id"):
-            if name not in d:
-                raise ValueError(f"config.json is missing {name}")
-        extras = {name: d.pop(name) for name in DSPARK_KEYS if name in d}
-        d["architectures"] = [DFLASH_ARCHITECTURE]
-        d["dflash_config"] = {"mask_token_id": extras.pop("mask_token_id"), "target_layer_ids": extras.pop("target_layer_ids")}
-        backbone = DFlashConfig.from_hf_dict(d)
-        fields = {f.name: getattr(backbone, f.name) for f in dataclasses.fields(DFlashConfig)}
-        markov_rank = int(extras.get("markov_rank", 0))
-        enable_confidence = bool(extras.get("enable_confidence_head", False))
-        return cls(
-            **fields,
-            markov_rank=markov_rank,
-            markov_head_type=str(extras.get("markov_head_type", "vanilla")),
-            enable_confidence_head=enable_confidence,
-            confidence_head_with_markov=enable_confidence and bool(extras.get("confidence_head_with_markov", False)),
-            num_anchors=int(extras.get("num_anchors", DEFAULT_NUM_ANCHORS)),
-        )
+    rank = default_markov_rank(vocab_size) if options.markov_rank is None else options.markov_rank
+    if rank > vocab_size:
+        raise ValueError(f"--markov-rank {rank} is larger than the vocabulary ({vocab_size})")
+    return dataclasses.replace(options, dspark_block=block, markov_rank=rank)
 
 
-def is_dspark_hf_config(d: dict) -> bool:
-    return ARCHITECTURE in (d.get("architectures") or [])
+def dspark_config(backbone, options: DSparkOptions) -> DSparkConfig:
+    """A DSpark config on a DFlash backbone's shape, with the run's B and heads."""
+    return DSparkConfig.from_dflash(
+        backbone, block_size=options.dspark_block, markov_rank=options.markov_rank, enable_confidence_head=options.confidence_head
+    )
 
 
-class MarkovHead(nn.Module):
-    """The vanilla Markov head: a rank-r bigram logit bias markov_w2(markov_w1[prev])."""
-
-    def __init__(self, *, vocab_size: int, rank: int):
-        super().__init__()
-        self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
-
-    def forward(self, prev_tokens: Tensor) -> Tensor:
-        """Logit bias [..., V] of prev_tokens [...] (long)."""
-        return self.markov_w2(self.markov_w1(prev_tokens))
+def dspark_layout(options: DSparkOptions, *, num_slots: int) -> BlockLayout:
+    """B slots; row k predicts label column k (what DFlash slot k + 1 predicts), DeepSpec's envelope."""
+    return BlockLayout(
+        block_size=options.dspark_block, num_labelled=options.dspark_block, envelope_gamma=options.dspark_gamma,
+        distributions=True,  # the L1 and confidence terms compare every prediction with the target's distribution
+    )
 
 
-class ConfidenceHead(nn.Module):
-    """A linear map to one logit: sigmoid of it predicts the slot's acceptance."""
-
-    def __init__(self, *, input_dim: int):
-        super().__init__()
-        self.proj = nn.Linear(input_dim, 1)
-
-    def forward(self, features: Tensor) -> Tensor:
-        return self.proj(features).squeeze(-1)
+def dspark_family_draft(drafter: DSparkDrafter, *, hidden: Tensor, anchor_tokens: Tensor, lm_head) -> Drafts:
+    """One backbone pass's hidden states [N, B, H] -> B drafts per block, the Markov head run slot by
+    slot on the drafter's own tokens (dspark_draft), with the confidence head's predictions."""
+    base_logits = lm_head(hidden.to(lm_head.weight.dtype))  # [N, B, V]
+    tokens, _, confidence = dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=anchor_tokens)
+    return Drafts(tokens=tokens, confidence=confidence)
 
 
-class DSparkDrafter(DFlashDrafter):
-    """The DFlash backbone (its forward gives the final-normed hidden states of every slot) with
-    the two DSpark heads; the target's embed_tokens and lm_head are applied by the caller."""
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__(config)
-        self.markov_head = MarkovHead(vocab_size=config.vocab_size, rank=config.markov_rank) if config.markov_rank > 0 else None
-        self.confidence_head = None
-        if config.enable_confidence_head:
-            extra = config.markov_rank if config.confidence_head_with_markov else 0
-            self.confidence_head = ConfidenceHead(input_dim=config.hidden_size + extra)
-        self.reset_head_parameters()
-
-    @torch.no_grad()
-    def reset_head_parameters(self) -> None:
-        """HF Qwen3 init of the heads: weights ~ N(0, 0.02), biases 0."""
-        for head in (self.markov_head, self.confidence_head):
-            if head is None:
-                continue
-            for module in head.modules():
-                if isinstance(module, (nn.Linear, nn.Embedding)):
-                    module.weight.normal_(0.0, INITIALIZER_RANGE)
-                if isinstance(module, nn.Linear) and module.bias is not None:
-                    module.bias.zero_()
-
-    def markov_bias(self, prev_tokens: Tensor) -> Tensor | None:
-        """The Markov head's logit bias [..., V] for prev_tokens [...], or None without the head."""
-        return None if self.markov_head is None else self.markov_head(prev_tokens)
-
-    def confidence_logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor | None:
-        """Confidence logits [...] of slot hidden states [..., H] after prev_tokens [...], or None."""
-        if self.confidence_head is None:
-            return None
-        features = hidden
-        if self.config.confidence_head_with_markov:
-            features = torch.cat([hidden, self.markov_head.markov_w1(prev_tokens).to(hidden.dtype)], dim=-1)
-        return self.confidence_head(features)
-
-
-@torch.no_grad()
-def dspark_draft(
-    drafter: DSparkDrafter, *, base_logits: Tensor, hidden: Tensor, anchor_tokens: Tensor, temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Draft N blocks slot by slot after one backbone pass: base_logits [N, B, V] (lm_head of the
-    slots' hidden states [N, B, H]), anchor_tokens [N]. Slot k adds the Markov bias of its previous
-    token (the anchor, then the drafter's own token of slot k - 1) and takes the argmax (T = 0) or
-    a sample of softmax(logits / T). Returns (tokens [N, B], corrected logits [N, B, V],
-    confidence probabilities [N, B] or None)."""
-    num_slots = base_logits.shape[1]
-    prev = anchor_tokens.long()
-    tokens, logits, prevs = [], [], []
-    for k in range(num_slots):
-        step = base_logits[:, k]
-        bias = drafter.markov_bias(prev)
-        if bias is not None:
-            step = step + bias.to(step.dtype)
-        if temperature == 0:
-            token = step.argmax(dim=-1)
+def dspark_slot_losses(
+    *, draft_logits: Tensor, confidence_logits: Tensor | None, label_ids: Tensor, label_probs: Tensor,
+    dist_ids: Tensor, dist_probs: Tensor, ce_alpha: float, l1_alpha: float, confidence_alpha: float,
+    confidence_target: str = "overlap",
+) -> tuple[Tensor, Tensor]:
+    """DeepSpec's DSpark loss per slot [M] and the confidence head's target [M]:
+        l = ce_alpha * CE + l1_alpha * ||q - p||_1 + confidence_alpha * BCE(sigmoid(c), c*)
+    draft_logits [M, V] are the Markov-corrected logits, q their softmax. CE is the method's label
+    loss (topk_tail_slot_losses: the one-hot token for dflash, the label distribution otherwise); p
+    (dist_ids/probs [M, k]) is the target's distribution at the slot, known as top-k + tail, so the
+    L1 is topk_tail_l1's lower bound. c* is detached: "overlap" = 1 - l1 / 2 (T = 1 acceptance, an
+    upper bound from top-k + tail), "greedy" = 1[argmax q == p's top token] (T = 0 acceptance).
+    With one weight per slot for all three terms, sum(w * l) / sum(w) is DeepSpec's three separately
+    normalised means added up."""
+    if confidence_target not in CONFIDENCE_TARGETS:
+        raise ValueError(f"confidence_target must be one of {CONFIDENCE_TARGETS}, got {confidence_target!r}")
+    logits = draft_logits.float()
+    cross_entropy = topk_tail_slot_losses(draft_logits=logits, label_ids=label_ids, label_probs=label_probs)
+    l1 = topk_tail_l1(draft_probs=logits.softmax(dim=-1), dist_ids=dist_ids, dist_probs=dist_probs)
+    with torch.no_grad():
+        if confidence_target == "overlap":
+            target = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
         else:
-            probs = torch.softmax(step.float() / temperature, dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        prevs.append(prev)
-        tokens.append(token)
-        logits.append(step)
-        prev = token
-    prev_tokens = torch.stack(prevs, dim=1)  # [N, B]
-    confidence = drafter.confidence_logits(hidden, prev_tokens)
-    return torch.stack(tokens, dim=1), torch.stack(logits, dim=1), None if confidence is None else confidence.float().sigmoid()
+            target = (logits.argmax(dim=-1) == dist_ids[:, 0]).float()
+    loss = ce_alpha * cross_entropy + l1_alpha * l1
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), target, reduction="none")
+        loss = loss + confidence_alpha * bce
+    return loss, target
+
+
+def dspark_head_loss(heads: DSparkDrafter, slots: SupervisedSlots, *, lm_head: Tensor, options: DSparkOptions, loss_chunk: int,
+                     autocast) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """A DSpark drafter's loss through the lm_head plus its Markov and confidence heads (trainable,
+    so autograd runs through them): chunk by chunk, each [chunk, V] logits recomputed in backward
+    instead of kept. Returns (sum of w * l, whether each slot's argmax is its first label id)."""
+
+    def chunk_loss(h, ids, probs, w, prev, d_ids, d_probs):
+        with autocast:
+            logits = F.linear(h, lm_head)  # [chunk, V]: a bf16 GEMM under autocast, else fp32
+            bias = heads.markov_bias(prev)  # [chunk, V] or None
+            confidence = heads.confidence_logits(h, prev)  # [chunk] or None
+        logits = logits.float()
+        if bias is not None:
+            logits = logits + bias.float()
+        losses, _ = dspark_slot_losses(
+            draft_logits=logits, confidence_logits=confidence, label_ids=ids, label_probs=probs, dist_ids=d_ids,
+            dist_probs=d_probs, ce_alpha=options.ce_alpha, l1_alpha=options.l1_alpha,
+            confidence_alpha=options.confidence_alpha, confidence_target=options.confidence_target,
+        )  # fmt: skip
+        return (w.float() * losses).sum(), (logits.argmax(-1) == ids[:, 0])
+
+    weights = slots.weights
+    loss_sum = slots.hidden.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(len(weights), dtype=torch.bool, device=weights.device)
+    inputs = (slots.hidden, slots.label_ids, slots.label_probs, weights, slots.prev_tokens, slots.dist_ids, slots.dist_probs)
+    for i in range(0, len(weights), loss_chunk):
+        part = slice(i, i + loss_chunk)
+        chunk_sum, chunk_correct = checkpoint(chunk_loss, *(t[part] for t in inputs), use_reentrant=False)
+        loss_sum = loss_sum + chunk_sum
+        correct[part] = chunk_correct
+    return loss_sum, correct
+
+
+DSPARK = DrafterFamily(
+    name="dspark",
+    title="DSpark",
+    architecture=ARCHITECTURE,
+    config_class=DSparkConfig,
+    model_class=DSparkDrafter,
+    draft=dspark_family_draft,
+    head_loss=dspark_head_loss,
+    layout=dspark_layout,
+    options_class=DSparkOptions,
+    resolve_options=resolve_dspark_options,
+    new_config=dspark_config,
+    init_from=("dflash",),
+    own_envelope=True,
+    has_confidence=lambda config: config.enable_confidence_head,
+    modeling_files=MODELING_FILES,
+    auto_map=AUTO_MAP,
+)

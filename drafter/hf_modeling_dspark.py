@@ -1,7 +1,7 @@
 """`modeling_dspark.py` of an exported DSpark drafter: `AutoModel.from_pretrained(dir,
 trust_remote_code=True)` returns it (docs/dspark.md). `drafter.checkpoint.save_drafter` copies this
 file into the checkpoint as `modeling_dspark.py`, next to `dspark_model.py`, `dflash_model.py` and
-`dflash_config.py` (copies of drafter/dspark.py, model.py and config.py), and points `config.json`'s
+`dflash_config.py` (copies of drafter/dspark_model.py, model.py and config.py), and points `config.json`'s
 `auto_map` at it. Like drafter/hf_modeling.py, only an exported checkpoint imports it.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, Qwen3Config
 
-# Relative imports: in the package these are drafter/dspark.py and drafter/model.py; the export
-# renames them (dspark_model.py, dflash_model.py) and rewrites these lines to match.
+# Relative imports: in the package these are drafter/dspark_model.py and drafter/model.py; the export
+# renames model.py (dflash_model.py) and rewrites these lines to match.
 from .config import DFlashConfig  # noqa: F401 (transformers 4.x copies only this file's direct relative imports)
-from .dspark import DSPARK_KEYS, DSparkConfig, DSparkDrafter
+from .dspark_model import DSPARK_KEYS, DSparkConfig, DSparkDrafter
 from .model import RMSNorm
 
 

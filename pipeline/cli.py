@@ -225,7 +225,7 @@ def stop_watching_loader_workers() -> None:
         signal_handling._SIGCHLD_handler_set = False  # a later DataLoader in this process installs it again
 
 
-@click.command(help="Stage 2: train a DFlash or DSpark drafter from a cache (also under torchrun).")
+@click.command(help="Stage 2: train a block drafter of any family (--arch) from a cache (also under torchrun).")
 @config_options(TrainConfig)
 @threads_option
 def train_cli(threads: int | None, **kwargs):

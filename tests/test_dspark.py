@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from drafter.checkpoint import load_drafter, save_drafter
-from drafter.dspark import DSparkConfig, DSparkDrafter, default_markov_rank, dspark_draft
+from drafter.dspark_model import DSparkConfig, DSparkDrafter, default_markov_rank, dspark_draft
 from pipeline.train.labels import ObjectiveConfig, build_block_targets
 from pipeline.train.methods import METHODS
-from pipeline.train.objectives import dspark_slot_losses, topk_tail_l1, topk_tail_slot_losses
+from drafter.dspark import dspark_slot_losses
+from drafter.losses import topk_tail_l1, topk_tail_slot_losses
 
 
 def _config(**overrides) -> DSparkConfig:
@@ -104,9 +105,11 @@ def _record(num_slots: int = 5):
 
 
 def _objective(method: str, *, dspark_block: int | None, num_slots: int = 5) -> ObjectiveConfig:
-    return ObjectiveConfig(method=method).for_cache(
-        num_slots=num_slots, mask_token_id=7, stop_token_ids=[], dspark_block=dspark_block
-    )
+    """The objective of a DFlash block (dspark_block None) or of a DSpark block of B slots (the DSpark family's layout)."""
+    from drafter.dspark import DSPARK, DSparkOptions
+
+    layout = None if dspark_block is None else DSPARK.layout(DSparkOptions(dspark_block=dspark_block), num_slots=num_slots)
+    return ObjectiveConfig(method=method).for_cache(num_slots=num_slots, mask_token_id=7, stop_token_ids=[], layout=layout)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -134,7 +137,7 @@ def test_dspark_blocks_are_the_first_b_dflash_slots_with_the_previous_token_of_e
             assert torch.equal(tokens[: len(expected)][weights[: len(expected)] > 0], expected[weights[: len(expected)] > 0])
     # The envelope is DSpark's exp(-k / 4) whatever the method's own gamma.
     base = _objective(method, dspark_block=4)
-    assert base.dspark_gamma == 4.0
+    assert base.layout.envelope_gamma == 4.0
     # One-hot labels compare with the corpus pass's distribution; others with the labels themselves.
     if method == "dflash":
         assert dspark.dist_ids is not dspark.label_ids and dspark.dist_ids.shape[-1] == 3
@@ -143,7 +146,7 @@ def test_dspark_blocks_are_the_first_b_dflash_slots_with_the_previous_token_of_e
 
 
 def test_dspark_block_larger_than_the_cache_is_refused_naming_k():
-    with pytest.raises(ValueError, match=r"--dspark-block must be in \[1, 5\].*K = 5"):
+    with pytest.raises(ValueError, match=r"block trains 6 label slots; the cache labels K = 5 \(must be in \[1, 5\]\)"):
         _objective("alr", dspark_block=6)
 
 

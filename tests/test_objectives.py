@@ -23,9 +23,8 @@ from pipeline.train.objectives import (
     slot_control_caps,
     slot_envelope,
     soft_gate,
-    topk_tail_loss,
-    topk_tail_loss_and_grad,
 )
+from drafter.losses import topk_tail_loss, topk_tail_loss_and_grad
 
 
 def seeded(seed):

@@ -537,7 +537,7 @@ def _masked_loss(s, batch):
     import torch.nn.functional as F
 
     from drafter.masks import visibility_mask
-    from pipeline.train.objectives import topk_tail_loss
+    from drafter.losses import topk_tail_loss
 
     c = int(batch.context_valid.sum(1).max())
     mask = visibility_mask(

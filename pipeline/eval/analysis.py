@@ -336,10 +336,12 @@ def hard_offsets(*, target_dir: str, prompts: str, drafters: dict[str, str], max
             check_drafter_fits(target, model)
         except ValueError as error:
             raise ValueError(f"--{role} {drafters[role]}: {error}") from None
-    block_sizes = {m.config.block_size for m in models.values()}
-    if len(block_sizes) != 1:
-        raise ValueError(f"the drafters have different block sizes {sorted(block_sizes)}: one offset grid cannot serve them")
-    num_draft = block_sizes.pop() - 1
+    drafts_per_block = {m.config.num_drafts for m in models.values()}  # the family's: K for DFlash's K + 1 slots
+    if len(drafts_per_block) != 1:
+        raise ValueError(
+            f"the drafters have different block sizes (drafts per block {sorted(drafts_per_block)}): one offset grid cannot serve them"
+        )
+    num_draft = drafts_per_block.pop()
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     raw = []
     rows = load_prompts(prompts, tokenizer, max_prompts=max_prompts)

@@ -35,7 +35,7 @@ from pipeline.config import group, opt, to_flags
 from pipeline.provenance import provenance_record
 from pipeline.eval.ar_baseline import AR_BASELINE_FILE, ar_baseline_candidates, ar_baseline_key, find_ar_baseline, write_ar_baseline
 from drafter.drafting import position_acceptance
-from drafter.dspark import DSparkDrafter
+from drafter.families import family_of
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode, cached_draft_logits_fn, speculative_decode
 from pipeline.eval.scores import (
     ROUND_COLUMNS,
@@ -91,8 +91,8 @@ class EvalConfig:
     )
     tree_branch: int = opt("Children per tree node: the drafter's top-B tokens of the next slot (--tree-budget).", default=8)
     confidence_threshold: float = opt(
-        "DSpark drafters with a confidence head: cut each round's proposal before the first slot whose predicted "
-        "acceptance is below this (a dynamic proposal length; 0 verifies every slot).",
+        "Drafters that predict each slot's acceptance (a confidence head): cut each round's proposal before the "
+        "first slot whose predicted acceptance is below this (a dynamic proposal length; 0 verifies every slot).",
         default=0.0,
     )
     vision_input: VisionInputConfig = group(VisionInputConfig)
@@ -360,9 +360,14 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype, l
     budgets = context_budgets(config.target, tokenizer, prompts, max_new_tokens=config.max_new_tokens, flag="--max-new-tokens",
                               path=config.prompts, log=log)  # fmt: skip
     num_draft = draft_config.num_drafts
-    dspark = isinstance(drafter, DSparkDrafter)
-    if dspark and config.tree_budget is not None:
-        raise ValueError(f"--tree-budget: {config.drafter} is a DSpark drafter, whose slots follow its own draft of the slot before; verify a chain")
+    family = family_of(drafter)
+    if config.tree_budget is not None and not family.tree_verification:
+        raise ValueError(f"--tree-budget: {config.drafter} is a {family.title} drafter, whose slots are not drafted independently; verify a chain")
+    if config.confidence_threshold > 0 and not family.has_confidence(draft_config):
+        raise ValueError(
+            f"--confidence-threshold {config.confidence_threshold}: {config.drafter} is a {family.title} drafter without a "
+            "confidence prediction, so no threshold can cut its proposals; leave it at 0"
+        )
 
     def run_ar(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
         return autoregressive_decode(
@@ -438,17 +443,17 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype, l
                        block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
     summary["capped_prompts"] = sum(b < config.max_new_tokens for b in budgets.values())  # by the target's context
     summary["ar_baseline"] = {"file": str(ar_file), "reused": known_ar is not None, "reused_from": None if reused_from is None else str(reused_from)}
-    summary["arch"] = "dspark" if dspark else "dflash"
+    summary["arch"] = family.name
     summary["num_drafts"] = num_draft
     summary["slot_acceptance"] = slot_acceptance(spec_results, num_drafts=num_draft)
     summary["acceptance_per_position"] = position_acceptance(
         [n for r in spec_results for n in r.accepted_lengths], num_drafts=num_draft
     )
-    if dspark:
+    summary["mean_proposed"] = (
+        sum(sum(r.proposed_lengths) for r in spec_results) / max(1, sum(len(r.proposed_lengths) for r in spec_results))
+    )
+    if family.has_confidence(draft_config):  # a threshold only a confidence prediction can apply
         summary["confidence_threshold"] = config.confidence_threshold
-        summary["mean_proposed"] = (
-            sum(sum(r.proposed_lengths) for r in spec_results) / max(1, sum(len(r.proposed_lengths) for r in spec_results))
-        )
     _write_json(out / "summary.json", summary)
     return summary
 

@@ -1,7 +1,7 @@
 """What an evaluation's numbers are and how they are aggregated (docs/design.md, "Evaluation"):
 a prompt's row and its rounds, tau per group (pooled over the group's rounds), pooled over every
 round (vLLM's and SGLang's figure) and as the mean per request, speedup as total time over total
-time, acceptance per draft position and per slot (with a DSpark confidence head's prediction),
+time, acceptance per draft position and per slot (with a confidence head's prediction),
 the histogram, and the files that hold them (results.csv, rounds.csv, accept_hist.*). Shared by
 `alrira-eval run`, `replay` and `score`.
 """
@@ -81,8 +81,8 @@ def round_rows(prompt, accepted_lengths: list[int]) -> list[dict]:
 def slot_acceptance(results: list[DecodeResult], *, num_drafts: int) -> list[dict]:
     """Per draft slot k (0-based): the rounds that verified it with every slot before it accepted
     (`reached`), the share of those that accepted it (the conditional acceptance a confidence head
-    predicts), and for a DSpark drafter with a confidence head the mean predicted acceptance of the
-    same slots (its calibration; docs/dspark.md, "Evaluation")."""
+    predicts), and for a drafter that predicts it (a confidence head) the mean predicted acceptance
+    of the same slots (its calibration; docs/dspark.md, "Evaluation")."""
     reached, accepted, predicted, num_predicted = ([0] * num_drafts for _ in range(4))
     for result in results:
         proposed = result.proposed_lengths or [num_drafts] * len(result.accepted_lengths)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from drafter.dspark import DSparkDrafter, dspark_draft
+from drafter.families import family_of
 from drafter.masks import SHARED_OWNER, visibility_mask
 from drafter.model import ContextKVCache, DFlashDrafter
 from pipeline.target import is_vision_model, tapped_features
@@ -42,7 +42,7 @@ from pipeline.vision import mm_token_type_ids, rope_positions, shifted_positions
 PromptImage = tuple[Tensor, Tensor]
 
 # draft_fn(context_features [p, F], anchor_token, anchor_pos) -> draft tokens [D] (long), D <= the
-# drafter's drafts per block, or (tokens [D], confidence [num drafts]) for a DSpark drafter
+# drafter's drafts per block, or (tokens [D], confidence [num drafts]) for one that predicts acceptance
 DraftFn = Callable[..., Tensor | tuple[Tensor, Tensor]]
 
 
@@ -53,8 +53,8 @@ class DecodeResult:
     rounds: int  # drafting rounds (0 for the AR baseline)
     decode_s: float  # wall time after the prefill (which produced the first token)
     prefill_s: float  # wall time of the prefill forward and the first token
-    proposed_lengths: list[int] = field(default_factory=list)  # draft tokens verified per round (DSpark may cut its block)
-    confidences: list[list[float]] = field(default_factory=list)  # per round, a DSpark drafter's predicted acceptance of each slot
+    proposed_lengths: list[int] = field(default_factory=list)  # draft tokens verified per round (a confidence cut may shorten it)
+    confidences: list[list[float]] = field(default_factory=list)  # per round, the drafter's predicted acceptance of each slot, if any
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,27 +292,25 @@ def cached_draft_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head:
     return lambda **inputs: draft_logits(**inputs).argmax(dim=-1)  # [K]
 
 
-def cached_dspark_draft_fn(
-    drafter: DSparkDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, mask_token_id: int, confidence_threshold: float = 0.0
-) -> DraftFn:
-    """For one decode with a DSpark drafter (docs/dspark.md, "Drafting"): one backbone pass over the
-    block [anchor, MASK x (B - 1)] (cached_block_hidden_fn), then the Markov head slot by slot, each
-    slot after the drafter's own token of the slot before (argmax: the verification accepts a draft
-    only if it equals the target's token, so the most likely one is the best draft at any
-    temperature). With a confidence head and confidence_threshold > 0 the proposal is cut before
-    the first slot whose predicted acceptance is below it (DeepSpec's rule). Returns (tokens [D],
-    the head's predicted acceptance of all B slots, or an empty tensor)."""
-    block_hidden = cached_block_hidden_fn(drafter, embed_tokens=embed_tokens, mask_token_id=mask_token_id)
+def cached_family_draft_fn(drafter, *, embed_tokens: nn.Module, lm_head: nn.Module, confidence_threshold: float = 0.0) -> DraftFn:
+    """For one decode: the drafter family's draft step (drafter/family.py, `draft`) after one
+    backbone pass over the block [anchor, MASK x (B - 1)] (cached_block_hidden_fn; its config's mask
+    token). The drafts are the argmax at every temperature: the verification accepts a draft only if
+    it equals the target's token, so the most likely one is the best draft. A family that predicts
+    each slot's acceptance gives (tokens [D], the prediction for all slots), its proposal cut before
+    the first slot whose prediction is below confidence_threshold when that is > 0 (DeepSpec's rule,
+    docs/design.md "Drafter families"); otherwise tokens [D]."""
+    family = family_of(drafter)
+    block_hidden = cached_block_hidden_fn(drafter, embed_tokens=embed_tokens, mask_token_id=drafter.config.mask_token_id)
 
-    def draft(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> tuple[Tensor, Tensor]:
+    def draft(*, context_features: Tensor, anchor_token: int, anchor_pos: int) -> Tensor | tuple[Tensor, Tensor]:
         hidden = block_hidden(context_features=context_features, anchor_token=anchor_token, anchor_pos=anchor_pos)  # [1, B, H]
-        base_logits = lm_head(hidden.to(lm_head.weight.dtype))  # [1, B, V]
         anchor = torch.tensor([anchor_token], device=hidden.device)
-        tokens, _, confidence = dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=anchor)
-        if confidence is None:
-            return tokens[0], tokens.new_empty((0,), dtype=torch.float32)
-        length = confident_prefix_length(confidence[0], threshold=confidence_threshold)
-        return tokens[0, :length], confidence[0]
+        drafts = family.draft(drafter, hidden=hidden, anchor_tokens=anchor, lm_head=lm_head)
+        if drafts.confidence is None:
+            return drafts.tokens[0]
+        length = confident_prefix_length(drafts.confidence[0], threshold=confidence_threshold)
+        return drafts.tokens[0, :length], drafts.confidence[0]
 
     return draft
 
@@ -323,16 +321,6 @@ def confident_prefix_length(confidence: Tensor, *, threshold: float) -> int:
         return int(confidence.shape[0])
     below = torch.nonzero(confidence < threshold).flatten()
     return int(below[0]) if below.numel() else int(confidence.shape[0])
-
-
-def default_draft_fn(drafter: DFlashDrafter, *, embed_tokens: nn.Module, lm_head: nn.Module, confidence_threshold: float = 0.0) -> DraftFn:
-    """The cached draft step of the drafter's architecture (DFlash or DSpark; its config's mask token)."""
-    mask_token_id = drafter.config.mask_token_id
-    if isinstance(drafter, DSparkDrafter):
-        return cached_dspark_draft_fn(
-            drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id, confidence_threshold=confidence_threshold
-        )
-    return cached_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id)
 
 
 @dataclass(kw_only=True)
@@ -400,11 +388,11 @@ def speculative_decode(
     """
     check_decode_args(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature)
     if draft_fn is None:
-        draft_fn = default_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, confidence_threshold=confidence_threshold)
+        draft_fn = cached_family_draft_fn(drafter, embed_tokens=embed_tokens, lm_head=lm_head, confidence_threshold=confidence_threshold)
 
     device = next(target.parameters()).device
     layer_ids = list(drafter.config.target_layer_ids)
-    num_draft = drafter.config.num_drafts  # K (DFlash) or B (DSpark)
+    num_draft = drafter.config.num_drafts  # the family's drafts per block
     stops = set(stop_token_ids)
     num_prompt = len(prompt_ids)
     state = prefill(
@@ -419,7 +407,7 @@ def speculative_decode(
         anchor = tokens[-1]
         assert cache.get_seq_length() == anchor_pos, (cache.get_seq_length(), anchor_pos)
         draft = draft_fn(context_features=features[:anchor_pos], anchor_token=anchor, anchor_pos=anchor_pos)  # [D]
-        if isinstance(draft, tuple):  # a DSpark drafter's tokens and its predicted acceptance per slot
+        if isinstance(draft, tuple):  # the drafter's tokens and its predicted acceptance per slot
             draft, confidence = draft
             confidences.append([round(float(c), 6) for c in confidence])
         assert draft.dim() == 1 and draft.shape[0] <= num_draft, draft.shape

@@ -1,4 +1,4 @@
-"""Stage 2: train a DFlash or DSpark drafter from a cache (config, labels and objectives, batching, the loop,
+"""Stage 2: train a block drafter of any family from a cache (config, labels and objectives, batching, the loop,
 checkpoints). Imports `drafter` and `storage`, never the build or the target (docs/design.md)."""
 
 from pipeline.train.config import TrainConfig

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from drafter.masks import SHARED_OWNER
 from pipeline.train.labels import BlockTargets, ObjectiveConfig, build_block_targets
-from pipeline.train.methods import recipe, required_arrays
+from pipeline.train.methods import recipe
 from storage.codecs import FP8_E4M3FN_TABLE
 from storage.format import ANCHOR_ARRAYS, TOKEN_ARRAYS, ira_parent_rows
 
@@ -68,7 +68,7 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         self.seed = seed
         # Only what the method needs is read; an IRA secondary's parent rollout features are read
         # afterwards for the drawn parents alone (docs/design.md, "A training step").
-        self.arrays = required_arrays(objective.method, dspark=objective.dspark_block is not None) - {"rollout_features"}
+        self.arrays = objective.cache_arrays - {"rollout_features"}
         # Features travel as their stored bits (bf16: uint16, half of float32; fp8: uint8 plus a
         # float32 scale per row) and are decoded on the training device (decode_feature_bits).
         self.fp8 = reader.rollout_feature_codec == "fp8"  # the parents' rows come with scales
@@ -211,12 +211,12 @@ class TrainBatch:
     label_probs: Tensor  # [B, N, K, k]
     slot_weights: Tensor  # [B, N, K]
     supervised_index: Tensor  # [M] long: flat indices into [B * N * K] of the slots with weight > 0, ascending
-    prev_tokens: Tensor  # [B, N, K] long: the token before each label (a DSpark Markov head's input)
+    prev_tokens: Tensor  # [B, N, K] long: the token before each label on its own track (drafter/family.py)
     num_tokens: int  # corpus tokens in the batch (for throughput)
     num_sequences: int
     indices: tuple[int, ...] = ()  # the cache's sequence index of each row (which data a step saw)
     context_feature_scales: Tensor | None = None  # [B, C] float32: fp8 bits' per-row scales
-    # The target distribution of each prediction when it is not the labels (one-hot labels under DSpark): [B, N, K, k]
+    # The target distribution of each prediction when it is not the labels (one-hot labels, `BlockLayout.distributions`): [B, N, K, k]
     dist_ids: Tensor | None = None
     dist_probs: Tensor | None = None
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from drafter.checkpoint import CONFIG_FILE, MODELING_FILES, WEIGHTS_FILE
+from drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, exported_file_names
+from drafter.families import DEFAULT_FAMILY, FAMILIES, families
 from pipeline.outputs import LOCK_FILE, differences, read_record, refuse_foreign, refuse_foreign_inside, remove_names, write_record
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import DISK_FULL_ERRNOS, first_line
@@ -39,18 +40,11 @@ RESUMABLE_CHANGES = frozenset(
      # --precision may change while the dtype it resolves to does not (compute_dtype, checked on its own)
      "precision", "device_kind"}
 )  # fmt: skip
-# Settings that change nothing for a run of this method and architecture (a different value is no
-# reason to refuse its resume): the DSpark heads and loss of a DFlash run, the DFlash envelopes of a
-# DSpark run, the envelope a method does not use, the rollout depth of a corpus-labelled method.
-DSPARK_SETTINGS = frozenset(
-    {"dspark_block", "markov_rank", "confidence_head", "dspark_gamma", "ce_alpha", "l1_alpha", "confidence_alpha", "confidence_target"}
-)
-# Settings added after checkpoints were first written: the value an older checkpoint's run had.
+# Settings added after checkpoints were first written: the value an older checkpoint's run had. A
+# run recorded before a family existed trained the default family and left every family's options
+# at their defaults.
 ADDED_SETTINGS = {
-    "loader": "map",
-    # --arch dspark: a run recorded before DSpark existed trained DFlash with these defaults.
-    "arch": "dflash", "dspark_block": None, "markov_rank": None, "confidence_head": True, "dspark_gamma": 4.0,
-    "ce_alpha": 0.1, "l1_alpha": 0.9, "confidence_alpha": 1.0, "confidence_target": "overlap",
+    "loader": "map", "arch": DEFAULT_FAMILY, **{flag: value for family in families() for flag, value in family.option_flags().items()},
 }  # fmt: skip
 
 
@@ -199,16 +193,19 @@ def _resolved_cache(settings: dict) -> dict:
 
 
 def unused_settings(settings: dict) -> set[str]:
-    """The settings a run with these flags never reads (see DSPARK_SETTINGS)."""
+    """The settings a run with these flags never reads (a different value is no reason to refuse its
+    resume): the options of the families it does not train, the methods' envelopes where its family
+    has its own (else the envelope its method does not use), the rollout depth of a corpus-labelled method."""
     from pipeline.train.methods import RECIPES
 
-    recipe = RECIPES.get(settings.get("method"))
-    if recipe is None:
+    recipe, family = RECIPES.get(settings.get("method")), FAMILIES.get(settings.get("arch", DEFAULT_FAMILY))
+    if recipe is None or family is None:
         return set()
-    if settings.get("arch", "dflash") == "dspark":
-        unused = {"gamma", "dflash_gamma"}
+    unused = {flag for other in families() if other is not family for flag in other.option_flags()}
+    if family.own_envelope:
+        unused |= {"gamma", "dflash_gamma"}
     else:
-        unused = set(DSPARK_SETTINGS) | {"gamma" if recipe.dflash_envelope else "dflash_gamma"}
+        unused.add("gamma" if recipe.dflash_envelope else "dflash_gamma")
     if recipe.label_source != "rollout":
         unused.add("rollout_depth")
     return unused
@@ -258,7 +255,7 @@ RUN_NAMES = re.compile(
 )  # what a run writes at its top level (and the temp names of storage.atomic's writes of them)
 
 
-_DRAFTER_FILES = "|".join(re.escape(name) for name in (CONFIG_FILE, WEIGHTS_FILE, *(shipped for _, shipped in MODELING_FILES)))
+_DRAFTER_FILES = "|".join(re.escape(name) for name in (CONFIG_FILE, WEIGHTS_FILE, *sorted(exported_file_names())))
 RUN_PATHS = re.compile(
     rf"^drafter/\.?({_DRAFTER_FILES})(\..*\.tmp)?$"
     r"|^checkpoints/\.?latest(\..*\.tmp)?$"

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
 
-from pipeline.config import from_flags, group, opt
+from drafter.families import DEFAULT_FAMILY, families, get_family
+from pipeline.config import from_flags, group, opt, to_flags
 from pipeline.train.labels import ObjectiveConfig
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -17,71 +19,40 @@ LOADERS = ("map", "stream")
 LOCAL_CACHE_DIR = "alrira-local-cache"  # under $TMPDIR unless --local-cache-dir
 
 
-ARCHS = ("dflash", "dspark")
-
-
 @dataclass(kw_only=True)
 class DrafterInit:
-    """Which drafter to train and where its weights start (docs/dspark.md for --arch dspark)."""
+    """Which drafter family to train and where its weights start (docs/design.md, "Drafter families")."""
 
     arch: str = opt(
-        "dflash (the DFlash block drafter) or dspark (the DFlash backbone plus a Markov head and a confidence head; "
-        "its block of B slots drafts B tokens).",
-        default="dflash",
+        f"The drafter family: {', '.join(f'{f.name} ({f.architecture})' for f in families())}. Its own settings are "
+        "the flags whose help names it (docs/design.md, \"Drafter families\").",
+        default=DEFAULT_FAMILY,
     )
     drafter_init: str | None = opt(
-        "Initialise from this checkpoint directory: a DFlash one (public release or ours), or for --arch dspark a DSpark "
-        "one, or a DFlash one whose backbone starts a DSpark drafter with fresh heads.",
+        "Initialise from this checkpoint directory: one of the --arch family (public release or ours), or one whose "
+        "backbone starts it with fresh heads (the family's `init_from`: docs/design.md, \"Drafter families\").",
         default=None,
     )
     draft_layers: int | None = opt("Fresh drafter with this many layers (default: one per tapped target layer).", default=None)
-    dspark_block: int | None = opt(
-        "--arch dspark: B, the slots of a DSpark block (each drafts one token); at most and by default the cache's "
-        "K predicted slots (--num-slots of the build; one less than the DFlash block size).",
-        default=None,
-    )
-    markov_rank: int | None = opt(
-        "--arch dspark: rank of the Markov head, 0 for none (default: DeepSpec's 256, at most a quarter of the vocabulary).",
-        default=None,
-    )
-    confidence_head: bool = opt("--arch dspark: train the confidence head (its acceptance prediction).", default=True)
     activation_checkpointing: bool = opt(
         "Recompute each drafter layer in backward instead of storing its activations (less memory, ~1 more forward).",
         default=False,
     )
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        get_family(self.arch)  # a ValueError naming the families for an unknown one
         if self.drafter_init is not None and self.draft_layers is not None:
             raise ValueError("give at most one of --drafter-init and --draft-layers")
-        if self.arch == "dflash" and (self.dspark_block is not None or self.markov_rank is not None):
-            raise ValueError("--dspark-block and --markov-rank are settings of --arch dspark")
-        if self.dspark_block is not None and self.dspark_block < 1:
-            raise ValueError(f"--dspark-block must be >= 1, got {self.dspark_block}")
-        if self.markov_rank is not None and self.markov_rank < 0:
-            raise ValueError(f"--markov-rank must be >= 0, got {self.markov_rank}")
 
 
-@dataclass(kw_only=True)
-class DSparkLossConfig:
-    """--arch dspark: the weights of DeepSpec's loss terms (docs/objectives.md, "DSpark")."""
+def family_options_class() -> type:
+    """One group of every registered family's own settings (`DrafterFamily.options_class`), a field
+    per family named after it: each becomes flags of `alrira-train` (pipeline/config.py)."""
+    fields = [(f.name, f.options_class, group(f.options_class)) for f in families() if f.options_class is not None]
+    return dataclasses.make_dataclass("FamilyOptions", fields, kw_only=True)
 
-    ce_alpha: float = opt("Weight of the label cross-entropy (the method's labels).", default=0.1)
-    l1_alpha: float = opt("Weight of ||q - p||_1 against the target's distribution (top-k + tail: a lower bound).", default=0.9)
-    confidence_alpha: float = opt("Weight of the confidence head's BCE.", default=1.0)
-    confidence_target: str = opt(
-        "What the confidence head predicts: overlap (sum min(q, p), acceptance at T = 1; DeepSpec's) or greedy "
-        "(argmax q == the target's top token, acceptance at T = 0).",
-        default="overlap",
-    )
 
-    def __post_init__(self):
-        for name in ("ce_alpha", "l1_alpha", "confidence_alpha"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.confidence_target not in ("overlap", "greedy"):
-            raise ValueError(f"--confidence-target must be overlap or greedy, got {self.confidence_target!r}")
+FamilyOptions = family_options_class()
 
 
 @dataclass(kw_only=True)
@@ -196,7 +167,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """`alrira-train`: train a DFlash or DSpark drafter from a cache."""
+    """`alrira-train`: train a drafter of any registered family from a cache."""
 
     cache: str = opt(
         "Stage-1 cache: a directory or an object-store URL (s3://bucket/prefix; credentials from the environment)."
@@ -207,7 +178,7 @@ class TrainConfig:
     )
     objective: ObjectiveConfig = group(ObjectiveConfig)
     drafter: DrafterInit = group(DrafterInit)
-    dspark: DSparkLossConfig = group(DSparkLossConfig)
+    families: FamilyOptions = group(FamilyOptions)
     optim: OptimConfig = group(OptimConfig)
     loader: LoaderConfig = group(LoaderConfig)
     checkpoint: CheckpointConfig = group(CheckpointConfig)
@@ -230,9 +201,22 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        for family in families():  # another family's settings would be recorded and never read
+            options = self.family_options(family)
+            if family.name == self.drafter.arch or options is None:
+                continue
+            given = [flag for flag, value in to_flags(options).items() if value != family.option_flags()[flag]]
+            if given:
+                flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+                raise ValueError(f"{flags}: settings of --arch {family.name}, not of --arch {self.drafter.arch}")
         if self.log_every < 1:
             raise ValueError(f"--log-every must be >= 1, got {self.log_every}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+
+    def family_options(self, family=None):
+        """The settings of `family` (default: the --arch one), or None when it has none."""
+        family = family or get_family(self.drafter.arch)
+        return getattr(self.families, family.name, None)
 
     from_flags = classmethod(from_flags)

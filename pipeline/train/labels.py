@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from drafter.family import BlockLayout
 from pipeline.config import opt
-from pipeline.train.methods import LABEL_SOURCES, METHODS, ROLLOUT_METHODS, recipe
+from pipeline.train.methods import LABEL_SOURCES, METHODS, ROLLOUT_METHODS, recipe, required_arrays
 from storage.format import check_num_slots
 from pipeline.train.objectives import (
     alive_mask,
@@ -53,10 +54,6 @@ class ObjectiveConfig:
     )
     anchors_per_step: int | None = opt("Anchors per sequence per step (default: the whole cached pool).", default=None)
     anchor_source: str = opt("pool (the cached anchors) or all (every eligible position; corpus-only methods).", default="pool")
-    dspark_gamma: float = opt(
-        "--arch dspark: slot envelope decay exp(-k / gamma) over DSpark slot k = 0..B-1, for every method (DeepSpec's 4).",
-        default=4.0,
-    )
     # What the cache fixes (not flags): the trainer binds them from the manifest (`for_cache`).
     num_slots: int = field(default=15, metadata={"cli": False})
     """K, predicted slots per block (block size K + 1); must match the cache."""
@@ -64,20 +61,18 @@ class ObjectiveConfig:
     """Token id of the block's MASK slots."""
     stop_token_ids: tuple[int, ...] = field(default=(), metadata={"cli": False})
     """Stop token ids (eos / end of turn): rollout slots after one are not trained."""
-    dspark_block: int | None = field(default=None, metadata={"cli": False})
-    """B, the DSpark block (slots 0..B-1 predict the tokens DFlash slots 1..B do), or None for DFlash."""
+    layout: BlockLayout | None = field(default=None, metadata={"cli": False})
+    """The drafter family's block on the cache's K labelled slots; None: the DFlash block of K + 1."""
 
     def __post_init__(self) -> None:
         recipe(self.method)  # a ValueError naming the methods for an unknown one
         check_num_slots(self.num_slots)  # the cache's K: one rule (storage/format.py)
         if not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
-        if not self.dspark_gamma > 0:
-            raise ValueError(f"dspark_gamma must be > 0, got {self.dspark_gamma}")
-        if self.dspark_block is not None and not 1 <= self.dspark_block <= self.num_slots:
+        if self.layout is not None and self.layout.num_labelled > self.num_slots:
             raise ValueError(
-                f"--dspark-block must be in [1, {self.num_slots}]: its B slots predict the tokens of the cache's first B "
-                f"predicted slots (K = {self.num_slots}), got {self.dspark_block}"
+                f"the drafter family's block trains {self.layout.num_labelled} label slots; the cache labels K = {self.num_slots} "
+                f"(must be in [1, {self.num_slots}])"
             )
         if self.dflash_gamma is not None and not self.dflash_gamma > 0:
             raise ValueError(f"dflash_gamma must be > 0, got {self.dflash_gamma}")
@@ -114,16 +109,22 @@ class ObjectiveConfig:
                 f"secondaries sit at offsets up to K - 1), got {self.rollout_depth}"
             )
 
+    @property
+    def cache_arrays(self) -> set[str]:
+        """The cache arrays these blocks read: the method's, and the target's distributions where the
+        drafter family's layout asks for them beside one-hot labels."""
+        return required_arrays(self.method, distributions=self.layout is not None and self.layout.distributions)
+
     def for_cache(
-        self, *, num_slots: int, mask_token_id: int, stop_token_ids, vision: bool = False, dspark_block: int | None = None
+        self, *, num_slots: int, mask_token_id: int, stop_token_ids, vision: bool = False, layout: BlockLayout | None = None
     ) -> ObjectiveConfig:
         """This objective bound to a cache's K, mask token and stop tokens (validated again), with
-        --dflash-gamma's default taken from the cache's target kind (`vision`); `dspark_block`: B
-        for a DSpark drafter."""
+        --dflash-gamma's default taken from the cache's target kind (`vision`); `layout`: the
+        drafter family's block (drafter/family.py)."""
         dflash_gamma = self.dflash_gamma if self.dflash_gamma is not None else default_dflash_gamma(vision=vision)
         return replace(
             self, num_slots=num_slots, mask_token_id=mask_token_id, stop_token_ids=tuple(stop_token_ids), dflash_gamma=dflash_gamma,
-            dspark_block=dspark_block,
+            layout=layout,
         )  # fmt: skip
 
 
@@ -136,10 +137,11 @@ def default_dflash_gamma(*, vision: bool) -> float:
 class BlockTargets:
     """Inputs, visibility and labels of one sequence's N draft blocks (slot k sits at index k - 1).
 
-    A DSpark block (docs/dspark.md) has B slots and B predictions: its slot k predicts what DFlash
-    slot k + 1 does, so its per-slot tensors are the first B columns of the DFlash ones."""
+    Built as DFlash blocks of K + 1 slots over the cache's K label columns; a family whose block
+    differs (`BlockLayout`, drafter/family.py: fewer slots, each predicting what DFlash slot k + 1 does) keeps the
+    first columns (`for_drafter`)."""
 
-    block_tokens: Tensor  # [N, K+1] long: slot 0 = anchor token, slots 1..K = mask_token_id (DSpark: [N, B])
+    block_tokens: Tensor  # [N, K+1] long: slot 0 = anchor token, slots 1..K = mask_token_id (another layout: [N, B])
     block_anchor_pos: Tensor  # [N] long: position of slot 0 (a, or a + j for a secondary)
     block_corpus_limit: Tensor  # [N] long: corpus features visible at positions < limit
     private_parent: Tensor  # [N] long: pool index whose rollout features the block also sees, or -1
@@ -149,9 +151,9 @@ class BlockTargets:
     slot_weights: Tensor  # [N, K] float32, 0 = unsupervised
     is_secondary: Tensor  # [N] bool
     # The token before each label on the label's own track (corpus x[a+k-1], rollout y*[k-1], a
-    # secondary's y*[j+k-1]): a DSpark Markov head's input. [N, K] long.
+    # secondary's y*[j+k-1]): a family's input beside the block (a Markov head's). [N, K] long.
     prev_tokens: Tensor
-    # The target distribution each prediction is compared with (DSpark's L1 and confidence terms):
+    # The target distribution each prediction is compared with (a family that `reads_distributions`):
     # the labels themselves, except for one-hot labels, where the corpus pass's top-k (when read). [N, K, k]
     dist_ids: Tensor | None = None
     dist_probs: Tensor | None = None
@@ -280,10 +282,10 @@ def _corpus_targets(
 
 
 def envelope_gamma(config: ObjectiveConfig) -> float:
-    """The slot envelope's decay: DSpark's for a DSpark drafter (every method), else the DFlash
-    baseline's own for dflash and --gamma for the distillation family."""
-    if config.dspark_block is not None:
-        return config.dspark_gamma
+    """The slot envelope's decay: the drafter family's own when it has one (every method), else the
+    DFlash baseline's own for dflash and --gamma for the distillation family."""
+    if config.layout is not None and config.layout.envelope_gamma is not None:
+        return config.layout.envelope_gamma
     if recipe(config.method).dflash_envelope:
         return config.dflash_gamma if config.dflash_gamma is not None else default_dflash_gamma(vision=False)
     return config.gamma
@@ -388,20 +390,22 @@ def build_block_targets(
 
 
 def for_drafter(targets: BlockTargets, config: ObjectiveConfig) -> BlockTargets:
-    """The DFlash blocks as the drafter trains them: unchanged for DFlash; for a DSpark block of B
-    slots, slot k (0..B-1) takes DFlash slot k + 1's label, weight, distribution and previous token,
-    and the block holds [anchor, MASK x (B - 1)] (docs/dspark.md)."""
-    num_drafts = config.dspark_block
-    if num_drafts is None:
+    """The DFlash blocks as the drafter family trains them (`config.layout`, drafter/family.py): its
+    block holds the first `block_size` of [anchor, MASK x K], and its labelled rows take the first
+    `num_labelled` label columns with their weights, distributions and previous tokens. A layout
+    that is the DFlash block itself leaves them as they are."""
+    layout = config.layout
+    if layout is None or (layout.block_size, layout.num_labelled) == (config.num_slots + 1, config.num_slots):
         return targets
+    num_labelled = layout.num_labelled
 
     def first(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t[:, :num_drafts].contiguous()
+        return None if t is None else t[:, :num_labelled].contiguous()
 
     label_ids, label_probs = first(targets.label_ids), first(targets.label_probs)
     same = targets.dist_ids is targets.label_ids  # the labels are the distributions: keep them one tensor
     return replace(
-        targets, block_tokens=first(targets.block_tokens), label_ids=label_ids, label_probs=label_probs,
-        slot_weights=first(targets.slot_weights), prev_tokens=first(targets.prev_tokens),
+        targets, block_tokens=targets.block_tokens[:, : layout.block_size].contiguous(), label_ids=label_ids,
+        label_probs=label_probs, slot_weights=first(targets.slot_weights), prev_tokens=first(targets.prev_tokens),
         dist_ids=label_ids if same else first(targets.dist_ids), dist_probs=label_probs if same else first(targets.dist_probs),
     )  # fmt: skip

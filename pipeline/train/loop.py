@@ -1,4 +1,4 @@
-"""`alrira-train`: train a DFlash or DSpark drafter from a stage-1 cache, never loading the target.
+"""`alrira-train`: train a drafter of any family (drafter/families.py) from a stage-1 cache, never loading the target.
 
 Every method (dflash, kd, erase, erase_hard, alr, alr_gate, alr_ira, slot_control) runs the same
 loop; what differs is only `pipeline.train.labels.build_block_targets`, called in the data workers.
@@ -68,7 +68,7 @@ def train_step(s: TrainState, config: TrainConfig, step: int) -> StepResult:
             stats = forward_loss(
                 s.model, batch, embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=s.block_size,
                 loss_chunk=config.optim.loss_chunk, autocast=s.autocast, attention=s.attention,
-                dspark=config.dspark if config.drafter.arch == "dspark" else None,
+                options=s.family_options,
             )  # fmt: skip
             # DDP averages gradients over ranks; scaling by world_size makes that the global mean.
             (stats.loss_sum * (s.world_size / (weight_total.float() + 1e-6))).backward()

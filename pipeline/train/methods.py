@@ -76,21 +76,21 @@ def recipe(method: str) -> MethodRecipe:
     return RECIPES[method]
 
 
-def required_arrays(method: str, *, dspark: bool = False) -> set[str]:
-    """Cache arrays training with `method` reads. A DSpark drafter also compares every prediction
-    with the target's distribution, so one-hot dflash reads the corpus pass's top-k too."""
+def required_arrays(method: str, *, distributions: bool = False) -> set[str]:
+    """Cache arrays training with `method` reads. A drafter family whose blocks take the target's
+    distribution beside every label (`BlockLayout.distributions`) makes one-hot dflash read the
+    corpus pass's top-k too."""
     arrays = set(recipe(method).arrays)
-    if dspark and recipe(method).one_hot_labels:
+    if distributions and recipe(method).one_hot_labels:
         arrays |= {"corpus_topk_ids", "corpus_topk_probs"}
     return arrays
 
 
-def check_cache_serves(method: str, arrays: set[str], cache: str, *, dspark: bool = False) -> None:
-    """One line naming the arrays a cache lacks for `method` (a --no-rollouts cache, say)."""
-    missing = sorted(required_arrays(method, dspark=dspark) - set(arrays))
+def check_cache_serves(method: str, arrays: set[str], cache: str, *, arch: str, distributions: bool = False) -> None:
+    """One line naming the arrays a cache lacks for `method` with the `arch` family (a --no-rollouts cache, say)."""
+    missing = sorted(required_arrays(method, distributions=distributions) - set(arrays))
     if missing:
-        arch = " --arch dspark" if dspark else ""
-        raise ValueError(f"{cache}: --method {method}{arch} needs cache arrays that are missing: {', '.join(missing)}")
+        raise ValueError(f"{cache}: --method {method} needs cache arrays that are missing: {', '.join(missing)} (with --arch {arch})")
 
 
 # Every name above must be an array of the cache format (storage/format.py is their one home).

@@ -14,13 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-
-# The tail term's log(1 - covered mass) is clipped here so it stays finite when the label's top-k
-# ids already hold (nearly) all of the draft's probability.
-MAX_COVERED_MASS = 1.0 - 1e-6
-
 
 def slot_envelope(*, num_slots: int, gamma: float) -> Tensor:
     """Slot weight envelope [K + 1]: 0 for the anchor slot, w_k = exp(-(k - 1) / gamma)."""
@@ -260,119 +254,6 @@ def cap_mask(caps: Tensor, num_slots: int) -> Tensor:
     """1[k <= cap] per block: [m, K + 1] float32."""
     slots = torch.arange(num_slots + 1, device=caps.device)
     return (slots[None, :] <= caps[:, None]).float()
-
-
-def topk_tail_slot_losses(*, draft_logits: Tensor, label_ids: Tensor, label_probs: Tensor) -> Tensor:
-    """Per-slot top-k + tail distillation loss [M] (see topk_tail_loss)."""
-    log_q = draft_logits.float().log_softmax(dim=-1)  # [M, V]
-    label_log_q = log_q.gather(-1, label_ids.long())  # [M, k]
-    probs = label_probs.float()
-    cross_entropy = -(probs * label_log_q).sum(dim=-1)  # [M]
-    tail = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
-    covered = label_log_q.exp().sum(dim=-1).clamp(max=MAX_COVERED_MASS)
-    return cross_entropy - tail * torch.log1p(-covered)  # [M]
-
-
-def topk_tail_loss(
-    *, draft_logits: Tensor, label_ids: Tensor, label_probs: Tensor, weights: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Top-k + tail distillation loss: (sum of w * l, sum of w) over all slots given.
-
-    Per slot, with label ids/probs p_i, tail tau = max(0, 1 - sum p_i) and draft probs q:
-        l = -sum_i p_i log q(id_i) - tau * log(1 - min(sum_i q(id_i), 1 - 1e-6))
-    One-hot labels reduce this to plain cross-entropy. The caller forms the weighted mean
-    sum(w * l) / (sum(w) + 1e-6) after summing over its batch and ranks.
-
-    draft_logits [M, V], label_ids/label_probs [M, k], weights [M]; any matching leading dims work.
-    """
-    loss = topk_tail_slot_losses(draft_logits=draft_logits, label_ids=label_ids, label_probs=label_probs)
-    weights = weights.float()
-    return (weights * loss).sum(), weights.sum()
-
-
-def topk_tail_loss_and_grad(
-    *, draft_logits: Tensor, label_ids: Tensor, label_probs: Tensor, weights: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(sum of w * l, its gradient with respect to draft_logits [M, V], whether each slot's first
-    label id holds its largest logit [M] (the argmax, a tie counting)), the loss of topk_tail_loss,
-    in one pass and without autograd: the training step computes a chunk's logits, this, and the
-    hidden states' gradient at once, so it never recomputes the logits in backward (docs/design.md,
-    "A training step"). The math is float32 (bf16 logits are widened once); float32 logits are
-    overwritten (their storage becomes the gradient). With q = softmax(z), c = sum_i q(id_i), tau
-    the tail mass and a = tau / (1 - c) where c is below the clip (0 above it, as the clamp's
-    gradient):
-        dl/dz_v = q_v * (sum_i p_i - a * c) + sum_i [v == id_i] * (a * q(id_i) - p_i)."""
-    ids = label_ids.long()
-    probs, weights = label_probs.float(), weights.float()
-    logits = draft_logits.float()  # no copy when float32 already
-    peak = logits.amax(dim=-1, keepdim=True)  # [M, 1]
-    label_logits = logits.gather(-1, ids)  # [M, k]
-    first_is_top = label_logits[:, 0] == peak[:, 0]
-    unnormalized = logits.sub_(peak).exp_()  # exp(z - max), in place
-    total = unnormalized.sum(dim=-1, keepdim=True)  # [M, 1]
-    label_log_q = label_logits - (peak + total.log())  # [M, k]
-    label_q = label_log_q.exp()
-    cross_entropy = -(probs * label_log_q).sum(dim=-1)  # [M]
-    tail = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
-    covered = label_q.sum(dim=-1)
-    clipped = covered.clamp(max=MAX_COVERED_MASS)
-    loss_sum = (weights * (cross_entropy - tail * torch.log1p(-clipped))).sum()
-    tail_scale = torch.where(covered <= MAX_COVERED_MASS, tail / (1.0 - clipped), torch.zeros_like(tail))  # [M]
-    dense_scale = (weights * (probs.sum(dim=-1) - tail_scale * covered))[:, None] / total  # [M, 1]
-    grad = unnormalized.mul_(dense_scale)  # q_v * dense_scale, in place
-    grad.scatter_add_(-1, ids, weights[:, None] * (tail_scale[:, None] * label_q - probs))
-    return loss_sum, grad, first_is_top
-
-
-# ----------------------------------------------------------------------------------------------
-# DSpark (docs/dspark.md, "The loss")
-
-CONFIDENCE_TARGETS = ("overlap", "greedy")
-
-
-def topk_tail_l1(*, draft_probs: Tensor, dist_ids: Tensor, dist_probs: Tensor) -> Tensor:
-    """||q - p||_1 per slot [M] when p is known on its top-k ids (dist_ids/probs [M, k]) plus a tail
-    mass tau = max(0, 1 - sum p_i) spread over the other ids in an unknown way: the LOWER bound
-        sum_i |q(id_i) - p_i| + |Q_rest - tau|,   Q_rest = 1 - sum_i q(id_i)
-    (triangle inequality over the rest; exact when tau = 0, or when p's tail is proportional to q's).
-    So 1 - l1 / 2 is an UPPER bound of the overlap sum_v min(q(v), p(v)). draft_probs [M, V]."""
-    q_top = draft_probs.float().gather(-1, dist_ids.long())  # [M, k]
-    probs = dist_probs.float()
-    top = (q_top - probs).abs().sum(dim=-1)
-    q_rest = (1.0 - q_top.sum(dim=-1)).clamp(min=0.0)
-    tail = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
-    return top + (q_rest - tail).abs()
-
-
-def dspark_slot_losses(
-    *, draft_logits: Tensor, confidence_logits: Tensor | None, label_ids: Tensor, label_probs: Tensor,
-    dist_ids: Tensor, dist_probs: Tensor, ce_alpha: float, l1_alpha: float, confidence_alpha: float,
-    confidence_target: str = "overlap",
-) -> tuple[Tensor, Tensor]:
-    """DeepSpec's DSpark loss per slot [M] and the confidence head's target [M]:
-        l = ce_alpha * CE + l1_alpha * ||q - p||_1 + confidence_alpha * BCE(sigmoid(c), c*)
-    draft_logits [M, V] are the Markov-corrected logits, q their softmax. CE is the method's label
-    loss (topk_tail_slot_losses: the one-hot token for dflash, the label distribution otherwise); p
-    (dist_ids/probs [M, k]) is the target's distribution at the slot, known as top-k + tail, so the
-    L1 is topk_tail_l1's lower bound. c* is detached: "overlap" = 1 - l1 / 2 (T = 1 acceptance, an
-    upper bound from top-k + tail), "greedy" = 1[argmax q == p's top token] (T = 0 acceptance).
-    With one weight per slot for all three terms, sum(w * l) / sum(w) is DeepSpec's three separately
-    normalised means added up."""
-    if confidence_target not in CONFIDENCE_TARGETS:
-        raise ValueError(f"confidence_target must be one of {CONFIDENCE_TARGETS}, got {confidence_target!r}")
-    logits = draft_logits.float()
-    cross_entropy = topk_tail_slot_losses(draft_logits=logits, label_ids=label_ids, label_probs=label_probs)
-    l1 = topk_tail_l1(draft_probs=logits.softmax(dim=-1), dist_ids=dist_ids, dist_probs=dist_probs)
-    with torch.no_grad():
-        if confidence_target == "overlap":
-            target = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
-        else:
-            target = (logits.argmax(dim=-1) == dist_ids[:, 0]).float()
-    loss = ce_alpha * cross_entropy + l1_alpha * l1
-    if confidence_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), target, reduction="none")
-        loss = loss + confidence_alpha * bce
-    return loss, target
 
 
 def slot_accuracy(draft_logits: Tensor, label_ids: Tensor) -> Tensor:

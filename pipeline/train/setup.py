@@ -1,6 +1,6 @@
 """Everything a run works with, resolved once before the first step (`setup` -> `TrainState`):
-ranks and device, the cache and what it fixes (K, the mask token, the DSpark block), the drafter
-(fresh, from --drafter-init, or a DSpark drafter on a DFlash backbone), the optimizer, a resumed
+ranks and device, the cache and what it fixes (K, the mask token, the family's block), the drafter
+(fresh, from --drafter-init, or one family's on another's backbone), the optimizer, a resumed
 checkpoint, precision and attention kernel, the run folder's claim, and the batches.
 """
 
@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from drafter.checkpoint import check_compatible, load_drafter
 from drafter.config import DFlashConfig
-from drafter.dspark import DSparkConfig, DSparkDrafter, default_markov_rank
-from drafter.model import DFlashDrafter
+from drafter.families import family_of, get_family
 from pipeline.config import to_flags
 from pipeline.precision import auto_bf16
 from pipeline.train.batching import steps_per_epoch
@@ -63,81 +62,63 @@ def adamw(params, *, lr: float, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=device.type in ("cpu", "cuda"))
 
 
-def build_drafter(config: TrainConfig, manifest, *, dspark_block: int | None = None, markov_rank: int | None = None) -> DFlashDrafter:
-    """The drafter to train: loaded from --drafter-init, or fresh from the cache's target config.
-    `dspark_block` (B) and `markov_rank`, resolved for the cache, make it a DSpark drafter: a
-    DSpark --drafter-init as it is, a DFlash one as the backbone of fresh heads."""
+def resolve_family(config: TrainConfig, manifest):
+    """(family, its options resolved for this cache, its block layout): --arch looked up, its
+    options' defaults filled in from the cache's K and vocabulary (drafter/family.py)."""
+    family = get_family(config.drafter.arch)
+    num_slots = manifest.settings.num_slots
+    options = config.family_options(family)
+    if options is not None:
+        options = family.resolve_options(options, num_slots=num_slots, vocab_size=manifest.vocab_size)
+    return family, options, family.layout(options, num_slots=num_slots)
+
+
+def build_drafter(config: TrainConfig, manifest, *, resolved=None):
+    """The drafter to train: loaded from --drafter-init, or fresh from the cache's target config,
+    in the --arch family (`resolved`: resolve_family's answer, computed here when not given)."""
+    family, options, layout = resolved or resolve_family(config, manifest)
     settings, init = manifest.settings, config.drafter
-    dspark = dspark_block is not None
     if init.drafter_init is not None:
-        drafter = load_drafter(init.drafter_init, dtype=torch.float32)
-        if drafter.config.mask_token_id != manifest.mask_token_id:  # its export would name the wrong one
-            raise ValueError(
-                f"--drafter-init {init.drafter_init}: its mask token {drafter.config.mask_token_id} is not the "
-                f"cache's {manifest.mask_token_id}; build the cache with --mask-token {drafter.config.mask_token_id}"
-            )
-        if isinstance(drafter, DSparkDrafter) and not dspark:
-            raise ValueError(f"--drafter-init {init.drafter_init} is a DSpark drafter: train it with --arch dspark")
-        if dspark and not isinstance(drafter, DSparkDrafter):
-            drafter = dspark_from_dflash(drafter, block_size=dspark_block, markov_rank=markov_rank,
-                                         confidence_head=init.confidence_head, seed=config.seed)  # fmt: skip
+        drafter = drafter_from_init(init.drafter_init, family=family, options=options, mask_token_id=manifest.mask_token_id, seed=config.seed)
     else:
         torch.manual_seed(config.seed)
-        drafter_config = DFlashConfig.from_target_config(
+        backbone = DFlashConfig.from_target_config(
             manifest.target_config,
             num_draft_layers=init.draft_layers or len(settings.layer_ids),
             mask_token_id=manifest.mask_token_id,
             target_layer_ids=settings.layer_ids,
             block_size=settings.num_slots + 1,
         )
-        if dspark:
-            drafter_config = DSparkConfig.from_dflash(
-                drafter_config, block_size=dspark_block, markov_rank=markov_rank, enable_confidence_head=init.confidence_head
-            )
-            drafter = DSparkDrafter(drafter_config).float()
-        else:
-            drafter = DFlashDrafter(drafter_config).float()
+        drafter = family.model_class(family.new_config(backbone, options)).float()
     check_compatible(
-        drafter.config,
-        target_layer_ids=settings.layer_ids,
-        hidden_size=manifest.hidden_size,
-        vocab_size=manifest.vocab_size,
-        block_size=dspark_block if dspark else settings.num_slots + 1,
-    )
+        drafter.config, target_layer_ids=settings.layer_ids, hidden_size=manifest.hidden_size, vocab_size=manifest.vocab_size,
+        block_size=layout.block_size,
+    )  # fmt: skip
     drafter.activation_checkpointing = init.activation_checkpointing
     return drafter
 
 
-def dspark_from_dflash(dflash: DFlashDrafter, *, block_size: int, markov_rank: int, confidence_head: bool, seed: int) -> DSparkDrafter:
-    """A DSpark drafter whose backbone is `dflash`'s weights (its block size aside, which no weight
-    depends on) and whose heads are fresh (seeded)."""
-    torch.manual_seed(seed)
-    config = DSparkConfig.from_dflash(dflash.config, block_size=block_size, markov_rank=markov_rank, enable_confidence_head=confidence_head)
-    drafter = DSparkDrafter(config).float()
-    missing, unexpected = drafter.load_state_dict(dflash.state_dict(), strict=False)
-    assert not unexpected and all(n.startswith(("markov_head.", "confidence_head.")) for n in missing), (missing, unexpected)
-    return drafter
-
-
-def resolve_dspark(config: TrainConfig, manifest) -> tuple[int | None, int | None]:
-    """(B, Markov rank) of a DSpark run on this cache, or (None, None) for DFlash. B defaults to the
-    cache's K predicted slots (one less than its DFlash block size) and may not exceed them: slot B - 1 needs
-    the label of the cache's last slot (docs/dspark.md)."""
-    init = config.drafter
-    if init.arch != "dspark":
-        return None, None
-    num_slots = manifest.settings.num_slots
-    block = num_slots if init.dspark_block is None else init.dspark_block
-    if block > num_slots:
+def drafter_from_init(path: str, *, family, options, mask_token_id: int, seed: int):
+    """--drafter-init: a checkpoint of the family as it is (its settings checked against the run's),
+    or one of a family it may start from (`init_from`): that checkpoint's backbone with this family's
+    fresh (seeded) parts, the backbone's block size aside, which no weight depends on."""
+    loaded = load_drafter(path, dtype=torch.float32)
+    if loaded.config.mask_token_id != mask_token_id:  # its export would name the wrong one
         raise ValueError(
-            f"--dspark-block {block} is larger than this cache supports: it labels K = {num_slots} predicted slots per anchor "
-            f"(DFlash block size {num_slots + 1}), so a DSpark block has at most B = {num_slots}; build a cache with --num-slots {block} or more"
+            f"--drafter-init {path}: its mask token {loaded.config.mask_token_id} is not the cache's {mask_token_id}; build the "
+            f"cache with --mask-token {loaded.config.mask_token_id}"
         )
-    vocab_size = manifest.vocab_size
-    rank = default_markov_rank(vocab_size) if init.markov_rank is None else init.markov_rank
-    if rank > vocab_size:
-        raise ValueError(f"--markov-rank {rank} is larger than the vocabulary ({vocab_size})")
-    return block, rank
+    init_family = family_of(loaded)
+    if init_family is family:
+        family.check_init(loaded.config, options, init=path)
+        return loaded
+    if init_family.name not in family.init_from:
+        raise ValueError(f"--drafter-init {path} is a {init_family.title} drafter: train it with --arch {init_family.name}")
+    torch.manual_seed(seed)
+    drafter = family.model_class(family.new_config(loaded.config, options)).float()
+    _, unexpected = drafter.load_state_dict(loaded.state_dict(), strict=False)
+    assert not unexpected, unexpected  # every backbone weight has its place
+    return drafter
 
 
 @dataclass(kw_only=True)
@@ -148,9 +129,10 @@ class TrainState:
     rank: int
     world_size: int
     device: torch.device
-    num_slots: int  # label slots per block: K for DFlash, B for DSpark
-    block_size: int  # the drafter's block: K + 1 for DFlash, B for DSpark
-    drafter: DFlashDrafter
+    num_slots: int  # labelled slots per block (the family's layout, drafter/family.py)
+    block_size: int  # the drafter's block (the family's layout)
+    drafter: torch.nn.Module
+    family_options: object  # the --arch family's options, resolved for the cache (None: it has none)
     model: torch.nn.Module  # the drafter, or its DDP wrapper
     optimizer: torch.optim.Optimizer
     embed_tokens: torch.Tensor  # frozen [V, H], in the compute dtype (bf16 under bf16 autocast)
@@ -236,21 +218,22 @@ def setup(config: TrainConfig) -> TrainState:
         local_cache_dir=config.loader.local_cache_root, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         prefetch_shards=config.loader.prefetch_shards,
     ) if stream else None  # fmt: skip
-    dspark_block, markov_rank = resolve_dspark(config, manifest)
-    check_cache_serves(config.objective.method, available_arrays(reader), config.cache, dspark=dspark_block is not None)
+    family, options, layout = resolved = resolve_family(config, manifest)
+    check_cache_serves(config.objective.method, available_arrays(reader), config.cache, arch=family.name, distributions=layout.distributions)
     if optim.batch_size % (world_size * optim.grad_accum):
         raise ValueError(f"--batch-size {optim.batch_size} must be a multiple of ranks x --grad-accum ({world_size * optim.grad_accum})")
     if len(reader) < optim.batch_size:
         raise ValueError(f"--batch-size {optim.batch_size} is larger than the cache ({len(reader)} sequences)")
     objective = config.objective.for_cache(
         num_slots=settings.num_slots, mask_token_id=manifest.mask_token_id, stop_token_ids=manifest.stop_token_ids,
-        vision=settings.vision is not None, dspark_block=dspark_block,
+        vision=settings.vision is not None, layout=layout,
     )
     # The flags with what the cache gave (the depth, K - 1 by default; --dflash-gamma's default from
-    # the target kind; a DSpark block and Markov rank): what train_config.json and checkpoints record and compare.
-    resolved = replace(config.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
-    resolved_drafter = replace(config.drafter, dspark_block=dspark_block, markov_rank=markov_rank)
-    run_settings = to_flags(replace(config, objective=resolved, drafter=resolved_drafter))
+    # the target kind; the family's options, their defaults from the cache): what train_config.json
+    # and checkpoints record and compare.
+    resolved_objective = replace(config.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
+    resolved_families = config.families if options is None else replace(config.families, **{family.name: options})
+    run_settings = to_flags(replace(config, objective=resolved_objective, families=resolved_families))
     # What `auto` resolved to on this machine is part of the run (a resume elsewhere must match it).
     use_bf16 = optim.precision == "bf16" or (optim.precision == "auto" and auto_bf16(device.type, stage="train"))
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
@@ -262,7 +245,7 @@ def setup(config: TrainConfig) -> TrainState:
 
     head = load_target_head(config.cache, target_hash=settings.target_hash)
     split = load_eval_split(config, settings, rank=rank)
-    drafter = build_drafter(config, manifest, dspark_block=dspark_block, markov_rank=markov_rank).to(device)
+    drafter = build_drafter(config, manifest, resolved=resolved).to(device)
     optimizer = adamw(drafter.parameters(), lr=optim.lr, device=device)
     last_step = min(epoch_ends[-1], config.max_steps) if config.max_steps else epoch_ends[-1]
     start_step = resume_from_checkpoint(
@@ -282,9 +265,10 @@ def setup(config: TrainConfig) -> TrainState:
     total_steps = epoch_ends[-1]
     return TrainState(
         run=run, rank=rank, world_size=world_size, device=device,
-        num_slots=settings.num_slots if dspark_block is None else dspark_block,
-        block_size=settings.num_slots + 1 if dspark_block is None else dspark_block,
+        num_slots=layout.num_labelled,
+        block_size=layout.block_size,
         drafter=drafter,
+        family_options=options,
         model=torch.nn.parallel.DistributedDataParallel(drafter) if world_size > 1 else drafter,
         optimizer=optimizer,
         embed_tokens=head["embed_tokens.weight"].to(device, compute_dtype),

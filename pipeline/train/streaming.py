@@ -49,7 +49,6 @@ import webdataset as wds
 
 from pipeline.train.batching import ReadFailure, TrainBatch, check_ira_parents_serve, collate, example_from_record
 from pipeline.train.labels import ObjectiveConfig
-from pipeline.train.methods import required_arrays
 from storage.errors import first_line
 from storage.format import FP8_SCALE_ARRAYS
 from storage.local_cache import CachedObject, LocalCache, read_ahead
@@ -228,7 +227,7 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
     def __init__(self, plan: StreamPlan, *, objective: ObjectiveConfig, feature_codec: str):
         self.plan, self.objective, self.feature_codec = plan, objective, feature_codec
         check_ira_parents_serve(objective, ira_parents=plan.ira_parents, anchors_per_sequence=plan.anchors_per_sequence)
-        arrays = set(required_arrays(objective.method, dspark=objective.dspark_block is not None))
+        arrays = set(objective.cache_arrays)
         self.arrays = arrays | {FP8_SCALE_ARRAYS[n] for n in arrays if n in FP8_SCALE_ARRAYS}
         self.epoch, self.skip_batches = 0, [0] * plan.num_streams
 
