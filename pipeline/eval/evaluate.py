@@ -210,8 +210,8 @@ def select_evenly(rows: list[tuple], *, max_prompts: int | None) -> list[tuple]:
     return [rows[position] for position in sorted(itertools.islice(rounds, max_prompts))]
 
 
-def context_budgets(target_dir: str, tokenizer, prompts: list[EvalPrompt], *, max_new_tokens: int, flag: str, path: str,
-                    log=log_line) -> dict[int, int]:  # fmt: skip
+def context_budgets(target_dir: str, tokenizer, prompts: list[EvalPrompt], *, max_new_tokens: int, path: str,
+                    flag: str = "--max-new-tokens", log=log_line) -> dict[int, int]:  # fmt: skip
     """{prompt id: tokens it may generate}: `max_new_tokens`, cut where the prompt and its response
     would outgrow the target's context (pipeline.target.context_limit), with one line saying so; a
     prompt that fills the context is refused naming its row. Every decode of a prompts file (run,
@@ -357,8 +357,7 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype, l
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     draft_config = drafter.config
     prompts = eval_prompts(config, tokenizer)
-    budgets = context_budgets(config.target, tokenizer, prompts, max_new_tokens=config.max_new_tokens, flag="--max-new-tokens",
-                              path=config.prompts, log=log)  # fmt: skip
+    budgets = context_budgets(config.target, tokenizer, prompts, max_new_tokens=config.max_new_tokens, path=config.prompts, log=log)
     num_draft = draft_config.num_drafts
     family = family_of(drafter)
     if config.tree_budget is not None and not family.tree_verification:
@@ -440,8 +439,7 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype, l
     plotted = _write_rows_and_histogram(out, rows, accepted_by_group, num_draft=num_draft)
     write_csv_rows(out / "rounds.csv", rounds, columns=ROUND_COLUMNS)
     summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
-                       block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
-    summary["capped_prompts"] = sum(b < config.max_new_tokens for b in budgets.values())  # by the target's context
+                       block_size=draft_config.block_size, plotted=plotted, budgets=budgets)  # fmt: skip
     summary["ar_baseline"] = {"file": str(ar_file), "reused": known_ar is not None, "reused_from": None if reused_from is None else str(reused_from)}
     summary["arch"] = family.name
     summary["num_drafts"] = num_draft
@@ -471,8 +469,9 @@ def _kept_ar_baseline(config: EvalConfig, prompts: list[EvalPrompt], budgets: di
 
 
 def _summary(config: EvalConfig, rows: list[dict], *, num_groups: int, mismatches: int, dtype: torch.dtype,
-             device: torch.device, block_size: int, plotted: bool) -> dict:  # fmt: skip
-    """summary.json of a run: its settings, the pooled scores, the lossless check."""
+             device: torch.device, block_size: int, plotted: bool, budgets: dict[int, int]) -> dict:  # fmt: skip
+    """summary.json of a run: its settings, the pooled scores, the lossless check, how many prompts
+    the target's context held to fewer than --max-new-tokens (`budgets`)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return {
         "target": str(Path(config.target).resolve()),
@@ -480,6 +479,7 @@ def _summary(config: EvalConfig, rows: list[dict], *, num_groups: int, mismatche
         "prompts": str(Path(config.prompts).resolve()),
         "temperature": config.temperature,
         "max_new_tokens": config.max_new_tokens,
+        "capped_prompts": sum(budget < config.max_new_tokens for budget in budgets.values()),
         "seed": config.seed,
         "dtype": dtype_name,
         "device": str(device),
