@@ -34,8 +34,10 @@ if str(ROOT) not in sys.path:
 
 from pipeline.demo.run import DemoSizes, build_demo_cache, train_config  # noqa: E402
 from pipeline.demo.world import build_world  # noqa: E402
-from pipeline.eval.split import build_eval_split  # noqa: E402
+from pipeline.eval.split import build_eval_split, plan_eval_split  # noqa: E402
+from pipeline.target import load_tokenizer  # noqa: E402
 from pipeline.train.loop import train  # noqa: E402
+from storage.eval_split import SplitFit  # noqa: E402
 from storage.location import resolve  # noqa: E402
 from storage.manifest import load_manifest  # noqa: E402
 
@@ -56,10 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     world = build_world(world_dir / "world", sizes.world, log=print)
     cache = build_demo_cache(world, world_dir / "cache", sizes, log=print)
     manifest = load_manifest(cache)
-    record = build_eval_split(
-        resolve(cache), target=str(world.target), prompts=str(world.prompts), max_new_tokens=sizes.max_new_tokens, max_prompts=None,
-        layer_ids=list(manifest.settings.layer_ids),
-    )  # fmt: skip
+    plan = plan_eval_split(str(world.prompts), target=str(world.target), tokenizer=load_tokenizer(world.target),
+                           max_new_tokens=sizes.max_new_tokens, max_prompts=None, corpus=world.corpus)  # fmt: skip
+    record = build_eval_split(resolve(cache), plan, target=str(world.target), fit=SplitFit.of(manifest))
     results = {}
     for arch in ("dflash", "dspark"):
         run = out / f"run-{arch}"

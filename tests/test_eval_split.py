@@ -12,8 +12,9 @@ import pytest
 
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.train.config import TrainConfig
-from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD, read_eval_split
+from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD, SplitFit, read_eval_split
 from storage.location import resolve
+from storage.manifest import load_manifest
 from tests.conftest import write_jsonl
 
 PROMPTS = [
@@ -51,7 +52,7 @@ def test_the_split_holds_replays_greedy_responses_and_is_kept_by_a_rebuild(split
     from ray_jobs.build import build_cache
 
     cache, prompts = split_cache
-    split = read_eval_split(resolve(cache))
+    split = read_eval_split(resolve(cache), SplitFit.of(load_manifest(cache)))
     record = json.loads((cache / EVAL_SPLIT_RECORD).read_text())
     assert split.num_prompts == record["num_prompts"] == len(PROMPTS) and split.features.shape[1] == 2 * 64
     assert all(len(split.sequence(i)[0]) > split.sequence(i)[1] for i in range(split.num_prompts))  # a response follows

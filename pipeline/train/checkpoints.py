@@ -46,7 +46,9 @@ RESUMABLE_CHANGES = frozenset(
     {"epochs", "max_steps", "save_every", "resume", "overwrite", "progress", "num_workers", "prefetch", "out", "attention",
      "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every", "eval_every",
      # --precision may change while the dtype it resolves to does not (compute_dtype, checked on its own)
-     "precision", "device_kind"}
+     "precision", "device_kind",
+     # the evaluation split: a resume's is checked against the run's logged points (plan.load_eval_split)
+     "eval_split"}
 )  # fmt: skip
 # Settings added after checkpoints were first written: the value an older checkpoint's run had. A
 # run recorded before a family existed trained the default family and left every family's options

@@ -54,5 +54,6 @@ def evaluate_split(drafter, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_
         "acceptance_per_position": position_acceptance(accepted_all, num_drafts=num_drafts),
         "rounds": rounds,
         "prompts": split.num_prompts,
+        "split": split.identity,  # which split this point measured (storage/eval_split.py, split_identity)
         "seconds": time.perf_counter() - started,
     }

@@ -39,7 +39,15 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.labels import ObjectiveConfig
 from pipeline.train.methods import check_cache_serves, check_ira_parents_serve
 from pipeline.train.streaming import StreamPlan, data_position, plan_stream, stream_epoch_steps
-from storage.eval_split import EvalSplit, read_eval_split, read_eval_split_record
+from storage.eval_split import (
+    EvalSplit,
+    SplitFit,
+    check_same_split,
+    logged_split_identities,
+    read_eval_split,
+    read_eval_split_record,
+    split_identity,
+)
 from storage.location import Location, resolve
 from storage.manifest import Manifest, read_target_head
 from storage.reader import CacheReader, available_arrays, open_cache
@@ -191,8 +199,10 @@ def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks
         vision=settings.vision is not None, layout=drafter.layout,
     )  # fmt: skip
     compute_dtype = resolve_precision(optim.precision, device=ranks.device)
+    split_record = read_eval_split_record(cache)
     run_settings = config.resolved_settings(objective=objective, family=drafter.family, options=drafter.options) | {
         "compute_dtype": str(compute_dtype).removeprefix("torch."), "device_kind": ranks.device.type,  # `auto` is part of the run
+        "eval_split": None if split_record is None else split_identity(split_record),  # what its eval points measure
     }  # fmt: skip
     stream = plan_stream(config, reader, rank=ranks.rank, world_size=ranks.world_size) if config.loader.kind == "stream" else None
     epoch_steps = stream_epoch_steps(stream, optim.epochs) if stream else [steps_per_epoch(len(reader), batch_size=optim.batch_size)] * optim.epochs
@@ -203,7 +213,7 @@ def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks
         compute_dtype=compute_dtype, attention=resolve_attention(optim.attention, device=ranks.device), stream=stream,
         epoch_ends=epoch_ends, last_step=last_step, resume=None, eval_split=None, head={},
     )  # fmt: skip
-    return replace(plan, resume=resume_state(plan), eval_split=load_eval_split(plan),
+    return replace(plan, resume=resume_state(plan), eval_split=load_eval_split(plan, split_record),
                    head=read_target_head(cache, target_hash=settings.target_hash))  # fmt: skip
 
 
@@ -279,24 +289,22 @@ def resume_state(plan: TrainPlan) -> dict | None:
     return state
 
 
-def load_eval_split(plan: TrainPlan) -> EvalSplit | None:
-    """Rank 0's evaluation split of the cache (--eval-every), checked to belong to its target and
-    taps; None on the other ranks or without one (refused with --eval-every)."""
-    cache, config, settings = plan.cache, plan.config, plan.manifest.settings
-    if read_eval_split_record(cache) is None:
+def load_eval_split(plan: TrainPlan, record: dict | None) -> EvalSplit | None:
+    """Rank 0's evaluation split of the cache (--eval-every; `record`: its record), checked in full
+    before step 1 (its record, target and taps, counts against its tensors, token ids against the
+    vocabulary, feature widths against the taps: storage/eval_split.py); None on the other ranks or
+    without one (refused with --eval-every). A resume whose earlier evaluation points measured
+    another split is refused on every rank: one tau curve never joins two splits."""
+    config, run = plan.config, plan.run
+    if record is None:
         if config.eval_every:
             raise ValueError(f"--eval-every: {config.cache} has no evaluation split; build the cache with --eval-prompts FILE")
         return None
+    if config.checkpoint.resume and run.is_file("metrics.jsonl"):
+        check_same_split(logged_split_identities(run.read_bytes("metrics.jsonl")), split_identity(record), run=str(run))
     if plan.ranks.rank != 0:
         return None
-    split = read_eval_split(cache)
-    made_for = {"target_hash": split.key.get("target_hash"), "layer_ids": split.key.get("layer_ids")}
-    if made_for != {"target_hash": settings.target_hash, "layer_ids": list(settings.layer_ids)}:
-        raise ValueError(
-            f"{config.cache}: its evaluation split was computed for another target or taps ({made_for}); rebuild it with "
-            "`alrira-cache build` and --eval-prompts (the shards are kept)"
-        )
-    return split
+    return read_eval_split(plan.cache, SplitFit.of(plan.manifest))
 
 
 # ----------------------------------------------------------------------------------------------
