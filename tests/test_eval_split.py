@@ -96,6 +96,23 @@ def test_training_time_tau_equals_replay_of_the_exported_drafter(split_cache, to
     assert final["acceptance_per_position"][0] > 0  # drafts were accepted: the equality is not 1.0 == 1.0
 
 
+def test_training_time_tau_equals_replay_in_the_default_precision(split_cache, toy_target, tmp_path):
+    """bf16 training (on this CPU `auto` is bf16, as on every GPU) and the default bf16 export: the
+    tau logged at the last step is the export's under replay, to the last digit, on a world where
+    drafts are accepted; the record says what it scored."""
+    from pipeline.eval.replay import run_replay
+
+    cache, prompts = split_cache
+    run = tmp_path / "run"
+    final = _train(cache, run, precision="bf16", save_dtype="bfloat16", epochs=3)["final_eval"]
+    assert (final["weights_dtype"], final["compute_dtype"]) == ("bfloat16", "float32")
+    replayed = run_replay(target=str(toy_target), drafters={"d": str(run / "drafter")}, prompts=str(prompts),
+                          out=str(tmp_path / "replay"), max_new_tokens=NEW_TOKENS)["d"]  # fmt: skip
+    assert final["tau_pooled"] == replayed["tau_pooled"] and final["rounds"] == replayed["rounds"]
+    assert final["acceptance_per_position"] == replayed["acceptance_per_position"]
+    assert final["acceptance_per_position"][0] > 0  # drafts were accepted: the equality is not 1.0 == 1.0
+
+
 def test_a_changed_split_is_refused_and_eval_every_needs_one(split_cache, k7_cache, tmp_path):
     import shutil
 

@@ -147,7 +147,7 @@ def run_training(plan: TrainPlan) -> dict:
                 if evaluated and main:  # the split is rank 0's; nothing collective in it
                     record["eval"] = evaluate_split(
                         s.drafter, plan.eval_split, embed_tokens=s.head["embed_tokens.weight"], lm_head=s.head["lm_head.weight"],
-                        device=plan.ranks.device,
+                        device=plan.ranks.device, weights_dtype=getattr(torch, config.checkpoint.save_dtype),
                     )  # fmt: skip
                 window, window_start = [], time.time()
                 history.append(record)

@@ -199,10 +199,8 @@ def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks
         vision=settings.vision is not None, layout=drafter.layout,
     )  # fmt: skip
     compute_dtype = resolve_precision(optim.precision, device=ranks.device)
-    split_record = read_eval_split_record(cache)
     run_settings = config.resolved_settings(objective=objective, family=drafter.family, options=drafter.options) | {
         "compute_dtype": str(compute_dtype).removeprefix("torch."), "device_kind": ranks.device.type,  # `auto` is part of the run
-        "eval_split": None if split_record is None else split_identity(split_record),  # what its eval points measure
     }  # fmt: skip
     stream = plan_stream(config, reader, rank=ranks.rank, world_size=ranks.world_size) if config.loader.kind == "stream" else None
     epoch_steps = stream_epoch_steps(stream, optim.epochs) if stream else [steps_per_epoch(len(reader), batch_size=optim.batch_size)] * optim.epochs
@@ -213,7 +211,9 @@ def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks
         compute_dtype=compute_dtype, attention=resolve_attention(optim.attention, device=ranks.device), stream=stream,
         epoch_ends=epoch_ends, last_step=last_step, resume=None, eval_split=None, head={},
     )  # fmt: skip
-    return replace(plan, resume=resume_state(plan), eval_split=load_eval_split(plan, split_record),
+    split, identity = load_eval_split(plan)
+    # The split a run's evaluation points measure is part of the run (train_config.json, provenance).
+    return replace(plan, settings=run_settings | {"eval_split": identity}, resume=resume_state(plan), eval_split=split,
                    head=read_target_head(cache, target_hash=settings.target_hash))  # fmt: skip
 
 
@@ -289,22 +289,24 @@ def resume_state(plan: TrainPlan) -> dict | None:
     return state
 
 
-def load_eval_split(plan: TrainPlan, record: dict | None) -> EvalSplit | None:
-    """Rank 0's evaluation split of the cache (--eval-every; `record`: its record), checked in full
-    before step 1 (its record, target and taps, counts against its tensors, token ids against the
-    vocabulary, feature widths against the taps: storage/eval_split.py); None on the other ranks or
-    without one (refused with --eval-every). A resume whose earlier evaluation points measured
-    another split is refused on every rank: one tau curve never joins two splits."""
+def load_eval_split(plan: TrainPlan) -> tuple[EvalSplit | None, dict | None]:
+    """(rank 0's evaluation split of the cache, its identity) for --eval-every: the split checked in
+    full before step 1 (its record, target and taps, counts against its tensors, token ids against
+    the vocabulary, feature widths against the taps: storage/eval_split.py); None on the other ranks,
+    and (None, None) without one (refused with --eval-every). A resume whose earlier evaluation points
+    measured another split is refused on every rank: one tau curve never joins two splits."""
     config, run = plan.config, plan.run
+    record = read_eval_split_record(plan.cache)
     if record is None:
         if config.eval_every:
             raise ValueError(f"--eval-every: {config.cache} has no evaluation split; build the cache with --eval-prompts FILE")
-        return None
+        return None, None
+    identity = split_identity(record)
     if config.checkpoint.resume and run.is_file("metrics.jsonl"):
-        check_same_split(logged_split_identities(run.read_bytes("metrics.jsonl")), split_identity(record), run=str(run))
+        check_same_split(logged_split_identities(run.read_bytes("metrics.jsonl")), identity, run=str(run))
     if plan.ranks.rank != 0:
-        return None
-    return read_eval_split(plan.cache, SplitFit.of(plan.manifest))
+        return None, identity
+    return read_eval_split(plan.cache, SplitFit.of(plan.manifest)), identity
 
 
 # ----------------------------------------------------------------------------------------------
