@@ -73,7 +73,7 @@ def stop_map_loader_workers(batches) -> None:
     """Stop the map loader's DataLoader workers once the last step has its batches. They would live
     on until the interpreter exits, and one that dies then (killed, out of memory) makes torch's
     SIGCHLD handler raise wherever the main thread is: in the final save, or in an atexit hook as a
-    traceback after the run ended (found by benchmarks/chaos.py; docs/failure-modes.md). Stopped,
+    traceback after the run ended (found by benchmarks/harness/chaos.py; docs/failure-modes.md). Stopped,
     their pids are no longer watched. The stream loader stops its own (`close`)."""
     with contextlib.suppress(Exception):  # never hides the run's own error
         getattr(batches, "_shutdown_workers", lambda: None)()
