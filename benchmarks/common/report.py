@@ -67,3 +67,12 @@ def write_results(work: Path, results: dict) -> Path:
     path = work / "results.json"
     path.write_text(json.dumps(results, indent=1))
     return path
+
+
+def finish_run(work: Path, results: dict, clock: RunClock) -> Path:
+    """results.json with the run's load average and wall time added, and the line that ends the
+    run's output: its wall, the load, where the results are."""
+    results = {**results, "load_average": clock.load_average(), "wall_s": clock.wall_s()}
+    path = write_results(work, results)
+    print(f"\nwall {results['wall_s']:.0f} s; {clock.load_line()}; {path}")
+    return path

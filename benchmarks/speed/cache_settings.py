@@ -31,7 +31,7 @@ from numcodecs import Blosc
 from benchmarks.common.cli import bench_parser, work_directory
 from benchmarks.common.loader import loader_pass, one_core, rank_batches
 from benchmarks.common.real_shape_cache import FULL, QUICK, Shapes, objective, save_real_shape_manifest, synthetic_record
-from benchmarks.common.report import RunClock, print_table, write_results
+from benchmarks.common.report import RunClock, finish_run, print_table
 from pipeline.train.batching import CacheTrainDataset
 from storage.codecs import decode_features, encode_features
 from storage.format import ALL_GROUPS, ira_parent_rows
@@ -227,11 +227,8 @@ def main() -> None:
     byte_rows = bench_bytes(work, records, shapes)
     codec_rows = bench_codecs(records[0])
     loader_rows = bench_loader(byte_rows, shapes, rounds=1 if args.quick else 3)
-    results = {"shapes": {"F": shapes.feature_dim, "A": shapes.num_anchors, "K": shapes.num_slots, "top_k": shapes.top_k},
-               "bytes": byte_rows, "codecs": codec_rows, "loader": loader_rows,
-               "load_average": clock.load_average(), "wall_s": clock.wall_s()}  # fmt: skip
-    path = write_results(work, results)
-    print(f"\nwall {results['wall_s']:.0f} s; {clock.load_line()}; {path}")
+    shapes_json = {"F": shapes.feature_dim, "A": shapes.num_anchors, "K": shapes.num_slots, "top_k": shapes.top_k}
+    finish_run(work, {"shapes": shapes_json, "bytes": byte_rows, "codecs": codec_rows, "loader": loader_rows}, clock)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import torch
 from benchmarks.common.cli import bench_parser, work_directory
 from benchmarks.common.process import GIB, in_fresh_process, peak_rss_bytes, rss_bytes
 from benchmarks.common.real_shape_cache import FULL, QUICK, Shapes, drafter_config, objective, write_cache
-from benchmarks.common.report import RunClock, print_table, write_results
+from benchmarks.common.report import RunClock, finish_run, print_table, write_results
 from benchmarks.common.toy import write_toy_corpus
 from benchmarks.speed.real_shapes_reads import array_disk_bytes, bench_chunk_reads, bench_reads, loader_against_floor
 from benchmarks.speed.real_shapes_writer import WRITER_RECORDS, bench_writer, print_writer
@@ -237,11 +237,8 @@ def main() -> None:
         stage1 = bench_stage1(work, shapes, threads=args.threads)
         print_stage1(stage1, shapes)
 
-    results = {"shapes": asdict(shapes), "reads": reads, "projection": projection, "loader_floor": floors, "drafter_step": step, "stage1": stage1,
-               "writer": writer, "blosc_control": control, "chunk_reads": chunk_reads,
-               "load_average": clock.load_average(), "wall_s": clock.wall_s()}  # fmt: skip
-    path = write_results(work, results)
-    print(f"\nwall {results['wall_s']:.0f} s; {clock.load_line()}; {path}")
+    finish_run(work, {"shapes": asdict(shapes), "reads": reads, "projection": projection, "loader_floor": floors, "drafter_step": step,
+                      "stage1": stage1, "writer": writer, "blosc_control": control, "chunk_reads": chunk_reads}, clock)  # fmt: skip
 
 
 if __name__ == "__main__":

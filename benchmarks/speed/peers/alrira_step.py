@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from benchmarks.speed.peers.case import make_case, qwen3_fields, run_steps, slot_weights, worker_args
+from benchmarks.speed.peers.case import qwen3_fields, run_steps, slot_weights, worker_case
 from drafter.config import DFlashConfig
 from drafter.model import DFlashDrafter
 from pipeline.train.batching import TrainBatch
@@ -20,8 +20,7 @@ from pipeline.train.step import forward_loss
 
 
 def main() -> None:
-    shape, precision, steps = worker_args()
-    case = make_case(shape)
+    shape, precision, steps, case = worker_case()
     config = DFlashConfig(
         **qwen3_fields(shape), block_size=shape.block, num_target_layers=2 * shape.taps,
         target_layer_ids=list(range(shape.taps)), mask_token_id=shape.mask_token_id,

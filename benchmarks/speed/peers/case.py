@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -142,14 +143,17 @@ def slot_weights(shape: StepShape, case: StepCase) -> torch.Tensor:
     return decay * mask
 
 
-def worker_args() -> tuple[StepShape, str, int]:
-    """A worker's command line: SHAPE_JSON PRECISION STEPS; sets torch's threads to
-    $PEER_STEP_THREADS (2), the same for every trainer."""
+def worker_case() -> tuple[StepShape, str, int, StepCase]:
+    """A worker's command line, SHAPE_JSON PRECISION STEPS, and the case of that shape; sets torch's
+    threads to $PEER_STEP_THREADS (2), the same for every trainer, and silences warnings (the peers'
+    deprecation warnings would fill what a failed worker shows)."""
+    warnings.filterwarnings("ignore")
     torch.set_num_threads(int(os.environ.get("PEER_STEP_THREADS", "2")))
     shape_json, precision, steps = sys.argv[1:4]
     if precision not in ("fp32", "bf16"):
         raise SystemExit(f"precision must be fp32 or bf16, got {precision!r}")
-    return StepShape(**json.loads(shape_json)), precision, int(steps)
+    shape = StepShape(**json.loads(shape_json))
+    return shape, precision, int(steps), make_case(shape)
 
 
 def run_steps(step, *, steps: int, name: str, precision: str) -> None:

@@ -11,22 +11,18 @@ flex path has no backward on CPU.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
-from benchmarks.speed.peers.case import hf_qwen3_config, make_case, run_steps, worker_args
+from benchmarks.speed.peers.case import hf_qwen3_config, run_steps, worker_case
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore")
+    shape, precision, steps, case = worker_case()
     from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
     from specforge.modeling.draft.dflash import DFlashDraftModel
     from specforge.optimizer import BF16Optimizer
 
-    shape, precision, steps = worker_args()
-    case = make_case(shape)
     config = hf_qwen3_config(shape)
     config.block_size = shape.block
     config.num_target_layers = 2 * shape.taps

@@ -13,22 +13,19 @@ memory are compared.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
-from benchmarks.speed.peers.case import hf_qwen3_config, make_case, run_steps, worker_args
+from benchmarks.speed.peers.case import hf_qwen3_config, run_steps, worker_case
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore")
+    shape, precision, steps, case = worker_case()
     import speculators.models.dflash.core as core
     from speculators.losses.utils import resolve_loss_config
     from speculators.models.dflash import DFlashDraftModel
     from speculators.models.dflash.config import DFlashSpeculatorConfig
 
-    shape, precision, steps = worker_args()
-    case = make_case(shape)
     layer_config = hf_qwen3_config(shape)
     config = DFlashSpeculatorConfig(
         transformer_layer_config=layer_config, draft_vocab_size=shape.vocab, block_size=shape.block,
