@@ -2,7 +2,7 @@
 shapes, random bf16 features and random top-k distributions, and the manifest of a cache of them
 (no target behind it: its hash, path and config are placeholders).
 
-`make_record` is the small record of read_checksums.py, object_store.py and store_stream.py;
+`make_record` is the small record of speed/read_checksums.py, object_store.py and store_stream.py;
 real_shape_cache.py builds its Qwen3-4B-shaped records from the same pieces."""
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def small_manifest(shards: list, sizes: RecordSizes, *, storage_format: str, sha
 
 
 def records_from_command_line(doc: str) -> tuple[RecordSizes, list[dict[str, np.ndarray]], float]:
-    """(sizes, records, their MB) for a script taking --quick and --threads (read_checksums.py and
+    """(sizes, records, their MB) for a script taking --quick and --threads (speed/read_checksums.py and
     object_store.py), the sizes printed."""
     parser = bench_parser(doc, quick_help="Tiny sizes (a smoke run for CI).", threads=1, threads_help="torch threads.")
     args = parser.parse_args()

@@ -48,9 +48,9 @@ from pathlib import Path
 
 from benchmarks.harness.chaos_faults import BETWEEN, DURING, FAULTS
 from benchmarks.harness.chaos_world import (
-    ACTOR_TITLES, RUN_CAP_S, STAGES, VARIANTS, World, close_world, cmdline, command, make_references, make_world, mount_disk,
-    progress, read_out, remove_out, session_pids, start_cluster, start_second_raylet, start_store, store_fs, total_units,
-    kill_session,
+    ACTOR_TITLES, RUN_CAP_S, STAGES, VARIANTS, World, close_world, cmdline, command, kill_session, make_references, make_world,
+    mount_disk, progress, read_out, remove_out, session_pids, start_cluster, start_second_raylet, start_store, store_fs,
+    total_units,
 )  # fmt: skip
 
 MAX_ATTEMPTS = 6  # the first run and five reruns

@@ -176,7 +176,7 @@ def bench_codecs(record: dict) -> list[dict]:
     return rows
 
 
-# An 8-GPU node consumes 80-240 sequences/s (global batch 24 at a 0.3-0.1 s step; real_shapes.py).
+# An 8-GPU node consumes 80-240 sequences/s (global batch 24 at a 0.3-0.1 s step; speed/real_shapes_reads.py).
 NODE_SEQ_PER_S = (80, 240)
 
 
