@@ -52,7 +52,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _save_weights(tensors: dict[str, torch.Tensor], tmp: str, *, shown: Path) -> None:
     """safetensors' save_file, whose failed write (a full disk, a quota) is a SafetensorError holding
     the OS error's code ("... No space left on device (os error 28)"): raised as that OSError, naming the file,
-    so a command says it in one line (found by benchmarks/chaos.py; docs/failure-modes.md)."""
+    so a command says it in one line (found by benchmarks/harness/chaos.py; docs/failure-modes.md)."""
     try:
         save_file(tensors, tmp, metadata={"format": "pt"})
     except Exception as error:

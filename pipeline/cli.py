@@ -214,7 +214,7 @@ def stop_watching_loader_workers() -> None:
     """The run is over (done or failed): no DataLoader worker's death concerns this process any more.
     torch's SIGCHLD handler would still raise for one that dies now, wherever the main thread is:
     at exit, in the join of an executor's threads, as a traceback after the run's one line (found by
-    benchmarks/chaos.py: a worker killed as a failed run ended). The default handler is restored."""
+    benchmarks/harness/chaos.py: a worker killed as a failed run ended). The default handler is restored."""
     import signal
     import threading
 

@@ -1,4 +1,4 @@
-"""The chaos harness in CI (benchmarks/chaos.py): rounds of random combined faults per
+"""The chaos harness in CI (benchmarks/harness/chaos.py): rounds of random combined faults per
 stage (a seeded draw: the failing round's replay command is in the message), each ending exactly
 as a clean run; and the regression tests of the failures the harness found (docs/failure-modes.md,
 "Chaos").
@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import chaos
+from benchmarks.common import ROOT
+from benchmarks.harness import chaos
 from tests.tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.slow
@@ -245,7 +246,7 @@ def test_a_loader_worker_killed_after_the_last_step_is_not_a_traceback(stop):
     final save or in an atexit hook: a traceback after the run ended. The trainer now stops them
     after the last step (`release_loader`); without that, the control shows the raise."""
     proc = subprocess.run([sys.executable, "-c", WORKER_SCRIPT, "stop" if stop else "keep"], capture_output=True, text=True,
-                          timeout=chaos.RUN_CAP_S, env={**os.environ, "PYTHONPATH": str(chaos.ROOT)})  # fmt: skip
+                          timeout=chaos.RUN_CAP_S, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     if stop:
         assert proc.returncode == 0 and proc.stdout.strip() == "ended cleanly" and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     else:
@@ -308,11 +309,11 @@ def test_the_docs_chaos_tables_are_the_runs_they_name():
     table is chaos.table of the files named in the paragraph right above it."""
     import re
 
-    section = (chaos.ROOT / "docs" / "benchmarks.md").read_text().split("\n## Chaos", 1)[1].split("\n### Earlier runs", 1)[0]
+    section = (ROOT / "docs" / "benchmarks.md").read_text().split("\n## Chaos", 1)[1].split("\n### Earlier runs", 1)[0]
     found = re.findall(r"([^\n]*(?:\n[^\n]+)*)\n\n(\| stage \| rounds passed \|.*?)(?:\n\n|\Z)", section, re.S)
     assert len(found) >= 3, "no chaos table names its runs"
     for paragraph, doc_table in found:
         names = re.findall(r"`(docs/chaos/[\w.-]+\.jsonl)`", paragraph)
         assert names, f"a chaos table names no docs/chaos/*.jsonl above it: {paragraph[-200:]}"
-        rows = [json.loads(line) for name in names for line in (chaos.ROOT / name).read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for name in names for line in (ROOT / name).read_text().splitlines() if line.strip()]
         assert doc_table.strip() == chaos.table(rows), f"{names}: the doc's table is not these runs'"

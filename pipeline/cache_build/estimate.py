@@ -5,7 +5,7 @@ Tokenizes the corpus and sizes every sequence's anchor pool exactly as the build
 forward, nothing written), so tokens, anchors and IRA parents are the build's own; the raw bytes
 of every array group follow from them and the settings. What compression will make of them is
 not known before the target runs: each group's raw bytes are divided by the ratio measured for
-it (benchmarks/cache_settings.py at Qwen3-4B shapes, and the toy target's caches in
+it (benchmarks/speed/cache_settings.py at Qwen3-4B shapes, and the toy target's caches in
 tests/test_cache_compact.py): bf16 features compress 1.27-1.41x (toy target, random and
 SmolLM2-135M activations), fp8 features 1.0-1.2x. The projection is within 10% of what the toy
 build writes (tested); a real target's activations may compress differently, which is the

@@ -82,7 +82,7 @@ def build_demo_cache(
 ) -> Path:
     """Run `alrira-cache build` in a subprocess (only the CLI may import ray_jobs, and Ray's
     processes end with it). A complete cache is left as it is. `extra_args` go after the demo's
-    own flags, so a repeated flag overrides the demo's value (benchmarks/cache_tau.py).
+    own flags, so a repeated flag overrides the demo's value (benchmarks/speed/cache_tau.py).
     `in_process`: the same flags, the same shard builder, computed in this process without Ray
     (`run_shards_here`, as pipeline.demo.experiment does): no cluster start, which under heavy
     load can time out."""

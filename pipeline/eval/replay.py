@@ -15,7 +15,7 @@ are: results.csv (draft_ms empty: nothing speculative was timed), rounds.csv, su
 null, `"mode": "greedy_replay"`). What can differ from real decoding is float rounding: the
 features come from one forward over the whole sequence instead of the verification forwards, and
 the drafts from batched blocks instead of the cached draft step, so a near-tie argmax can flip.
-benchmarks/paper.py runs both on the same prompts and reports how far they agree.
+benchmarks/speed/paper.py runs both on the same prompts and reports how far they agree.
 """
 
 from __future__ import annotations

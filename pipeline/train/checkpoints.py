@@ -99,7 +99,7 @@ def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dic
 def _save_state(state: dict, path: Path) -> None:
     """torch.save through a Python file object: torch's zip writer turns a failed write (a full
     disk, a quota) into a RuntimeError ("unexpected pos", "iostream error") that the CLI would show
-    as a traceback; the OSError it hides is raised instead (found by benchmarks/chaos.py)."""
+    as a traceback; the OSError it hides is raised instead (found by benchmarks/harness/chaos.py)."""
     with open(path, "wb") as f:
         try:
             torch.save(state, f)

@@ -52,7 +52,7 @@ def release_loader(batches, *, loader: LoaderConfig) -> None:
     """End the loader's workers once the run's last step has its batches (or the run failed).
     The map loader's would live on until the interpreter exits, and one that dies then (killed, out
     of memory) makes torch's SIGCHLD handler raise wherever the main thread is: in the final save,
-    or in an atexit hook as a traceback after the run ended (found by benchmarks/chaos.py;
+    or in an atexit hook as a traceback after the run ended (found by benchmarks/harness/chaos.py;
     docs/failure-modes.md); stopped, their pids are no longer watched. The stream's last epoch's
     workers are stopped too, and the local copies of workers stopped at an epoch's end swept."""
     with contextlib.suppress(Exception):  # never hides the run's own error
