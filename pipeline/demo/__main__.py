@@ -12,7 +12,7 @@ if __name__ == "__main__":
     elif "--record" in sys.argv[1:]:
         from pipeline.demo.record import main
 
-        main([a for a in sys.argv[1:] if a != "--record"])
+        main([a for a in sys.argv[1:] if a != "--record"], prog_name="python -m pipeline.demo --record")
     else:
         from pipeline.demo.run import main
 

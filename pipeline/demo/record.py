@@ -79,13 +79,18 @@ def named_tables(page: str) -> list[tuple[str, str]]:
     return NAMED_TABLE.findall(page[start:end])
 
 
+def check_named(page: str, names) -> None:
+    """A ValueError naming each of `names` that no table of the demo section names."""
+    missing = sorted(set(names) - {name for name, _ in named_tables(page)})
+    if missing:
+        raise ValueError(f"{DOCS_PAGE}, The demo: no table names {', '.join(missing)}")
+
+
 def render_tables(page: str, reports: dict[str, dict]) -> str:
     """The page with each demo-section table named after a file in `reports` ({file: results.json
     content}) rendered again from it; other tables are left as they are."""
+    check_named(page, reports)
     start, end = demo_section(page)
-    missing = sorted(set(reports) - {name for name, _ in named_tables(page)})
-    if missing:
-        raise ValueError(f"{DOCS_PAGE}, The demo: no table names {', '.join(missing)}")
 
     def table(match: re.Match) -> str:
         report = reports.get(match.group(1))
@@ -105,16 +110,30 @@ def _run_demo(out: Path, *flags: str) -> dict:
 
 
 @click.command(help=f"Regenerate {QUICK_FILE}, {DEFAULT_FILE} and their tables in {DOCS_PAGE} from fresh demo runs.")
-def main():
+@click.option(
+    "--work", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help="A new or empty folder for the two runs, kept afterwards. Default: a temporary folder, removed at the end.",
+)  # fmt: skip
+def main(work: Path | None):
     started = time.time()
-    work = Path(tempfile.mkdtemp(prefix="alrira-demo-record-"))
-    quick = _run_demo(work / "quick", "--quick")
-    default = _run_demo(work / "default")
+    try:
+        check_named((ROOT / DOCS_PAGE).read_text(), (QUICK_FILE, DEFAULT_FILE))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    # Fresh runs only: the demo resumes from what a folder holds, which may be another code's.
+    if work is not None and work.exists() and any(work.iterdir()):
+        raise click.ClickException(f"--work {work}: not empty; the runs must start from nothing")
+    folder = work or Path(tempfile.mkdtemp(prefix="alrira-demo-record-"))
+    try:
+        quick = _run_demo(folder / "quick", "--quick")
+        default = _run_demo(folder / "default")
+    except subprocess.CalledProcessError as error:
+        raise click.ClickException(f"the demo failed (exit {error.returncode}, runs in {folder}); docs/ is as it was") from None
     default[QUICK_DIGEST_KEY] = figures_digest(quick)
     reports = {QUICK_FILE: quick, DEFAULT_FILE: default}
     for name, report in reports.items():
         atomic_write_text(ROOT / name, json.dumps(report, indent=2) + "\n")
-    page = (ROOT / DOCS_PAGE).read_text()
-    atomic_write_text(ROOT / DOCS_PAGE, render_tables(page, reports))
-    shutil.rmtree(work)
+    atomic_write_text(ROOT / DOCS_PAGE, render_tables((ROOT / DOCS_PAGE).read_text(), reports))
+    if work is None:
+        shutil.rmtree(folder)
     print(f"recorded {QUICK_FILE}, {DEFAULT_FILE} and their tables in {DOCS_PAGE} ({time.time() - started:.0f} s)")
