@@ -51,10 +51,10 @@ class Sizes:
     corpus_prompts: int = 48  # chatterbot prompts whose greedy answers make each target's corpus
     eval_prompts: int = 8  # held-out chatterbot prompts decoded by both engines
     regen_max_new_tokens: int = 64
-    max_new_tokens: int = 48  # alrira-eval's budget; llama.cpp gets max_new_tokens + block + 2
+    max_new_tokens: int = 40  # alrira-eval's budget; llama.cpp gets max_new_tokens + block + 3
     num_slots: int = 7  # K of the caches (DFlash block 8; DSpark B <= K)
     anchors: int = 32
-    epochs: int = 30
+    epochs: int = 8
     max_steps: int | None = None
     batch_size: int = 8
     thresholds: tuple[float, ...] = (0.2, 0.4, 0.6)  # --spec-draft-p-min / --confidence-threshold of the confidence case
@@ -79,6 +79,7 @@ class Case:
     drafter_of: str | None = None  # another case's trained drafter, converted differently
     thresholds: bool = False  # also decode at Sizes.thresholds
     probe: bool = False  # a case alrira writes that llama.cpp may refuse: reported, never a failure
+    max_steps: int | None = None  # a probe only needs an export: a couple of steps
     note: str = ""
 
 
@@ -92,9 +93,9 @@ CASES = (
     Case(name="smollm2-dspark-2layers", target="smollm2", arch="dspark", train_flags=("--draft-layers", "2")),
     Case(name="smollm2-dspark-bf16", target="smollm2", arch="dspark", drafter_of="smollm2-dspark", outtype="bf16"),
     Case(name="smollm2-dspark-rank0", target="smollm2", arch="dspark", probe=True,
-         train_flags=("--markov-rank", "0", "--no-confidence-head"), note="no Markov head: DFlash-like, DSpark layout"),
+         train_flags=("--markov-rank", "0", "--no-confidence-head"), max_steps=2, note="no Markov head: DFlash-like, DSpark layout"),
     Case(name="smollm2-dspark-rank0-conf", target="smollm2", arch="dspark", probe=True, train_flags=("--markov-rank", "0"),
-         note="confidence head without Markov input (confidence_head_with_markov: false)"),
+         max_steps=2, note="confidence head without Markov input (confidence_head_with_markov: false)"),
     Case(name="qwen3-dflash", target="qwen3"),
     Case(name="qwen3-dspark", target="qwen3", arch="dspark", train_flags=("--markov-rank", "32")),
 )  # fmt: skip
@@ -201,7 +202,8 @@ def train(ctx: Context, case: Case, cache: Path) -> Path:
     run = ctx.out / "runs" / case.name
     if not (run / "drafter" / "config.json").is_file():
         s = ctx.sizes
-        steps = ["--max-steps", str(s.max_steps)] if s.max_steps else []
+        max_steps = min(n for n in (case.max_steps, s.max_steps, 10**9) if n)
+        steps = ["--max-steps", str(max_steps)] if max_steps else []
         layers = [] if "--draft-layers" in case.train_flags else ["--draft-layers", "1"]
         ctx.run([str(BIN / "alrira-train"), "--cache", str(cache), "--out", str(run), "--method", "dflash", "--arch", case.arch,
                  *layers, *case.train_flags, "--epochs", str(s.epochs), *steps, "--batch-size", str(s.batch_size),
@@ -282,23 +284,24 @@ def check_case(ctx: Context, case: Case, target: Target, drafter: Path, prompts:
 
 
 def run_check(ctx: Context) -> dict:
+    """Every chosen case, target by target; OUT/llama_cpp.json is rewritten after each case, so an
+    interrupted run leaves what it checked (and a rerun reuses every output it finds)."""
     started = time.monotonic()
     corpus_source, prompts = prepare_prompts(ctx)
-    chosen = [c for c in CASES if not ctx.sizes.cases or c.name in ctx.sizes.cases]
-    results = []
+    chosen = [CASE_BY_NAME[name] for name in ctx.sizes.cases] if ctx.sizes.cases else list(CASES)  # in the order asked
+    stamp = json.loads(ctx.tools.stamp.read_text())
+    report = {"sizes": asdict(ctx.sizes), "tools_dir": str(ctx.tools.root), "llama_cpp_python": stamp["version"],
+              "build_s": stamp.get("build_s"), "results": [], "skipped": SKIPPED, "commands": ctx.commands, "timings": ctx.timings}  # fmt: skip
     for target_name in dict.fromkeys(c.target for c in chosen):
         target = prepare_target(ctx, target_name, prompts)
         cache = build_cache(ctx, target, corpus_source)
         alone = llama_decode(ctx, target, label=f"{target_name}-alone")
         for case in (c for c in chosen if c.target == target_name):
             drafter = train(ctx, CASE_BY_NAME[case.drafter_of or case.name], cache)
-            results.extend(check_case(ctx, case, target, drafter, prompts, alone))
-    ctx.timings["total"] = round(time.monotonic() - started, 1)
-    stamp = json.loads(ctx.tools.stamp.read_text())
-    return {
-        "sizes": asdict(ctx.sizes), "tools_dir": str(ctx.tools.root), "llama_cpp_python": stamp["version"],
-        "build_s": stamp.get("build_s"), "results": results, "skipped": SKIPPED, "commands": ctx.commands, "timings": ctx.timings,
-    }  # fmt: skip
+            report["results"].extend(check_case(ctx, case, target, drafter, prompts, alone))
+            ctx.timings["total"] = round(time.monotonic() - started, 1)
+            (ctx.out / "llama_cpp.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def table(report: dict) -> str:
@@ -323,9 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/llama_cpp", help="Output folder (kept: a rerun reuses what it holds).")
     parser.add_argument("--tools-dir", default=None, help="llama.cpp tools folder (default: $ALRIRA_LLAMA_CPP, else ~/.cache/alrira/llama-cpp).")
     parser.add_argument("--small", action="store_true", help="The test's variant: two SmolLM2 drafters, three prompts.")
-    parser.add_argument("--cases", default=None, help="Comma-separated case names (default: every case).")
+    parser.add_argument("--cases", default=None, help="Comma-separated case names, run in this order (default: every case).")
     parser.add_argument("--threads", type=int, default=1, help="Threads of llama-server, the trainer and the target workers.")
     parser.add_argument("--jobs", type=int, default=2, help="Parallel jobs of the llama.cpp build.")
+    parser.add_argument("--max-steps", type=int, default=None, help="Cap every training at N steps (a quick look; acceptance stays low).")
     parser.add_argument("--build-only", action="store_true", help="Build the tools (once) and exit.")
     args = parser.parse_args(argv)
     sizes = SIZES["small" if args.small else "full"]
@@ -335,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(c.name for c in CASES)}")
         sizes = replace(sizes, cases=names)
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            parser.error(f"--max-steps must be >= 1, got {args.max_steps}")
+        sizes = replace(sizes, max_steps=args.max_steps)
     from pipeline.demo import real
 
     tools = ensure_tools(Path(args.tools_dir) if args.tools_dir else default_tools_dir(), jobs=args.jobs)
@@ -345,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ctx = Context(out=out, sizes=sizes, tools=tools, cache_dir=real.DEFAULT_CACHE_DIR, threads=args.threads)
     report = run_check(ctx)
-    (out / "llama_cpp.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
     print(f"wrote {out / 'llama_cpp.json'}")
     failed = [r for r in report["results"] if not r["probe"] and not (r["status"] == "ran" and r["lossless"])]
