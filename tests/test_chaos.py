@@ -126,6 +126,17 @@ class _Net(torch.nn.Linear):
             return {"architectures": ["Test"]}
 
 
+def _drafter():
+    """A real (registered-family) drafter: save_drafter writes what its family exports."""
+    from drafter.config import DFlashConfig
+    from drafter.model import DFlashDrafter
+
+    config = DFlashConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, vocab_size=1000, max_position_embeddings=512, num_target_layers=4, target_layer_ids=[0, 2],
+                          mask_token_id=999, block_size=4)  # fmt: skip
+    return DFlashDrafter(config)
+
+
 def test_a_full_disk_at_a_checkpoint_is_one_line_not_a_traceback(full_disk):
     """Regression: torch.save's zip writer turned ENOSPC into `RuntimeError: ... unexpected pos` /
     `basic_ios::clear: iostream error`, which alrira-train showed as a traceback (found by the chaos
@@ -164,11 +175,12 @@ def test_a_full_disk_at_the_final_drafter_is_one_line_not_a_traceback(full_disk)
     from pipeline.train.run_dir import save_drafter_to
     from storage.location import resolve
 
+    drafter = _drafter()  # over 2 MiB of weights, more than the disk
     with pytest.raises(OSError) as failed:
-        save_drafter(_Net(1024, 512), full_disk / "drafter", dtype=torch.float32)  # 2 MiB, more than the disk
+        save_drafter(drafter, full_disk / "drafter", dtype=torch.float32)
     assert failed.value.errno == 28 and failed.value.filename == str(full_disk / "drafter" / "model.safetensors")
     with pytest.raises(ValueError) as failed:
-        save_drafter_to(resolve(str(full_disk / "run")), _Net(1024, 512), dtype=torch.float32)
+        save_drafter_to(resolve(str(full_disk / "run")), drafter, dtype=torch.float32)
     line = str(failed.value)
     assert line.startswith(str(full_disk / "run" / "drafter" / "model.safetensors")) and "\n" not in line, line
     assert "No space left on device" in line and "rerun the same command with --resume" in line, line
@@ -283,14 +295,14 @@ def test_a_run_that_fails_before_its_first_step_stops_its_loader_workers(shard1_
 
     import psutil
 
-    from pipeline.train import loop
+    from pipeline.train import loop, run_dir
     from pipeline.train.config import TrainConfig
     from tests.waits import wait_for
 
     def full_disk(path, text):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(loop, "atomic_write_text", full_disk)
+    monkeypatch.setattr(run_dir, "atomic_write_text", full_disk)  # train_config.json, written as the run opens
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     config = TrainConfig.from_flags(cache=str(shard1_reference), out=str(tmp_path / "run"), method="alr", epochs=1, batch_size=2,

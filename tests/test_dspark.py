@@ -5,6 +5,7 @@ from the same cache, and lossless speculative decoding with the Markov head run 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,31 @@ def test_train_refuses_a_block_larger_than_the_cache_in_one_line(k7_cache, tmp_p
     with pytest.raises(ValueError, match=r"--dspark-block 8 is larger than this cache supports: it labels K = 7"):
         train(_train_config(k7_cache, tmp_path / "big", dspark_block=8))
     assert not (tmp_path / "big" / "train_config.json").exists()
+
+
+def test_a_dspark_init_keeps_its_heads_and_records_them(k7_cache, tmp_path):
+    """A DSpark --drafter-init trains with its own B, Markov rank and confidence head: a flag that
+    differs is refused naming both, before --out is written; the run's records and its export agree
+    with the init; a --markov-rank above a quarter of the vocabulary is refused."""
+    from pipeline.train.loop import train
+
+    train(_train_config(k7_cache, tmp_path / "first", dspark_block=5, markov_rank=4, confidence_head=False, epochs=1))
+    init = str(tmp_path / "first" / "drafter")
+    for flags, named in (({"markov_rank": 8}, r"--markov-rank 8 \(the init has 4\)"), ({"confidence_head": True}, r"--confidence-head True \(the init has False\)"),
+                         ({"dspark_block": 7}, r"--dspark-block 7 \(the init has 5\)")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"--drafter-init {re.escape(init)} is a DSpark drafter whose heads are its own: {named}"):
+            train(_train_config(k7_cache, tmp_path / "refused", drafter_init=init, **flags))
+        assert not (tmp_path / "refused").exists()
+    train(_train_config(k7_cache, tmp_path / "again", drafter_init=init, max_steps=1))
+    settings = json.loads((tmp_path / "again" / "train_config.json").read_text())
+    provenance = json.loads((tmp_path / "again" / "provenance.json").read_text())["invocations"][0]["config"]
+    exported = json.loads((tmp_path / "again" / "drafter" / "config.json").read_text())
+    for record in (settings, provenance):
+        assert (record["dspark_block"], record["markov_rank"], record["confidence_head"]) == (5, 4, False)
+    assert (exported["block_size"], exported["markov_rank"], exported["enable_confidence_head"]) == (5, 4, False)
+    vocab_size = exported["vocab_size"]
+    with pytest.raises(ValueError, match=rf"--markov-rank {vocab_size // 4 + 1} is more than a quarter of the vocabulary"):
+        train(_train_config(k7_cache, tmp_path / "wide", markov_rank=vocab_size // 4 + 1))
 
 
 def test_a_dflash_checkpoint_starts_the_backbone_of_a_dspark_run(k7_cache, tmp_path):

@@ -16,6 +16,7 @@ import yaml
 from pipeline.config import from_flags
 from pipeline.recipes import RECIPE_MAX_BYTES, RECIPE_MAX_NODES, recipe_flags, recipe_loader
 from tests.test_recipes import COMMANDS, invoke
+from tests.waits import HANG_CAP_S
 
 def one_error_line(result, recipe: str | None = None) -> str:
     """The refusal's one line (exit 2, no traceback), which names the recipe when given."""
@@ -88,7 +89,7 @@ def test_a_fifo_or_a_device_is_refused_at_once(tmp_path):
     results = []
     worker = threading.Thread(target=lambda: results.append(invoke("train", "--config", str(fifo), "--dump-config")), daemon=True)
     worker.start()
-    worker.join(timeout=60)
+    worker.join(timeout=HANG_CAP_S)
     if worker.is_alive():  # unblock the reader before failing
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         pytest.fail("--config on a FIFO blocked")
