@@ -96,7 +96,7 @@ def check_drafts(ours: DSparkDrafter, theirs, *, embed: torch.Tensor, head: torc
     hidden = ours.forward_cached(
         cache=cache, block_embeds=F.embedding(block_ids, embed), block_positions=torch.arange(NUM_CONTEXT, NUM_CONTEXT + BLOCK)[None]
     )  # [1, B, H]
-    tokens, logits, confidence = dspark_draft(ours, base_logits=hidden @ head.T, hidden=hidden, anchor_tokens=anchor)
+    tokens, logits, confidence, _ = dspark_draft(ours, base_logits=hidden @ head.T, hidden=hidden, anchor_tokens=anchor)
     # DeepSpec: its backbone over [context; block] with no mask (the block sees all of the context,
     # which is exactly the positions before the anchor), then its Markov and confidence heads.
     their_hidden = theirs._forward_backbone(

@@ -16,20 +16,23 @@ import time
 import torch
 from torch import nn
 
-from drafter.drafting import block_drafts, match_lengths, position_acceptance, replay_rounds
-from storage.eval_split import EvalSplit
+from drafter.families import family_of
+from drafter.calibration import fit_sts, survival
+from drafter.drafting import block_drafts, block_round_drafts, match_lengths, position_acceptance, replay_rounds, replay_walk
+from storage.eval_split import EvalSplit, describe_split
 
 CHUNK = 32  # blocks per drafter forward, as replay drafts them
 
 
 def as_exported(drafter, weights_dtype: torch.dtype):
     """The drafter as its export loads in replay: every weight rounded to `weights_dtype` and back to
-    float32 (the training drafter itself when that changes nothing)."""
+    float32, but those its family exports in float32 (the training drafter itself when that changes nothing)."""
     if weights_dtype == torch.float32:
         return drafter
-    exported = copy.deepcopy(drafter)
-    for tensor in exported.state_dict().values():
-        tensor.copy_(tensor.to(weights_dtype).float())
+    exported, kept = copy.deepcopy(drafter), family_of(drafter).float32_tensors
+    for name, tensor in exported.state_dict().items():
+        if not (kept and name.startswith(kept)):
+            tensor.copy_(tensor.to(weights_dtype).float())
     return exported
 
 
@@ -75,3 +78,52 @@ def evaluate_split(drafter, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_
         "split": split.identity,  # which split this point measured (storage/eval_split.py, split_identity)
         "seconds": time.perf_counter() - started,
     }
+
+
+@torch.no_grad()
+def calibrate_split(plan, drafter) -> dict | None:
+    """The confidence prediction of a run's drafter (as exported) calibrated on its cache's split
+    (drafter/calibration.py, Sequential Temperature Scaling): each round of the greedy walk whose
+    whole block lies inside the response gives the head's logits and the exact prefix acceptance
+    (slots 0..k all equal to the greedy tokens, verify-all, no target). None without a split or a
+    round; else the temperatures and the survival's ECE per slot before and after, with their means."""
+    split = plan.eval_split
+    if split is None:
+        return None
+    device, num_drafts = plan.ranks.device, drafter.config.num_drafts
+    was_training = drafter.training
+    drafter.eval()
+    scored = as_exported(drafter, getattr(torch, plan.config.checkpoint.save_dtype))
+    embed = nn.Embedding.from_pretrained(plan.head["embed_tokens.weight"].to(device, torch.float32))
+    head = nn.Linear(drafter.config.hidden_size, drafter.config.vocab_size, bias=False, device=device)
+    head.weight.data.copy_(plan.head["lm_head.weight"].float())
+    logits, accepted = [], []
+    try:
+        for i in range(split.num_prompts):
+            tokens, prompt_length, features = split.sequence(i)
+            response = tokens[prompt_length:]
+            if len(response) < 2:
+                continue
+            drafts = block_round_drafts(
+                scored, embed_tokens=embed, lm_head=head, mask_token_id=drafter.config.mask_token_id,
+                features=torch.from_numpy(features).to(device), sequence=tokens,
+                anchors=list(range(prompt_length, len(tokens) - 1)), chunk=CHUNK,
+            )  # fmt: skip
+            matches = match_lengths(drafts.tokens, response=response)
+            for j, _ in replay_walk(matches, num_tokens=len(response)):
+                if len(response) - 1 - j >= num_drafts:  # every slot's draft has a response token to match
+                    logits.append(drafts.confidence_logits[j].double().cpu())
+                    accepted.append(matches[j])
+    finally:
+        drafter.train(was_training)
+    if not logits:
+        return None
+    logits = torch.stack(logits)  # [R, D]
+    prefix_accepted = (torch.arange(num_drafts)[None] < torch.tensor(accepted)[:, None]).double()  # [R, D]
+    fit = fit_sts(logits, prefix_accepted)
+    before = survival(logits)
+    return fit | {
+        "ece_before_mean": sum(fit["ece_before"]) / num_drafts, "ece_after_mean": sum(fit["ece_after"]) / num_drafts,
+        "mean_predicted_survival": before.mean(dim=0).tolist(), "observed_survival": prefix_accepted.mean(dim=0).tolist(),
+        "dataset": f"the cache's evaluation {describe_split(split.identity)}", "num_samples": len(accepted), "target": "greedy (T = 0) prefix acceptance",
+    }  # fmt: skip
