@@ -344,4 +344,5 @@ def dspark_draft(
     confidence = drafter.confidence_logits(hidden, prev_tokens)
     if confidence is None:
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1), None, None
-    return torch.stack(tokens, dim=1), torch.stack(logits, dim=1), calibrated(confidence, drafter.config.sts_temperatures), confidence.float()
+    probs = calibrated(confidence, drafter.config.sts_temperatures)
+    return torch.stack(tokens, dim=1), torch.stack(logits, dim=1), probs, confidence.float()

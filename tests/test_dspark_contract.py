@@ -20,15 +20,7 @@ from drafter.config import check_taps
 from drafter.dspark import DSparkOptions, resolve_dspark_options
 from drafter.dspark_model import DSparkConfig, DSparkDrafter, dspark_draft
 from tests.conftest import write_jsonl
-
-
-def _config(**overrides) -> DSparkConfig:
-    base = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, vocab_size=50, max_position_embeddings=256, num_target_layers=4, target_layer_ids=[0, 2],
-        mask_token_id=49, block_size=4, markov_rank=8,
-    )  # fmt: skip
-    return DSparkConfig(**{**base, **overrides})
+from tests.test_dspark import _config
 
 
 def _hf(**overrides) -> dict:
@@ -221,11 +213,13 @@ def _train(cache: Path, out: Path, **overrides) -> dict:
 
 def test_an_rnn_run_exports_the_head_a_float32_confidence_head_and_its_calibration(split_cache, tmp_path, capsys):
     summary = _train(split_cache, tmp_path / "rnn", markov_head_type="rnn", export_head=True)
-    assert "warning: markov_head_type rnn: vLLM (qwen3_dspark.py) and llama.cpp (conversion/qwen.py) serve only vanilla" in capsys.readouterr().out
+    warning = "warning: markov_head_type rnn: vLLM (qwen3_dspark.py) and llama.cpp (conversion/qwen.py) serve only vanilla"
+    assert warning in capsys.readouterr().out
     drafter = tmp_path / "rnn" / "drafter"
     hf = json.loads((drafter / "config.json").read_text())
     assert hf["markov_head_type"] == "rnn" and hf["sample_from_anchor"] is True
-    with safe_open(drafter / "model.safetensors", framework="pt") as f, safe_open(split_cache / "target_head.safetensors", framework="pt") as t:
+    target_head = split_cache / "target_head.safetensors"
+    with safe_open(drafter / "model.safetensors", framework="pt") as f, safe_open(target_head, framework="pt") as t:
         assert torch.equal(f.get_tensor("embed_tokens.weight"), t.get_tensor("embed_tokens.weight").bfloat16())
         assert torch.equal(f.get_tensor("lm_head.weight"), t.get_tensor("lm_head.weight").bfloat16())
         assert f.get_tensor("confidence_head.proj.weight").dtype == torch.float32 and f.get_tensor("fc.weight").dtype == torch.bfloat16

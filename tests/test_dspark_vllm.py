@@ -149,7 +149,8 @@ def test_vllms_dspark_model_loads_every_tensor_of_our_export_and_reads_our_confi
     save_drafter(ours, drafters["with_head"], dtype=torch.bfloat16, head=head)
     spec = {"target": str(toy_target), "drafters": {k: str(v) for k, v in drafters.items()}, "port": 29587, "out_dir": str(tmp_path)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")  # fmt: skip
     proc = run_to_end([sys.executable, __file__, str(tmp_path / "spec.json"), str(tmp_path / "out.json")], env=env,
                       cwd=Path(__file__).resolve().parents[1])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -18,7 +18,7 @@ from torch import nn
 
 from drafter.families import family_of
 from drafter.calibration import fit_sts, survival
-from drafter.drafting import block_drafts, block_round_drafts, match_lengths, position_acceptance, replay_rounds, replay_walk
+from drafter.drafting import block_round_drafts, match_lengths, position_acceptance, replay_rounds, replay_walk
 from storage.eval_split import EvalSplit, describe_split
 
 CHUNK = 32  # blocks per drafter forward, as replay drafts them
@@ -36,6 +36,24 @@ def as_exported(drafter, weights_dtype: torch.dtype):
     return exported
 
 
+def _prompt_drafts(scored, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor, device: torch.device):
+    """(response, Drafts of a round at every committed response token) of each split prompt with a
+    response of two tokens or more, drafted by `scored` in float32 with the target's head."""
+    embed = nn.Embedding.from_pretrained(embed_tokens.detach().to(device, torch.float32))
+    head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device)
+    head.weight.data.copy_(lm_head.detach().float())
+    for i in range(split.num_prompts):
+        tokens, prompt_length, features = split.sequence(i)
+        response = tokens[prompt_length:]
+        if len(response) < 2:
+            continue
+        yield response, block_round_drafts(
+            scored, embed_tokens=embed, lm_head=head, mask_token_id=scored.config.mask_token_id,
+            features=torch.from_numpy(features).to(device), sequence=tokens, anchors=list(range(prompt_length, len(tokens) - 1)),
+            chunk=CHUNK,
+        )  # fmt: skip  # a round's anchor is a committed response token
+
+
 @torch.no_grad()
 def evaluate_split(drafter, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor, device: torch.device,
                    weights_dtype: torch.dtype = torch.float32) -> dict:  # fmt: skip
@@ -45,24 +63,12 @@ def evaluate_split(drafter, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_
     started = time.perf_counter()
     was_training = drafter.training
     drafter.eval()
-    scored = as_exported(drafter, weights_dtype)
-    embed = nn.Embedding.from_pretrained(embed_tokens.detach().to(device, torch.float32))
-    head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device)
-    head.weight.data.copy_(lm_head.detach().float())
     num_drafts = drafter.config.num_drafts
     accepted_all, per_request = [], []
     try:
-        for i in range(split.num_prompts):
-            tokens, prompt_length, features = split.sequence(i)
-            response = tokens[prompt_length:]
-            if len(response) < 2:
-                continue
-            anchors = list(range(prompt_length, len(tokens) - 1))  # a round's anchor is a committed response token
-            drafts = block_drafts(
-                scored, embed_tokens=embed, lm_head=head, mask_token_id=drafter.config.mask_token_id,
-                features=torch.from_numpy(features).to(device), sequence=tokens, anchors=anchors, chunk=CHUNK,
-            )  # fmt: skip
-            accepted = replay_rounds(match_lengths(drafts, response=response), num_tokens=len(response))
+        for response, drafts in _prompt_drafts(as_exported(drafter, weights_dtype), split, embed_tokens=embed_tokens, lm_head=lm_head,
+                                               device=device):  # fmt: skip
+            accepted = replay_rounds(match_lengths(drafts.tokens, response=response), num_tokens=len(response))
             accepted_all += accepted
             per_request.append((sum(accepted) + len(accepted)) / len(accepted))
     finally:
@@ -90,25 +96,14 @@ def calibrate_split(plan, drafter) -> dict | None:
     split = plan.eval_split
     if split is None:
         return None
-    device, num_drafts = plan.ranks.device, drafter.config.num_drafts
+    num_drafts = drafter.config.num_drafts
     was_training = drafter.training
     drafter.eval()
     scored = as_exported(drafter, getattr(torch, plan.config.checkpoint.save_dtype))
-    embed = nn.Embedding.from_pretrained(plan.head["embed_tokens.weight"].to(device, torch.float32))
-    head = nn.Linear(drafter.config.hidden_size, drafter.config.vocab_size, bias=False, device=device)
-    head.weight.data.copy_(plan.head["lm_head.weight"].float())
     logits, accepted = [], []
     try:
-        for i in range(split.num_prompts):
-            tokens, prompt_length, features = split.sequence(i)
-            response = tokens[prompt_length:]
-            if len(response) < 2:
-                continue
-            drafts = block_round_drafts(
-                scored, embed_tokens=embed, lm_head=head, mask_token_id=drafter.config.mask_token_id,
-                features=torch.from_numpy(features).to(device), sequence=tokens,
-                anchors=list(range(prompt_length, len(tokens) - 1)), chunk=CHUNK,
-            )  # fmt: skip
+        for response, drafts in _prompt_drafts(scored, split, embed_tokens=plan.head["embed_tokens.weight"],
+                                               lm_head=plan.head["lm_head.weight"], device=plan.ranks.device):  # fmt: skip
             matches = match_lengths(drafts.tokens, response=response)
             for j, _ in replay_walk(matches, num_tokens=len(response)):
                 if len(response) - 1 - j >= num_drafts:  # every slot's draft has a response token to match
@@ -125,5 +120,6 @@ def calibrate_split(plan, drafter) -> dict | None:
     return fit | {
         "ece_before_mean": sum(fit["ece_before"]) / num_drafts, "ece_after_mean": sum(fit["ece_after"]) / num_drafts,
         "mean_predicted_survival": before.mean(dim=0).tolist(), "observed_survival": prefix_accepted.mean(dim=0).tolist(),
-        "dataset": f"the cache's evaluation {describe_split(split.identity)}", "num_samples": len(accepted), "target": "greedy (T = 0) prefix acceptance",
+        "dataset": f"the cache's evaluation {describe_split(split.identity)}", "num_samples": len(accepted),
+        "target": "greedy (T = 0) prefix acceptance",
     }  # fmt: skip

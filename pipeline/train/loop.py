@@ -170,10 +170,10 @@ def run_training(plan: TrainPlan) -> dict:
     summary = {"run": str(plan.run), "method": config.objective.method, "steps": plan.last_step, "elapsed_s": time.time() - started}
     if logs is not None:
         family = plan.drafter.family
+        calibration = calibrate_split(plan, s.drafter) if family.has_confidence(s.drafter.config) else None  # None without a split
         summary = logs.finish(summary, history, drafter=s.drafter, num_slots=plan.num_slots,
                               dtype=getattr(torch, config.checkpoint.save_dtype),
-                              head=plan.head if family.exports_head(plan.drafter.options) else None,
-                              calibration=calibrate_split(plan, s.drafter) if family.has_confidence(s.drafter.config) else None)  # fmt: skip
+                              head=plan.head if family.exports_head(plan.drafter.options) else None, calibration=calibration)  # fmt: skip
     if plan.ranks.world_size > 1:
         dist.barrier()
     return summary
