@@ -11,6 +11,7 @@ Every file is written atomically (storage/atomic.py), so a reader never sees a h
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from drafter.calibration import CALIBRATION_FILE, calibration_file
 from drafter.config import DFlashConfig
 from drafter.families import families, family_of, family_of_hf_config
 from storage.atomic import atomic_write  # the one storage module drafter/ uses (tests/test_boundaries.py)
@@ -29,8 +31,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
-# Releases may ship the target's embedding / head next to the drafter; the drafter uses the
-# target's own copies, so these are skipped rather than refused.
+# Releases (and an export for readers that use the drafter's own, `save_drafter(head=...)`) may ship
+# the target's embedding / head next to the drafter; the drafter uses the target's own copies, so
+# these are skipped rather than refused.
 IGNORED_TENSORS = frozenset({"embed_tokens.weight", "lm_head.weight"})
 
 
@@ -62,18 +65,31 @@ def _save_weights(tensors: dict[str, torch.Tensor], tmp: str, *, shown: Path) ->
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(shown)) from None
 
 
-def save_drafter(model, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write config.json, model.safetensors (weights cast to dtype) and the family's modeling code
-    into out_dir, in the family's contract (DFlash: the public releases'; DSpark: DeepSpec's
-    Qwen3DSparkModel)."""
+def save_drafter(model, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16, head: dict | None = None,
+                 calibration: dict | None = None) -> None:  # fmt: skip
+    """Write config.json, model.safetensors (weights cast to dtype, the family's `float32_tensors`
+    kept in float32) and the family's modeling code into out_dir, in the family's contract (DFlash:
+    the public releases'; DSpark: DeepSpec's Qwen3DSparkModel). `head`: the target's
+    `embed_tokens.weight` / `lm_head.weight`, written too for readers that use the drafter's own
+    (loading skips them, IGNORED_TENSORS). `calibration`: the confidence prediction's per-slot
+    temperatures fitted on a split (drafter/calibration.py), written into config.json
+    (`sts_temperatures`, a field of every config that predicts acceptance) and as CALIBRATION_FILE."""
     family = family_of(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype_name = _dtype_name(dtype)
     tensors = {
-        name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in model.state_dict().items()
+        name: t.detach().to(device="cpu", dtype=_stored_dtype(name, dtype, family=family)).contiguous()
+        for name, t in model.state_dict().items()
     }
-    hf = model.config.to_hf_dict()
+    for name in sorted(head or {}):
+        if name not in IGNORED_TENSORS:
+            raise ValueError(f"save_drafter: head tensor {name!r} is none of {sorted(IGNORED_TENSORS)}")
+        tensors[name] = head[name].detach().to(device="cpu", dtype=dtype).contiguous()
+    config = model.config
+    if calibration is not None:
+        config = dataclasses.replace(config, sts_temperatures=list(calibration["temperatures"]))
+    hf = config.to_hf_dict()
     hf["dtype"] = dtype_name
     hf["torch_dtype"] = dtype_name  # what transformers 4.x (the public DFlash code's pin) reads
     if family.auto_map is not None:
@@ -83,6 +99,9 @@ def save_drafter(model, out_dir: str | os.PathLike, *, dtype: torch.dtype = torc
     atomic_write(out_dir / WEIGHTS_FILE, lambda tmp: _save_weights(tensors, tmp, shown=out_dir / WEIGHTS_FILE))
     for name, text in code.items():
         atomic_write(out_dir / name, lambda tmp, text=text: Path(tmp).write_text(text))
+    if calibration is not None:
+        payload = json.dumps(calibration_file(calibration), indent=2) + "\n"
+        atomic_write(out_dir / CALIBRATION_FILE, lambda tmp: Path(tmp).write_text(payload))
 
     def write_config(tmp: str) -> None:
         with open(tmp, "w") as f:
@@ -90,6 +109,11 @@ def save_drafter(model, out_dir: str | os.PathLike, *, dtype: torch.dtype = torc
             f.write("\n")
 
     atomic_write(out_dir / CONFIG_FILE, write_config)
+
+
+def _stored_dtype(name: str, dtype: torch.dtype, *, family) -> torch.dtype:
+    """A weight's dtype in the export and once loaded: float32 for the family's `float32_tensors`."""
+    return torch.float32 if family.float32_tensors and name.startswith(family.float32_tensors) else dtype
 
 
 def _exported_code(source: str, *, files: tuple[tuple[str, str], ...]) -> str:
@@ -120,8 +144,9 @@ def _weight_files(path: Path) -> list[Path]:
     raise ValueError(f"{path} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
 
 
-def _read_weights(file: Path, *, expected: dict, state: dict, device, dtype: torch.dtype) -> None:
-    """Add the tensors of one safetensors file to `state`, checked against the model's names and shapes."""
+def _read_weights(file: Path, *, expected: dict, state: dict, device, dtype: torch.dtype, family) -> None:
+    """Add the tensors of one safetensors file to `state`, checked against the model's names and
+    shapes, each in `dtype` (the family's `float32_tensors` in float32)."""
     with safe_open(file, framework="pt", device="cpu") as f:
         for raw_name in f.keys():
             name = raw_name.removeprefix("model.")
@@ -134,7 +159,7 @@ def _read_weights(file: Path, *, expected: dict, state: dict, device, dtype: tor
             tensor = f.get_tensor(raw_name)
             if tuple(tensor.shape) != expected[name]:
                 raise ValueError(f"{file}: tensor {raw_name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}")
-            state[name] = tensor.to(device=device, dtype=dtype)
+            state[name] = tensor.to(device=device, dtype=_stored_dtype(name, dtype, family=family))
 
 
 def drafter_hash(path: str | os.PathLike) -> str:
@@ -177,7 +202,7 @@ def load_drafter(path: str | os.PathLike, *, dtype: torch.dtype | None = None, d
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         try:
-            _read_weights(file, expected=expected, state=state, device=device, dtype=dtype)
+            _read_weights(file, expected=expected, state=state, device=device, dtype=dtype, family=family)
         except (SafetensorError, OSError) as error:  # truncated or overwritten: one line, not a traceback
             raise ValueError(f"{file}: damaged weights file ({(str(error).strip().splitlines() or [type(error).__name__])[0]}); copy or export the drafter again") from None
     missing = sorted(set(expected) - set(state))

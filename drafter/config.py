@@ -54,6 +54,20 @@ def default_target_layer_ids(*, num_target_layers: int, num_draft_layers: int) -
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def check_taps(layer_ids: list[int], *, num_target_layers: int, what: str) -> None:
+    """DeepSpec's rules for the tapped layers (its `validate_target_layer_ids` and evaluator):
+    strictly increasing (the feature columns follow the layers' order in every engine) and never the
+    target's last layer (HF's hidden_states hold it after the final norm, engines tap the raw output)."""
+    if list(layer_ids) != sorted(set(layer_ids)):
+        raise ValueError(f"{what} {list(layer_ids)} must be strictly increasing")
+    if num_target_layers - 1 in layer_ids:
+        raise ValueError(
+            f"{what} {list(layer_ids)} include the target's last layer {num_target_layers - 1}, whose HF hidden state is after the "
+            f"final norm (DeepSpec's evaluator refuses it); tap layers 0..{num_target_layers - 2}"
+        )
+
+
+
 @dataclass(kw_only=True)
 class DFlashConfig:
     """Shape of a DFlash block drafter. Field names follow the HF Qwen3 config."""

@@ -13,17 +13,25 @@ from __future__ import annotations
 import torch
 
 from drafter.families import family_of
+from drafter.family import Drafts
 from drafter.masks import SHARED_OWNER, visibility_mask
 
 
-@torch.inference_mode()
 def block_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features: torch.Tensor, sequence: list[int],
                  anchors: list[int], chunk: int = 16) -> torch.Tensor:  # fmt: skip
-    """Drafts [N, D]: for each anchor position a of `sequence`, the block [x[a], MASK x (B - 1)]
-    drafted from the features of positions < a, as a decoding round sees them (several blocks per
-    forward, each with its own corpus limit), by its family's `draft` (D = the config's num_drafts:
-    K for DFlash, B for DSpark, whose Markov head runs slot by slot on its own drafts). features
-    [S, F] of the whole sequence."""
+    """Drafts [N, D] of `block_round_drafts` (its tokens)."""
+    return block_round_drafts(drafter, embed_tokens=embed_tokens, lm_head=lm_head, mask_token_id=mask_token_id, features=features,
+                              sequence=sequence, anchors=anchors, chunk=chunk).tokens  # fmt: skip
+
+
+@torch.inference_mode()
+def block_round_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features: torch.Tensor, sequence: list[int],
+                       anchors: list[int], chunk: int = 16) -> Drafts:  # fmt: skip
+    """Drafts of N rounds (tokens [N, D], and the confidence prediction where the family has one):
+    for each anchor position a of `sequence`, the block [x[a], MASK x (B - 1)] drafted from the
+    features of positions < a, as a decoding round sees them (several blocks per forward, each with
+    its own corpus limit), by its family's `draft` (D = the config's num_drafts: K for DFlash, B for
+    DSpark, whose Markov head runs slot by slot on its own drafts). features [S, F] of the whole sequence."""
     block_size = drafter.config.block_size
     family = family_of(drafter)
     dtype = next(drafter.parameters()).dtype
@@ -45,8 +53,9 @@ def block_drafts(drafter, *, embed_tokens, lm_head, mask_token_id: int, features
             block_embeds=embed_tokens(block_ids.reshape(1, -1)).to(dtype),
             block_positions=(group[:, None] + torch.arange(block_size, device=device)).reshape(1, -1), attention_mask=mask,
         ).reshape(len(group), block_size, -1)  # fmt: skip  # [N, B, H]
-        drafts.append(family.draft(drafter, hidden=hidden, anchor_tokens=block_ids[:, 0], lm_head=lm_head).tokens)  # [N, D]
-    return torch.cat(drafts)
+        drafts.append(family.draft(drafter, hidden=hidden, anchor_tokens=block_ids[:, 0], lm_head=lm_head))
+    joined = {name: [getattr(d, name) for d in drafts] for name in ("tokens", "confidence", "confidence_logits")}
+    return Drafts(**{name: None if parts[0] is None else torch.cat(parts) for name, parts in joined.items()})
 
 
 def match_lengths(drafts: torch.Tensor, *, response: list[int]) -> list[int]:
@@ -64,13 +73,18 @@ def replay_rounds(matches: list[int], *, num_tokens: int) -> list[int]:
     """Accepted drafts per round of greedy decoding of a `num_tokens` response: the prefill commits
     token 0; the round anchored at token j commits its matching drafts and one target token, cut at
     the response's end (speculative_decode's `min(num_accepted, len(new) - 1)`)."""
-    accepted, j = [], 0
+    return [count for _, count in replay_walk(matches, num_tokens=num_tokens)]
+
+
+def replay_walk(matches: list[int], *, num_tokens: int) -> list[tuple[int, int]]:
+    """(anchor j, drafts accepted) of each round of `replay_rounds`, in order."""
+    rounds, j = [], 0
     while j < num_tokens - 1:
         remaining = num_tokens - 1 - j  # tokens after the anchor still to commit
         count = min(matches[j], remaining - 1)
-        accepted.append(count)
+        rounds.append((j, count))
         j += count + 1
-    return accepted
+    return rounds
 
 
 def position_acceptance(accepted_lengths: list[int], *, num_drafts: int) -> list[float | None]:

@@ -2,14 +2,18 @@
 
 Its model is drafter/dspark_model.py (`DSparkConfig`, `DSparkDrafter`, `dspark_draft`), the file its
 export ships. This module holds what training and evaluation need of it:
-- options (`--dspark-block`, `--markov-rank`, `--confidence-head`, the loss weights), their defaults
-  resolved for the cache: B = K, DeepSpec's rank 256 capped at a quarter of the vocabulary;
+- options (`--dspark-block`, `--markov-rank`, `--markov-head-type`, `--confidence-head`, the loss
+  weights, `--export-head`), their defaults resolved for the cache: B = K, DeepSpec's rank 256
+  capped at a quarter of the vocabulary; what no engine could serve refused in one line;
 - the layout: a block of B slots whose slot k predicts x[a + k + 1], so row k takes the cache's
   label column k (the first B of its K), each with DeepSpec's envelope exp(-k / 4) whatever the method;
 - DeepSpec's loss (0.1 CE + 0.9 L1 + 1.0 BCE), against the target's top-k + tail distribution;
 - drafting: one backbone pass, then the Markov head slot by slot; the confidence head's predicted
   acceptance per slot;
-- init: a DSpark checkpoint as it is, or a DFlash one's backbone with fresh heads.
+- init: a DSpark checkpoint as it is, or a DFlash one's backbone with fresh heads;
+- the export's contract per reader (docs/dspark.md, "Which reader reads what"): the confidence head
+  in float32, the target's embed_tokens / lm_head with `--export-head`, a note where an engine
+  serves only part of the config.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from drafter.dspark_model import ARCHITECTURE, AUTO_MAP, DSparkConfig, DSparkDrafter, default_markov_rank, dspark_draft
+from drafter.dspark_model import (
+    ARCHITECTURE, AUTO_MAP, FLOAT32_TENSORS, MARKOV_HEAD_TYPES, DSparkConfig, DSparkDrafter, default_markov_rank, dspark_draft,
+)  # fmt: skip
 from drafter.family import BlockLayout, DrafterFamily, Drafts, SupervisedSlots, option
 from drafter.losses import topk_tail_l1, topk_tail_slot_losses
 
@@ -44,8 +50,13 @@ class DSparkOptions:
         default=None,
     )
     markov_rank: int | None = option(
-        "--arch dspark: rank of the Markov head, 0 for none; at most a quarter of the vocabulary (default: DeepSpec's 256 "
-        "within that bound, or a DSpark --drafter-init's).",
+        "--arch dspark: rank of the Markov head, >= 1 (no engine serves a DSpark drafter without one) and at most a quarter "
+        "of the vocabulary (default: DeepSpec's 256 within that bound, or a DSpark --drafter-init's).",
+        default=None,
+    )
+    markov_head_type: str | None = option(
+        "--arch dspark: the Markov head, vanilla, gated or rnn (DeepSpec's; vLLM and llama.cpp serve only vanilla); "
+        "default vanilla, or a DSpark --drafter-init's.",
         default=None,
     )
     confidence_head: bool | None = option(
@@ -66,12 +77,23 @@ class DSparkOptions:
         "greedy (argmax q == the target's top token, acceptance at T = 0).",
         default="overlap",
     )
+    export_head: bool | None = option(
+        "--arch dspark: also write the target's embed_tokens and lm_head into RUN/drafter/, for DeepSpec's eval.py and "
+        "anything calling Qwen3DSparkModel.from_pretrained (they run the drafter's own); default off: vLLM, SGLang and "
+        "llama.cpp share the target's.",
+        default=None,
+    )
 
     def __post_init__(self):
         if self.dspark_block is not None and self.dspark_block < 1:
             raise ValueError(f"--dspark-block must be >= 1, got {self.dspark_block}")
-        if self.markov_rank is not None and self.markov_rank < 0:
-            raise ValueError(f"--markov-rank must be >= 0, got {self.markov_rank}")
+        if self.markov_rank is not None and self.markov_rank < 1:
+            raise ValueError(
+                f"--markov-rank {self.markov_rank}: a DSpark drafter without a Markov head cannot be served as DSpark (vLLM "
+                "builds the head from markov_rank, SGLang refuses markov_rank <= 0); give a rank >= 1, or train --arch dflash"
+            )
+        if self.markov_head_type is not None and self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"--markov-head-type must be one of {', '.join(MARKOV_HEAD_TYPES)}, got {self.markov_head_type!r}")
         if not self.dspark_gamma > 0:
             raise ValueError(f"dspark_gamma must be > 0, got {self.dspark_gamma}")
         for name in ("ce_alpha", "l1_alpha", "confidence_alpha"):
@@ -82,16 +104,20 @@ class DSparkOptions:
 
 
 def resolve_dspark_options(options: DSparkOptions, *, num_slots: int, vocab_size: int, init=None) -> DSparkOptions:
-    """B, the Markov rank and the confidence head of a run on a cache of K = num_slots. From a DSpark
+    """B, the Markov head and the confidence head of a run on a cache of K = num_slots. From a DSpark
     --drafter-init (`init`: its path and config) they are the init's, and a flag that differs is
-    refused naming both, so train_config.json, provenance and the export agree. Otherwise B defaults
-    to K, the rank to DeepSpec's 256 within a quarter of the vocabulary (a rank near V is a full
-    bigram table; docs/dspark.md), the confidence head to on. B may not exceed K (slot B - 1 needs
-    the label of the cache's last slot)."""
-    given = {"dspark_block": options.dspark_block, "markov_rank": options.markov_rank, "confidence_head": options.confidence_head}
+    refused naming both, so train_config.json, provenance and the export agree; an init no engine
+    could serve after training is refused (check_servable). Otherwise B defaults to K, the rank to
+    DeepSpec's 256 within a quarter of the vocabulary (a rank near V is a full bigram table;
+    docs/dspark.md), the head to vanilla, the confidence head to on. B may not exceed K (slot B - 1
+    needs the label of the cache's last slot)."""
+    names = ("dspark_block", "markov_rank", "markov_head_type", "confidence_head")
+    given = {name: getattr(options, name) for name in names}
     if init is not None:
         path, config = init
-        held = {"dspark_block": config.block_size, "markov_rank": config.markov_rank, "confidence_head": config.enable_confidence_head}
+        check_servable(path, config)
+        held = {"dspark_block": config.block_size, "markov_rank": config.markov_rank, "markov_head_type": config.markov_head_type,
+                "confidence_head": config.enable_confidence_head}  # fmt: skip
         differ = [f"--{name.replace('_', '-')} {given[name]} (the init has {held[name]})" for name in given
                   if given[name] is not None and given[name] != held[name]]  # fmt: skip
         if differ:
@@ -107,14 +133,43 @@ def resolve_dspark_options(options: DSparkOptions, *, num_slots: int, vocab_size
     rank = default_markov_rank(vocab_size) if given["markov_rank"] is None else given["markov_rank"]
     if init is None and rank > vocab_size // 4:
         raise ValueError(f"--markov-rank {rank} is more than a quarter of the vocabulary ({vocab_size} // 4 = {vocab_size // 4})")
-    confidence_head = True if given["confidence_head"] is None else given["confidence_head"]
-    return dataclasses.replace(options, dspark_block=block, markov_rank=rank, confidence_head=confidence_head)
+    return dataclasses.replace(
+        options, dspark_block=block, markov_rank=rank, markov_head_type=given["markov_head_type"] or "vanilla",
+        confidence_head=True if given["confidence_head"] is None else given["confidence_head"], export_head=bool(options.export_head),
+    )  # fmt: skip
+
+
+def check_servable(path: str, config: DSparkConfig) -> None:
+    """A DSpark --drafter-init whose export every DSpark reader loads (docs/dspark.md, "Which reader
+    reads what"): a Markov head (vLLM has no rank-0 path, SGLang refuses it) and, with a confidence
+    head, one that reads the Markov embedding too (llama.cpp builds it H + r wide)."""
+    if config.markov_rank == 0:
+        raise ValueError(
+            f"--drafter-init {path} has no Markov head (markov_rank 0): no engine serves it as DSpark (vLLM has no rank-0 path, "
+            "SGLang refuses it); start from a DSpark drafter with one, or from a DFlash drafter's backbone"
+        )
+    if config.enable_confidence_head and not config.confidence_head_with_markov:
+        raise ValueError(
+            f"--drafter-init {path} has a confidence head without the Markov input (confidence_head_with_markov false), which "
+            "llama.cpp cannot load (it reads hidden_size + markov_rank inputs); start from one with it, or from a DFlash drafter"
+        )
+
+
+def serving_notes(config: DSparkConfig) -> list[str]:
+    """Warnings for a drafter some engine serves only in part (printed when a run starts)."""
+    if config.markov_head_type == "vanilla":
+        return []
+    return [
+        f"warning: markov_head_type {config.markov_head_type}: vLLM (qwen3_dspark.py) and llama.cpp (conversion/qwen.py) serve only "
+        "vanilla Markov heads; SGLang, TensorRT-LLM and DeepSpec serve it (docs/dspark.md)"
+    ]
 
 
 def dspark_config(backbone, options: DSparkOptions) -> DSparkConfig:
     """A DSpark config on a DFlash backbone's shape, with the run's B and heads."""
     return DSparkConfig.from_dflash(
-        backbone, block_size=options.dspark_block, markov_rank=options.markov_rank, enable_confidence_head=options.confidence_head
+        backbone, block_size=options.dspark_block, markov_rank=options.markov_rank, enable_confidence_head=options.confidence_head,
+        markov_head_type=options.markov_head_type,
     )
 
 
@@ -130,8 +185,8 @@ def dspark_family_draft(drafter: DSparkDrafter, *, hidden: Tensor, anchor_tokens
     """One backbone pass's hidden states [N, B, H] -> B drafts per block, the Markov head run slot by
     slot on the drafter's own tokens (dspark_draft), with the confidence head's predictions."""
     base_logits = lm_head(hidden.to(lm_head.weight.dtype))  # [N, B, V]
-    tokens, _, confidence = dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=anchor_tokens)
-    return Drafts(tokens=tokens, confidence=confidence)
+    tokens, _, confidence, logits = dspark_draft(drafter, base_logits=base_logits, hidden=hidden, anchor_tokens=anchor_tokens)
+    return Drafts(tokens=tokens, confidence=confidence, confidence_logits=logits)
 
 
 def dspark_slot_losses(
@@ -165,16 +220,30 @@ def dspark_slot_losses(
     return loss, target
 
 
+def markov_latents(heads: DSparkDrafter, slots: SupervisedSlots, *, autocast) -> Tensor | None:
+    """The Markov head's latent z [M, r] of every supervised slot (its bias is markov_w2(z)), teacher
+    forced: each slot alone for vanilla and gated, through its block's earlier slots for rnn."""
+    if heads.markov_head is None:
+        return None
+    with autocast:
+        if heads.config.markov_head_type != "rnn":
+            return heads.markov_head.latent(slots.prev_tokens, slots.hidden, None)[0]
+        if slots.block_hidden is None:
+            raise ValueError("an rnn Markov head trains on whole blocks: SupervisedSlots.block_hidden is missing")
+        block = heads.block_markov_latents(slots.block_prev_tokens, slots.block_hidden)  # [N, L, r]
+        return block.reshape(-1, block.shape[-1]).index_select(0, slots.block_slot)
+
+
 def dspark_head_loss(heads: DSparkDrafter, slots: SupervisedSlots, *, lm_head: Tensor, options: DSparkOptions, loss_chunk: int,
                      autocast) -> tuple[Tensor, Tensor]:  # fmt: skip
     """A DSpark drafter's loss through the lm_head plus its Markov and confidence heads (trainable,
     so autograd runs through them): chunk by chunk, each [chunk, V] logits recomputed in backward
     instead of kept. Returns (sum of w * l, whether each slot's argmax is its first label id)."""
 
-    def chunk_loss(h, ids, probs, w, prev, d_ids, d_probs):
+    def chunk_loss(h, ids, probs, w, prev, d_ids, d_probs, *latent):
         with autocast:
             logits = F.linear(h, lm_head)  # [chunk, V]: a bf16 GEMM under autocast, else fp32
-            bias = heads.markov_bias(prev)  # [chunk, V] or None
+            bias = heads.markov_head.markov_w2(latent[0]) if latent else None  # [chunk, V] or None
             confidence = heads.confidence_logits(h, prev)  # [chunk] or None
         logits = logits.float()
         if bias is not None:
@@ -189,7 +258,9 @@ def dspark_head_loss(heads: DSparkDrafter, slots: SupervisedSlots, *, lm_head: T
     weights = slots.weights
     loss_sum = slots.hidden.new_zeros((), dtype=torch.float32)
     correct = torch.zeros(len(weights), dtype=torch.bool, device=weights.device)
+    latents = markov_latents(heads, slots, autocast=autocast)  # [M, r] or None
     inputs = (slots.hidden, slots.label_ids, slots.label_probs, weights, slots.prev_tokens, slots.dist_ids, slots.dist_probs)
+    inputs += () if latents is None else (latents,)
     for i in range(0, len(weights), loss_chunk):
         part = slice(i, i + loss_chunk)
         chunk_sum, chunk_correct = checkpoint(chunk_loss, *(t[part] for t in inputs), use_reentrant=False)
@@ -215,4 +286,7 @@ DSPARK = DrafterFamily(
     has_confidence=lambda config: config.enable_confidence_head,
     modeling_files=MODELING_FILES,
     auto_map=AUTO_MAP,
+    float32_tensors=FLOAT32_TENSORS,
+    exports_head=lambda options: bool(options.export_head),
+    notes=serving_notes,
 )

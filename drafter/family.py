@@ -25,7 +25,9 @@ The pieces, and who calls them:
   tau); `tree_verification`: the slots are drafted independently, so a token tree can verify them;
   `has_confidence`: whether a drafter of this config predicts each slot's acceptance.
 - `modeling_files` / `auto_map`: the modeling code an export ships for
-  `AutoModel.from_pretrained(dir, trust_remote_code=True)`.
+  `AutoModel.from_pretrained(dir, trust_remote_code=True)`; `float32_tensors`: weights the export
+  (and loading it) keeps in float32; `exports_head`: whether a run's export also holds the target's
+  embed_tokens and lm_head; `notes`: lines the trainer prints about a config.
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ class SupervisedSlots:
     prev_tokens: Tensor  # [M] long: the token before each label on the label's own track
     dist_ids: Tensor  # [M, k'] long: the target's distribution at the slot (the labels unless one-hot)
     dist_probs: Tensor  # [M, k'] float32
+    # The labelled rows of the micro-batch's N blocks, in slot order, for a head whose slot reads the
+    # slots before it (DSpark's rnn Markov head); block_slot is each supervised slot's row among them.
+    block_hidden: Tensor | None = None  # [N, L, H] (L = the layout's num_labelled)
+    block_prev_tokens: Tensor | None = None  # [N, L] long
+    block_slot: Tensor | None = None  # [M] long, into N * L
 
 
 @dataclass(kw_only=True)
@@ -85,6 +92,7 @@ class Drafts:
 
     tokens: Tensor  # [N, D] long, D = the config's num_drafts
     confidence: Tensor | None = None  # [N, D] float32: the predicted chance each slot is accepted, or None
+    confidence_logits: Tensor | None = None  # [N, D] float32: its logits before any calibration (drafter/calibration.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +123,9 @@ class DrafterFamily:
     has_confidence: Callable[[Any], bool] = lambda config: False
     modeling_files: tuple[tuple[str, str], ...] = ()  # (source in drafter/, its name in the export)
     auto_map: dict | None = None
+    float32_tensors: tuple[str, ...] = ()  # name prefixes of weights the export keeps in float32 whatever --save-dtype
+    exports_head: Callable[[Any], bool] = lambda options: False  # (options) -> the export also holds the target's embed_tokens / lm_head
+    notes: Callable[[Any], list[str]] = lambda config: []  # (config) -> lines a run prints about it (an engine that cannot serve it)
 
     def option_flags(self) -> dict[str, Any]:
         """{flag: default} of the family's options (what a run of another family leaves unset)."""

@@ -61,8 +61,8 @@ class Qwen3DSparkModel(PreTrainedModel):
         block_positions, attention_mask -> final-normed hidden states [B, Q, H]."""
         return self._drafter(**inputs)
 
-    def markov_bias(self, prev_tokens: torch.Tensor):
-        return self._drafter.markov_bias(prev_tokens)
+    def markov_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor | None = None):
+        return self._drafter.markov_bias(prev_tokens, hidden)
 
     def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
         return self._drafter.confidence_logits(hidden, prev_tokens)

@@ -163,7 +163,7 @@ def test_dspark_draft_runs_the_markov_head_on_its_own_previous_draft():
     hidden = torch.randn(3, 4, 64)
     base = torch.randn(3, 4, 50)
     anchors = torch.tensor([1, 2, 3])
-    tokens, logits, confidence = dspark_draft(drafter, base_logits=base, hidden=hidden, anchor_tokens=anchors)
+    tokens, logits, confidence, _ = dspark_draft(drafter, base_logits=base, hidden=hidden, anchor_tokens=anchors)
     prev = anchors
     for k in range(4):  # plain reference: one slot at a time
         step = base[:, k] + drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(prev))

@@ -24,3 +24,9 @@ def test_export_drafts_and_loss_match_deepspec():
     assert drafts["tokens_equal"] and drafts["markov_changed_a_draft"]
     assert drafts["max_abs_logits"] < 1e-4 and drafts["max_abs_confidence"] < 1e-5
     assert report["loss"]["abs_diff"] < 1e-5 and report["loss"]["top8_l1_is_lower_bound"]
+    for kind in ("gated", "rnn"):  # DeepSpec's other Markov heads draft as ours
+        heads = report["heads"][kind]
+        assert heads["tokens_equal"] and heads["max_abs_logits"] < 1e-4 and heads["max_abs_confidence"] < 1e-5, kind
+    # An --export-head export is what DeepSpec's eval.py loads: nothing missing, the target's head.
+    assert report["own_head"] == {"missing": [], "unexpected": [], "head_equal": True}
+    assert report["ok"]

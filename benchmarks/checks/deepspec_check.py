@@ -10,7 +10,11 @@ ALRIRA_DEEPSPEC names a checkout):
   2. drafts   for the same context features and anchor, DeepSpec's backbone + `sample_draft_tokens`
               (the Markov head slot by slot) + `predict_confidence_step` give our tokens, our
               Markov-corrected logits and our confidences (drafter/dspark.py `dspark_draft`);
-  3. loss     on one batch of blocks (draft logits, confidence logits, labels, a loss mask with holes),
+  3. heads    the same for DeepSpec's `gated` and `rnn` Markov heads (drafter/dspark_model.py);
+  4. own_head an export with the target's embed_tokens / lm_head (`alrira-train --export-head`) loads
+              through DeepSpec's `Qwen3DSparkModel.from_pretrained` (what its eval.py calls) with
+              nothing missing, the embedding and head equal to the target's;
+  5. loss     on one batch of blocks (draft logits, confidence logits, labels, a loss mask with holes),
               DeepSpec's `compute_dspark_loss` equals sum(w * l) / sum(w) of our
               `dspark_slot_losses` with w = exp(-k / 4) x mask, where the inputs coincide: DeepSpec
               compares with the target's FULL softmax; ours reads a top-k + tail, here given as the
@@ -43,12 +47,13 @@ BLOCK, RANK, NUM_CONTEXT = 5, 16, 11
 LOSS = dict(ce_alpha=0.1, l1_alpha=0.9, confidence_alpha=1.0, gamma=4.0)
 
 
-def _our_drafter(seed: int) -> tuple[DSparkDrafter, torch.Tensor, torch.Tensor]:
+def _our_drafter(seed: int, markov_head_type: str = "vanilla") -> tuple[DSparkDrafter, torch.Tensor, torch.Tensor]:
     """A DSpark drafter with every weight random (norms too, so a swapped norm shows), and a
     target's embed_tokens / lm_head."""
     torch.manual_seed(seed)
     backbone = DFlashConfig.from_target_config(TARGET, num_draft_layers=2, mask_token_id=TARGET["vocab_size"] - 1, target_layer_ids=[0, 2])
-    config = DSparkConfig.from_dflash(backbone, block_size=BLOCK, markov_rank=RANK, enable_confidence_head=True)
+    config = DSparkConfig.from_dflash(backbone, block_size=BLOCK, markov_rank=RANK, enable_confidence_head=True,
+                                      markov_head_type=markov_head_type)  # fmt: skip
     drafter = DSparkDrafter(config).float().eval()
     with torch.no_grad():
         for name, param in drafter.named_parameters():
@@ -57,6 +62,10 @@ def _our_drafter(seed: int) -> tuple[DSparkDrafter, torch.Tensor, torch.Tensor]:
         drafter.markov_head.markov_w1.weight.mul_(50)  # a bigram strong enough to change drafts
         drafter.markov_head.markov_w2.weight.mul_(20)
         drafter.confidence_head.proj.bias.fill_(0.3)
+        for name in ("gate_proj", "joint_proj"):  # the gated / rnn head's own layer, far from its init
+            if hasattr(drafter.markov_head, name):
+                for param in getattr(drafter.markov_head, name).parameters():
+                    param.normal_(0.0, 0.5)
     embed = torch.randn(TARGET["vocab_size"], TARGET["hidden_size"])
     head = torch.randn(TARGET["vocab_size"], TARGET["hidden_size"]) * 0.5
     return drafter, embed, head
@@ -96,7 +105,7 @@ def check_drafts(ours: DSparkDrafter, theirs, *, embed: torch.Tensor, head: torc
     hidden = ours.forward_cached(
         cache=cache, block_embeds=F.embedding(block_ids, embed), block_positions=torch.arange(NUM_CONTEXT, NUM_CONTEXT + BLOCK)[None]
     )  # [1, B, H]
-    tokens, logits, confidence = dspark_draft(ours, base_logits=hidden @ head.T, hidden=hidden, anchor_tokens=anchor)
+    tokens, logits, confidence, _ = dspark_draft(ours, base_logits=hidden @ head.T, hidden=hidden, anchor_tokens=anchor)
     # DeepSpec: its backbone over [context; block] with no mask (the block sees all of the context,
     # which is exactly the positions before the anchor), then its Markov and confidence heads.
     their_hidden = theirs._forward_backbone(
@@ -167,23 +176,41 @@ def check_loss(*, seed: int) -> dict:
     }  # fmt: skip
 
 
+def check_own_head(export: Path, *, embed: torch.Tensor, head: torch.Tensor) -> dict:
+    """DeepSpec's eval.py path: `Qwen3DSparkModel.from_pretrained` of an export that holds the head."""
+    from deepspec.modeling.dspark.qwen3.modeling import Qwen3DSparkModel
+
+    model, info = Qwen3DSparkModel.from_pretrained(export, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    return {
+        "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+        "head_equal": bool(torch.equal(model.embed_tokens.weight, embed) and torch.equal(model.lm_head.weight, head)),
+    }  # fmt: skip
+
+
+def _drafts_ok(drafts: dict) -> bool:
+    return (drafts["tokens_equal"] and drafts["markov_changed_a_draft"] and drafts["max_abs_logits"] < 1e-4
+            and drafts["max_abs_confidence"] < 1e-5)  # fmt: skip
+
+
 def run_check(deepspec: str | os.PathLike, *, seed: int = 0) -> dict:
     if str(deepspec) not in sys.path:
         sys.path.insert(0, str(deepspec))
-    ours, embed, head = _our_drafter(seed)
+    report, drafts = {}, {}
     with tempfile.TemporaryDirectory(prefix="alrira-deepspec-") as tmp:
-        export = Path(tmp) / "drafter"
-        save_drafter(ours, export, dtype=torch.float32)
-        theirs, missing, unexpected = _deepspec_model(export, embed=embed, head=head)
-    report = {
-        "load": {"missing": missing, "unexpected": unexpected},
-        "drafts": check_drafts(ours, theirs, embed=embed, head=head, seed=seed),
-        "loss": check_loss(seed=seed),
-    }
+        for kind in ("vanilla", "gated", "rnn"):
+            ours, embed, head = _our_drafter(seed, kind)
+            export = Path(tmp) / kind
+            save_drafter(ours, export, dtype=torch.float32)
+            theirs, missing, unexpected = _deepspec_model(export, embed=embed, head=head)
+            drafts[kind] = check_drafts(ours, theirs, embed=embed, head=head, seed=seed)
+            if kind == "vanilla":
+                report["load"] = {"missing": missing, "unexpected": unexpected}
+                save_drafter(ours, Path(tmp) / "own_head", dtype=torch.float32, head={"embed_tokens.weight": embed, "lm_head.weight": head})
+                report["own_head"] = check_own_head(Path(tmp) / "own_head", embed=embed, head=head)
+    report |= {"drafts": drafts["vanilla"], "heads": {k: drafts[k] for k in ("gated", "rnn")}, "loss": check_loss(seed=seed)}
     report["ok"] = (
-        missing == ["embed_tokens.weight", "lm_head.weight"] and not unexpected and report["drafts"]["tokens_equal"]
-        and report["drafts"]["markov_changed_a_draft"]
-        and report["drafts"]["max_abs_logits"] < 1e-4 and report["drafts"]["max_abs_confidence"] < 1e-5
+        report["load"] == {"missing": ["embed_tokens.weight", "lm_head.weight"], "unexpected": []} and all(map(_drafts_ok, drafts.values()))
+        and report["own_head"] == {"missing": [], "unexpected": [], "head_equal": True}
         and report["loss"]["abs_diff"] < 1e-5 and report["loss"]["top8_l1_is_lower_bound"]
     )  # fmt: skip
     return report
@@ -198,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.deepspec:
         parser.error("name a DeepSpec checkout with --deepspec or ALRIRA_DEEPSPEC")
     report = run_check(args.deepspec, seed=args.seed)
-    for name in ("load", "drafts", "loss"):
+    for name in ("load", "drafts", "heads", "own_head", "loss"):
         print(f"{name:7s}{json.dumps(report[name])}")
     print("ok" if report["ok"] else "MISMATCH")
     if args.json:

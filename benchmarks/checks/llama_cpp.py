@@ -85,20 +85,22 @@ CASES = (
     Case(name="smollm2-dspark-b4", target="smollm2", arch="dspark", train_flags=("--dspark-block", "4")),
     Case(name="smollm2-dspark-2layers", target="smollm2", arch="dspark", train_flags=("--draft-layers", "2")),
     Case(name="smollm2-dspark-bf16", target="smollm2", arch="dspark", drafter_of="smollm2-dspark", outtype="bf16"),
-    Case(name="smollm2-dspark-rank0", target="smollm2", arch="dspark", probe=True,
-         train_flags=("--markov-rank", "0", "--no-confidence-head"), max_steps=2, note="no Markov head: DFlash-like, DSpark layout"),
-    Case(name="smollm2-dspark-rank0-conf", target="smollm2", arch="dspark", probe=True, train_flags=("--markov-rank", "0"),
-         max_steps=2, note="confidence head without Markov input (confidence_head_with_markov: false)"),
+    Case(name="smollm2-dspark-gated", target="smollm2", arch="dspark", probe=True, train_flags=("--markov-head-type", "gated"),
+         max_steps=2, note="DeepSpec's gated Markov head: vLLM and llama.cpp serve only vanilla"),
+    Case(name="smollm2-dspark-export-head", target="smollm2", arch="dspark", probe=True, train_flags=("--export-head",),
+         max_steps=2, note="the target's embed_tokens and lm_head in the export (DeepSpec's eval.py reads them)"),
     Case(name="qwen3-dflash", target="qwen3"),
     Case(name="qwen3-dspark", target="qwen3", arch="dspark", train_flags=("--markov-rank", "32")),
 )  # fmt: skip
 CASE_BY_NAME = {c.name: c for c in CASES}
 # Contract variants alrira does not write today: listed in the table with the reason, not run.
 SKIPPED = {
-    "markov_head_type gated / rnn": "alrira trains only the vanilla Markov head; llama.cpp's converter refuses any other "
-    "(conversion/qwen.py, DSparkModel.__init__: 'only vanilla is supported')",
-    "sample_from_anchor: false": "alrira writes no sample_from_anchor (DeepSpec's layout); llama.cpp's converter then "
-    "takes true for a DFlash-lineage config (conversion/qwen.py, DSparkModel.__init__), which is alrira's layout",
+    "--markov-rank 0": "alrira-train refuses it: no engine serves a DSpark drafter without a Markov head (vLLM has no "
+    "rank-0 path, SGLang refuses it; llama.cpp would auto-detect draft-dflash, whose layout is not DSpark's)",
+    "confidence_head_with_markov: false": "alrira trains no such head (it came only with --markov-rank 0) and refuses a "
+    "--drafter-init with one: llama.cpp reads the confidence head H + r wide (src/models/dflash.cpp)",
+    "sample_from_anchor: false": "alrira writes sample_from_anchor: true and refuses a config with false (the speculators "
+    "layout)",
 }
 
 

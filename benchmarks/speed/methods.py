@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="Torch threads of this process.")
     parser.add_argument("--quick", action="store_true", help="The demo's --quick sizes (a smoke run, not a result).")
     parser.add_argument("--archs", default="dflash", help="Comma-separated drafter architectures: dflash, dspark.")
-    parser.add_argument("--markov-rank", type=int, default=None, help="DSpark arms: the Markov head's rank (0: none).")
+    parser.add_argument("--markov-rank", type=int, default=None,
+                        help="DSpark arms: the Markov head's rank (>= 1: alrira-train refuses 0, which no engine serves as DSpark).")
     args = parser.parse_args(argv)
     archs = [a for a in args.archs.split(",") if a]
     methods = [f"{arch}:{m}" if arch != "dflash" else m for arch in archs for m in args.methods.split(",") if m]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drafter.config import default_target_layer_ids
+from drafter.config import check_taps, default_target_layer_ids
 from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
 from pipeline.cache_build.corpus import CORPUS_FILES, changed_corpus_images, corpus_vision_inputs
 from pipeline.chat import iter_corpus_rows
@@ -138,11 +138,12 @@ def resolve_layer_ids(config: CacheBuildConfig, *, num_target_layers: int, init:
     """Tapped layers: --layers, else the taps of --drafter-init (`init`: drafter_init_config, read
     here when not given), else the rule of docs/design.md ("The drafter") for --draft-layers
     (default 1 draft layer when nothing is given)."""
-    taps = config.taps
+    taps, what = config.taps, "--layers"
     if taps.layers is not None:
         layer_ids = list(taps.layers)
     elif taps.drafter_init is not None:
         layer_ids = (drafter_init_config(taps.drafter_init) if init is None else init).get("target_layer_ids")
+        what = f"--drafter-init {taps.drafter_init}: target_layer_ids"
         if layer_ids is None:
             raise ValueError(f"{Path(taps.drafter_init) / 'config.json'}: no dflash_config.target_layer_ids")
     else:
@@ -150,7 +151,8 @@ def resolve_layer_ids(config: CacheBuildConfig, *, num_target_layers: int, init:
     bad = [i for i in layer_ids if not 0 <= i < num_target_layers - 1]
     if bad:
         # The last layer's output in HF hidden_states is after the final norm, not a residual tap.
-        raise ValueError(f"--layers: ids {bad} out of range for a {num_target_layers}-layer target (0..{num_target_layers - 2})")
+        raise ValueError(f"{what}: ids {bad} out of range for a {num_target_layers}-layer target (0..{num_target_layers - 2})")
+    check_taps([int(i) for i in layer_ids], num_target_layers=num_target_layers, what=what)  # in layer order (docs/design.md)
     return [int(i) for i in layer_ids]
 
 

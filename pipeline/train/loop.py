@@ -30,7 +30,7 @@ from pipeline.train.batching import ReadFailure, TrainBatch
 from pipeline.train.checkpoints import save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import release_loader
-from pipeline.train.eval_split import evaluate_split
+from pipeline.train.eval_split import calibrate_split, evaluate_split
 from pipeline.train.run_dir import RunLogs
 from pipeline.train.plan import TrainPlan, open_run, plan_training
 from pipeline.train.setup import TrainState, setup
@@ -169,8 +169,11 @@ def run_training(plan: TrainPlan) -> dict:
             logs.discard()
     summary = {"run": str(plan.run), "method": config.objective.method, "steps": plan.last_step, "elapsed_s": time.time() - started}
     if logs is not None:
+        family = plan.drafter.family
+        calibration = calibrate_split(plan, s.drafter) if family.has_confidence(s.drafter.config) else None  # None without a split
         summary = logs.finish(summary, history, drafter=s.drafter, num_slots=plan.num_slots,
-                              dtype=getattr(torch, config.checkpoint.save_dtype))  # fmt: skip
+                              dtype=getattr(torch, config.checkpoint.save_dtype),
+                              head=plan.head if family.exports_head(plan.drafter.options) else None, calibration=calibration)  # fmt: skip
     if plan.ranks.world_size > 1:
         dist.barrier()
     return summary

@@ -189,6 +189,8 @@ def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks
     manifest, optim = reader.manifest, config.optim
     check_cache_complete(manifest, cache=cache, allow_partial=config.allow_partial, log=ranks.log)
     drafter = plan_drafter(config, manifest)
+    for line in drafter.family.notes(drafter.config):  # an engine that serves this drafter only in part
+        ranks.log(line)
     check_cache_serves(config.objective.method, available_arrays(reader), config.cache, arch=drafter.family.name,
                        distributions=drafter.layout.distributions)  # fmt: skip
     check_ira_parents_serve(config.objective, ira_parents=reader.ira_parents, anchors_per_sequence=manifest.settings.anchors_per_sequence)

@@ -88,11 +88,16 @@ class RunLogs:
             self.writer.close()
         self.publish()
 
-    def finish(self, summary: dict, history: list[dict], *, drafter, num_slots: int, dtype: torch.dtype) -> dict:
-        """The end of a run: the logs closed, RUN/drafter/ exported, then summary.json (last: the run is done)."""
+    def finish(self, summary: dict, history: list[dict], *, drafter, num_slots: int, dtype: torch.dtype, head: dict | None = None,
+               calibration: dict | None = None) -> dict:  # fmt: skip
+        """The end of a run: the logs closed, RUN/drafter/ exported (with the target's `head` for a
+        family whose options ask for it, and the confidence `calibration` fitted on the split, if
+        any: pipeline/train/eval_split.py), then summary.json (last: the run is done)."""
         self.close()
-        save_drafter_to(self.run, drafter, dtype=dtype)
+        save_drafter_to(self.run, drafter, dtype=dtype, head=head, calibration=calibration)
         summary = summary | summarize_history(history, num_slots=num_slots)
+        if calibration is not None:
+            summary["calibration"] = calibration
         atomic_write_text(self.run.join("summary.json"), json.dumps(summary, indent=2))
         return summary
 
@@ -124,11 +129,11 @@ def _step_of(line: str) -> float:
         return math.inf
 
 
-def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
+def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype, head: dict | None = None, calibration: dict | None = None) -> None:
     """RUN/drafter/: written in place locally; on a store, written locally and uploaded file by file.
     A full disk is one line: the checkpoints are kept, a rerun with --resume writes it again."""
     try:
-        _save_drafter_to(run, drafter, dtype=dtype)
+        _save_drafter_to(run, drafter, dtype=dtype, head=head, calibration=calibration)
     except OSError as error:
         if error.errno not in DISK_FULL_ERRNOS:
             raise
@@ -138,12 +143,12 @@ def save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
         ) from None
 
 
-def _save_drafter_to(run: Location, drafter, *, dtype: torch.dtype) -> None:
+def _save_drafter_to(run: Location, drafter, *, dtype: torch.dtype, head: dict | None, calibration: dict | None) -> None:
     if run.is_local:
-        save_drafter(drafter, run.local_path / "drafter", dtype=dtype)
+        save_drafter(drafter, run.local_path / "drafter", dtype=dtype, head=head, calibration=calibration)
         return
     with tempfile.TemporaryDirectory(prefix="alrira-drafter-") as tmp:
-        save_drafter(drafter, tmp, dtype=dtype)
+        save_drafter(drafter, tmp, dtype=dtype, head=head, calibration=calibration)
         # config.json last, as save_drafter writes it: a drafter/ whose config is new has new weights.
         for path in sorted(Path(tmp).iterdir(), key=lambda p: (p.name == CONFIG_FILE, p.name)):
             run.put_file(path, f"drafter/{path.name}")
