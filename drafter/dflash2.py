@@ -158,6 +158,21 @@ def grouped_dynamic_conv(x: Tensor, delta: Tensor, base: Tensor, *, block_size: 
     return out.view(batch, num_queries, hidden)
 
 
+def reference_grouped_dynamic_conv(x: Tensor, delta: Tensor, base: Tensor, *, block_size: int) -> Tensor:
+    """grouped_dynamic_conv one output element at a time, for tests: the formula as written."""
+    batch, num_queries, hidden = x.shape
+    taps, num_groups = delta.shape[-2:]
+    group_size = hidden // num_groups
+    out = torch.zeros_like(x)
+    for b in range(batch):
+        for t in range(num_queries):
+            for j in range(taps):
+                if t % block_size >= j:
+                    coefficient = base[j] + delta[b, t, j].repeat_interleave(group_size)  # [H]
+                    out[b, t] = out[b, t] + coefficient * x[b, t - j]
+    return out
+
+
 class DynamicBlockConv(nn.Module):
     """The two convolutions around one sublayer, their coefficients made from its normed input."""
 
