@@ -70,6 +70,19 @@ NEUTRAL_DFLASH_KEYS = {
 }
 
 
+DEFAULT_SELECTOR_TOP_K = 16  # speculators' default
+
+
+def default_selector_top_k(*, hidden_size: int, vocab_size: int) -> int:
+    """speculators' 16, capped where llama.cpp could not serve it: its selector lattice (K ids and
+    K x K scores per slot) is packed into one hidden-sized row, so it refuses K * (K + 1) > H
+    (src/models/dflash.cpp); and at most the vocabulary."""
+    top_k = min(DEFAULT_SELECTOR_TOP_K, vocab_size)
+    while top_k > 1 and top_k * (top_k + 1) > hidden_size:
+        top_k -= 1
+    return top_k
+
+
 @dataclass(kw_only=True)
 class DFlash2Config(DFlashConfig):
     """Shape of a DFlash2 drafter: the DFlash backbone's fields plus the convolution and the
@@ -78,7 +91,7 @@ class DFlash2Config(DFlashConfig):
     conv_kernel_size: int = 2  # causal taps of each convolution
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient
     selector_rank: int = 256
-    selector_top_k: int = 16  # unary candidates the selector reranks per slot
+    selector_top_k: int = DEFAULT_SELECTOR_TOP_K  # unary candidates the selector reranks per slot
 
     def __post_init__(self) -> None:
         super().__post_init__()

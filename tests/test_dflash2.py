@@ -19,6 +19,7 @@ from drafter.dflash2 import (
     MODELING_FILES,
     DFlash2Config,
     DFlash2Drafter,
+    default_selector_top_k,
     dflash2_draft,
     grouped_dynamic_conv,
     init_from_dflash,
@@ -142,6 +143,12 @@ def test_config_refuses_what_it_cannot_run(change, message):
 def test_config_validates_each_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         _config(**{field: value})
+
+
+def test_default_selector_top_k_fits_llama_cpps_lattice_row_and_the_vocabulary():
+    assert default_selector_top_k(hidden_size=2560, vocab_size=151_936) == 16  # speculators' default
+    assert default_selector_top_k(hidden_size=64, vocab_size=300) == 7  # 7 * 8 <= 64 < 8 * 9
+    assert default_selector_top_k(hidden_size=4096, vocab_size=10) == 10
 
 
 # ----------------------------------------------------------------------------------------------

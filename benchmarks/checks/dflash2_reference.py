@@ -60,9 +60,10 @@ from drafter.dflash2 import DFlash2Config, DFlash2Drafter  # noqa: E402
 from drafter.masks import visibility_mask  # noqa: E402
 from pipeline.train.dflash2_loss import DFlash2LossConfig, dflash2_head_loss  # noqa: E402
 
+# A tiny Qwen3 target: 2 query heads per kv head, 4 convolution groups of 16 channels.
 TARGET = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-    vocab_size=96, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu",
+    hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    vocab_size=80, max_position_embeddings=256, rope_theta=50000.0, rms_norm_eps=1e-6, hidden_act="silu",
 )  # fmt: skip
 BLOCK, SEQ, ANCHORS = 5, 29, (3, 9, 14, 20)
 DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=12, selector_top_k=6)
@@ -79,16 +80,14 @@ def _our_drafter(seed: int) -> DFlash2Drafter:
     """A DFlash2 drafter with every weight random: norms near 1, base kernels away from the identity."""
     torch.manual_seed(seed)
     backbone = DFlashConfig.from_target_config(TARGET, num_draft_layers=2, mask_token_id=TARGET["vocab_size"] - 1,
-                                               target_layer_ids=[0, 2], block_size=BLOCK)  # fmt: skip
+                                               target_layer_ids=[1, 4], block_size=BLOCK)  # fmt: skip
     drafter = DFlash2Drafter(DFlash2Config.from_dflash(backbone, **DFLASH2)).float()
+    spread = {"norm.weight": (1.0, 0.25), "base_kernel": (0.5, 0.3), "kernel_projection.weight": (0.0, 0.05)}  # (mean, std)
     with torch.no_grad():
         for name, param in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            elif name.endswith("base_kernel"):
-                param.normal_(0.5, 0.3)
-            elif name.endswith("kernel_projection.weight"):
-                param.normal_(0.0, 0.05)
+            for suffix, (mean, std) in spread.items():
+                if name.endswith(suffix):
+                    param.normal_(mean, std)
     return drafter
 
 
