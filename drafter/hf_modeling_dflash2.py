@@ -1,7 +1,7 @@
 """`modeling_dflash2.py` of an exported DFlash2 drafter: `AutoModel.from_pretrained(dir,
 trust_remote_code=True)` returns it (docs/dflash2.md). The export copies this file into the
 checkpoint as `modeling_dflash2.py`, next to `dflash2_model.py`, `dflash_model.py` and
-`dflash_config.py` (copies of drafter/dflash2.py, model.py and config.py: drafter/dflash2.py's
+`dflash_config.py` (copies of drafter/dflash2_model.py, model.py and config.py: drafter/dflash2.py's
 MODELING_FILES), and points `config.json`'s `auto_map` at it. Like drafter/hf_modeling.py, only an
 exported checkpoint imports it.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, Qwen3Config
 
-# Relative imports: in the package these are drafter/config.py, dflash2.py and model.py; the export
-# renames them (dflash_config.py, dflash2_model.py, dflash_model.py) and rewrites these lines to match.
+# Relative imports: in the package these are drafter/config.py, dflash2_model.py and model.py; the export
+# renames config.py and model.py (dflash_config.py, dflash_model.py) and rewrites these lines to match.
 from .config import DFlashConfig  # noqa: F401 (transformers 4.x copies only this file's direct relative imports)
-from .dflash2 import CandidateSelector, DFlash2Config, DFlash2Drafter, DynamicBlockConv
+from .dflash2_model import CandidateSelector, DFlash2Config, DFlash2Drafter, DynamicBlockConv
 from .model import RMSNorm
 
 

@@ -12,11 +12,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter.checkpoint import CONFIG_FILE, _exported_code, save_drafter
-from drafter.dflash2 import (
+from drafter.checkpoint import CONFIG_FILE, save_drafter
+from drafter.dflash2 import MODELING_FILES, DFlash2Options
+from drafter.dflash2_loss import (
+    dflash2_head_loss,
+    dpace_weights,
+    reference_dflash2_head_loss,
+    selector_training_candidates,
+    topk_tail_kl,
+    topk_tail_tv,
+    topk_tail_tv_loss_and_grad,
+)
+from drafter.dflash2_model import (
     AUTO_MAP,
-    EXPORT_IMPORT_REWRITES,
-    MODELING_FILES,
     DFlash2Config,
     DFlash2Drafter,
     default_selector_top_k,
@@ -26,18 +34,9 @@ from drafter.dflash2 import (
     reference_draft,
     reference_grouped_dynamic_conv,
 )
+from drafter.family import SupervisedSlots
 from drafter.masks import visibility_mask
 from drafter.model import DFlashDrafter
-from pipeline.train.dflash2_loss import (
-    DFlash2LossConfig,
-    dflash2_head_loss,
-    dpace_weights,
-    reference_dflash2_head_loss,
-    selector_training_candidates,
-    topk_tail_kl,
-    topk_tail_tv,
-    topk_tail_tv_loss_and_grad,
-)
 
 NO_AUTOCAST = contextlib.nullcontext()
 
@@ -330,106 +329,111 @@ def test_dpace_weights_by_hand():
     torch.testing.assert_close(weights, torch.tensor([[0.0, 1.75, 0.75]]))
 
 
-def test_loss_config_refuses_bad_values_naming_the_flag():
-    with pytest.raises(ValueError, match="--slot-weighting"):
-        DFlash2LossConfig(slot_weighting="linear")
+def test_options_refuse_bad_values_naming_the_flag():
+    with pytest.raises(ValueError, match="--dflash2-weighting"):
+        DFlash2Options(dflash2_weighting="linear")
     with pytest.raises(ValueError, match="--tv-alpha"):
-        DFlash2LossConfig(tv_alpha=-1.0)
+        DFlash2Options(tv_alpha=-1.0)
+    with pytest.raises(ValueError, match="--selector-rank must be >= 1"):
+        DFlash2Options(selector_rank=0)
 
 
 # ----------------------------------------------------------------------------------------------
 # The chunked head loss against its reference
 
 
-def _head_case(num_slots: int = 23, vocab: int = 50, top_k: int = 6, seed: int = 0) -> dict:
+def _slots(hidden: torch.Tensor, *, vocab: int = 50, top_k: int = 6, seed: int = 0, block_size: int = 3) -> tuple[SupervisedSlots, torch.Tensor]:
+    """(M supervised slots with hidden [M, H], in blocks of block_size, the head [V, H]): labels the
+    top_k of a random distribution, the target's distribution two ids wider."""
+    num_slots = hidden.shape[0]
     generator = torch.Generator().manual_seed(seed)
     p = torch.softmax(torch.randn(num_slots, vocab, generator=generator) * 2, dim=-1)
     probs, ids = p.sort(dim=-1, descending=True)
-    return dict(
-        lm_head=torch.randn(vocab, 64, generator=generator) * 0.3,
-        label_ids=ids[:, :top_k], label_probs=probs[:, :top_k],
+    lm_head = torch.randn(vocab, hidden.shape[1], generator=generator) * 0.3
+    return SupervisedSlots(
+        hidden=hidden, label_ids=ids[:, :top_k], label_probs=probs[:, :top_k],
         dist_ids=ids[:, : top_k + 2], dist_probs=probs[:, : top_k + 2],
         weights=torch.rand(num_slots, generator=generator),
         prev_tokens=torch.randint(0, vocab, (num_slots,), generator=generator),
-    )  # fmt: skip
+        block_index=torch.arange(num_slots) // block_size, label_column=torch.arange(num_slots) % block_size,
+    ), lm_head  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "options",
-    [DFlash2LossConfig(), DFlash2LossConfig(tv_alpha=0.7), DFlash2LossConfig(kl_alpha=0.0, tv_alpha=1.0, selector_alpha=0.3),
-     DFlash2LossConfig(tv_alpha=0.5, slot_weighting="dpace")],
+    [DFlash2Options(), DFlash2Options(tv_alpha=0.7), DFlash2Options(kl_alpha=0.0, tv_alpha=1.0, selector_alpha=0.3),
+     DFlash2Options(tv_alpha=0.5, dflash2_weighting="dpace")],
     ids=["kl", "kl+tv", "tv", "dpace"],
 )  # fmt: skip
 def test_head_loss_equals_its_reference_in_values_and_gradients(options):
     torch.manual_seed(0)
     model = _randomized(DFlash2Drafter(_config()))
-    case = _head_case()
     hidden = torch.randn(23, 64, requires_grad=True)
-    where = dict(blocks=torch.arange(23) // 3, slots=torch.arange(23) % 3 + 1)
+    slots, lm_head = _slots(hidden)
     params = [hidden, *model.candidate_selector.parameters()]
-    expected, expected_correct = reference_dflash2_head_loss(model, hidden, **case, options=options, **where)
+    expected, expected_correct = reference_dflash2_head_loss(model, slots, lm_head=lm_head, options=options)
     expected_grads = torch.autograd.grad(expected, params)
-    loss, correct = dflash2_head_loss(model, hidden, **case, loss_chunk=7, autocast=NO_AUTOCAST, options=options, **where)
+    loss, correct = dflash2_head_loss(model, slots, lm_head=lm_head, loss_chunk=7, autocast=NO_AUTOCAST, options=options)
     torch.testing.assert_close(loss, expected)
     for got, want in zip(torch.autograd.grad(loss, params), expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert torch.equal(correct, expected_correct)
 
 
-def test_head_loss_counts_a_slot_correct_when_the_selector_picks_its_label():
+def test_dpace_weights_follow_the_blocks_the_slots_sit_in():
+    torch.manual_seed(0)
+    model = _randomized(DFlash2Drafter(_config()))
+    hidden = torch.randn(12, 64)
+    options = DFlash2Options(dflash2_weighting="dpace")
+    in_threes, lm_head = _slots(hidden, block_size=3)
+    in_fours, _ = _slots(hidden, block_size=4)
+    three, _ = dflash2_head_loss(model, in_threes, lm_head=lm_head, loss_chunk=5, autocast=NO_AUTOCAST, options=options)
+    four, _ = dflash2_head_loss(model, in_fours, lm_head=lm_head, loss_chunk=5, autocast=NO_AUTOCAST, options=options)
+    assert abs(three.item() - four.item()) > 1e-3  # a slot's weight sums its block's later slots
+
+
+def test_the_selector_learns_the_targets_top_token_and_correct_counts_the_label():
+    """For one-hot labels (the dflash method) the selector's label is the target's top token
+    (dist_ids[:, 0], speculators' rule); "correct" counts picks equal to the method's label."""
     model = DFlash2Drafter(_config())
-    case = _head_case()
     hidden = torch.randn(23, 64)
-    # Make every label the unary argmax by a wide margin: the selector (near zero at init) agrees.
-    case["lm_head"] = case["lm_head"] * 20
-    case["label_ids"][:, 0] = (hidden @ case["lm_head"].T).argmax(-1)
-    _, correct = dflash2_head_loss(model, hidden, **case, loss_chunk=5, autocast=NO_AUTOCAST, options=DFlash2LossConfig())
+    slots, lm_head = _slots(hidden)
+    lm_head = lm_head * 20  # every slot's unary argmax by a wide margin: the selector (near zero at init) agrees
+    top = (hidden @ lm_head.T).argmax(-1)
+    slots.dist_ids[:, 0], slots.label_ids = top, top[:, None].clone()
+    slots.label_probs = torch.ones(23, 1)
+    _, correct = dflash2_head_loss(model, slots, lm_head=lm_head, loss_chunk=5, autocast=NO_AUTOCAST, options=DFlash2Options())
     assert correct.all()
-    case["label_ids"][:, 0] = (hidden @ case["lm_head"].T).argmin(-1)  # never among the unary top-K
-    _, correct = dflash2_head_loss(model, hidden, **case, loss_chunk=5, autocast=NO_AUTOCAST, options=DFlash2LossConfig())
+    slots.label_ids = (hidden @ lm_head.T).argmin(-1)[:, None]  # a corpus token the drafter never ranks
+    _, correct = dflash2_head_loss(model, slots, lm_head=lm_head, loss_chunk=5, autocast=NO_AUTOCAST, options=DFlash2Options())
     assert not correct.any()
+    # The selector's term alone does not move with the one-hot label: its label is the target's top.
+    selector_only = DFlash2Options(kl_alpha=0.0)
+    a, _ = reference_dflash2_head_loss(model, slots, lm_head=lm_head, options=selector_only)
+    slots.label_ids = top[:, None].clone()
+    b, _ = reference_dflash2_head_loss(model, slots, lm_head=lm_head, options=selector_only)
+    torch.testing.assert_close(a, b)
 
 
 def test_head_loss_under_bf16_autocast_stays_close_to_fp32():
     torch.manual_seed(0)
     model = _randomized(DFlash2Drafter(_config()))
-    case = _head_case()
-    hidden = torch.randn(23, 64)
-    fp32, _ = dflash2_head_loss(model, hidden, **case, loss_chunk=7, autocast=NO_AUTOCAST, options=DFlash2LossConfig())
-    bf16, _ = dflash2_head_loss(model, hidden, **case, loss_chunk=7, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
-                                options=DFlash2LossConfig())  # fmt: skip
+    slots, lm_head = _slots(torch.randn(23, 64))
+    fp32, _ = dflash2_head_loss(model, slots, lm_head=lm_head, loss_chunk=7, autocast=NO_AUTOCAST, options=DFlash2Options())
+    bf16, _ = dflash2_head_loss(model, slots, lm_head=lm_head, loss_chunk=7, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
+                                options=DFlash2Options())  # fmt: skip
     torch.testing.assert_close(bf16, fp32, rtol=2e-2, atol=0)
-
-
-def test_dpace_needs_to_know_where_each_slot_sits():
-    model = DFlash2Drafter(_config())
-    with pytest.raises(ValueError, match="blocks=, slots="):
-        dflash2_head_loss(model, torch.randn(23, 64), **_head_case(), loss_chunk=7, autocast=NO_AUTOCAST,
-                          options=DFlash2LossConfig(slot_weighting="dpace"))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
 # The export
 
 
-def _export(model: DFlash2Drafter, out) -> None:
-    """save_drafter's weights and config, with the DFlash2 modeling files and auto_map beside them
-    (what drafter/checkpoint.py writes once it takes a family's files)."""
-    save_drafter(model, out, dtype=torch.float32)
-    for source, name in MODELING_FILES:
-        code = _exported_code(source)
-        for absolute, relative in EXPORT_IMPORT_REWRITES:
-            code = code.replace(absolute, relative)
-        (out / name).write_text(code)
-    hf = json.loads((out / CONFIG_FILE).read_text())
-    (out / CONFIG_FILE).write_text(json.dumps({**hf, "auto_map": AUTO_MAP}, indent=2, sort_keys=True))
-
-
 def test_export_names_and_shapes_are_the_engines(tmp_path):
     from safetensors import safe_open
 
     out = tmp_path / "drafter"
-    _export(DFlash2Drafter(_config()), out)
+    save_drafter(DFlash2Drafter(_config()), out, dtype=torch.float32)
     with safe_open(out / "model.safetensors", framework="pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     hf = json.loads((out / CONFIG_FILE).read_text())
@@ -452,10 +456,10 @@ def test_automodel_loads_the_dflash2_export(tmp_path, transformers_457):
     config = _config()
     model = _randomized(DFlash2Drafter(config))
     out = tmp_path / "drafter"
-    _export(model, out)
+    save_drafter(model, out, dtype=torch.float32)
     for _, name in MODELING_FILES:
         imports = "".join(line for line in (out / name).read_text().splitlines() if line.startswith(("from ", "import ")))
-        assert "drafter" not in imports and "from .dflash2 import" not in imports, name
+        assert "drafter" not in imports, name
     inputs = _inputs(config, num_context=6, anchors=[6])
     torch.save(inputs, tmp_path / "inputs.pt")
     with torch.no_grad():

@@ -56,9 +56,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from drafter.config import DFlashConfig  # noqa: E402
-from drafter.dflash2 import DFlash2Config, DFlash2Drafter  # noqa: E402
+from drafter.dflash2 import DFlash2Options  # noqa: E402
+from drafter.dflash2_loss import dflash2_head_loss  # noqa: E402
+from drafter.dflash2_model import DFlash2Config, DFlash2Drafter  # noqa: E402
+from drafter.family import SupervisedSlots  # noqa: E402
 from drafter.masks import visibility_mask  # noqa: E402
-from pipeline.train.dflash2_loss import DFlash2LossConfig, dflash2_head_loss  # noqa: E402
 
 # A tiny Qwen3 target: 2 query heads per kv head, 4 convolution groups of 16 channels.
 TARGET = dict(
@@ -70,9 +72,9 @@ DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=12, selecto
 GAMMA = 4.0
 # (name, speculators' loss spec, its per_position_loss_weight, our loss options)
 LOSSES = (
-    ("kl", '{"kl_div": 1.0}', "fixed-exp-decay", DFlash2LossConfig()),
-    ("kl+tv", '{"kl_div": 1.0, "tv": 0.5}', "fixed-exp-decay", DFlash2LossConfig(tv_alpha=0.5)),
-    ("kl+tv dpace", '{"kl_div": 1.0, "tv": 0.5}', "dpace", DFlash2LossConfig(tv_alpha=0.5, slot_weighting="dpace")),
+    ("kl", '{"kl_div": 1.0}', "fixed-exp-decay", DFlash2Options()),
+    ("kl+tv", '{"kl_div": 1.0, "tv": 0.5}', "fixed-exp-decay", DFlash2Options(tv_alpha=0.5)),
+    ("kl+tv dpace", '{"kl_div": 1.0, "tv": 0.5}', "dpace", DFlash2Options(tv_alpha=0.5, dflash2_weighting="dpace")),
 )
 
 
@@ -179,7 +181,7 @@ def check_forward(ours: DFlash2Drafter, reference, case: dict) -> dict:
     }
 
 
-def _our_loss(ours: DFlash2Drafter, case: dict, options: DFlash2LossConfig) -> torch.Tensor:
+def _our_loss(ours: DFlash2Drafter, case: dict, options: DFlash2Options) -> torch.Tensor:
     """sum(w * l) of our head loss over the trained slots, the target's softmax given as k = V."""
     anchors, vocab = case["anchors"], TARGET["vocab_size"]
     hidden = _our_hidden(ours, case).view(len(ANCHORS), BLOCK, -1)[:, 1:]  # [N, K, H]: drafting slots 1..B-1
@@ -189,19 +191,19 @@ def _our_loss(ours: DFlash2Drafter, case: dict, options: DFlash2LossConfig) -> t
     label_probs, label_ids = probs.sort(dim=-1, descending=True)  # [N, K, V]: the whole vocabulary, tail 0
     trained = case["loss_mask"][0, label_pos].bool()  # [N, K]
     slot = torch.arange(1, BLOCK).expand_as(label_pos)
-    envelope = torch.exp(-(slot - 1) / GAMMA) if options.slot_weighting == "exp-decay" else torch.ones_like(slot, dtype=torch.float)
+    envelope = torch.exp(-(slot - 1) / GAMMA) if options.dflash2_weighting == "exp-decay" else torch.ones_like(slot, dtype=torch.float)
     prev = case["input_ids"][0, label_pos - 1]  # the corpus token before each label
     pick = trained.reshape(-1)
 
     def flat(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, *t.shape[2:])[pick]
 
-    loss_sum, _ = dflash2_head_loss(
-        ours, flat(hidden), lm_head=case["lm_head"], label_ids=flat(label_ids), label_probs=flat(label_probs),
-        weights=flat(envelope), prev_tokens=flat(prev), dist_ids=flat(label_ids), dist_probs=flat(label_probs),
-        loss_chunk=7, autocast=contextlib.nullcontext(), options=options,
-        blocks=flat(torch.arange(len(ANCHORS))[:, None].expand_as(slot)), slots=flat(slot),
+    slots = SupervisedSlots(
+        hidden=flat(hidden), label_ids=flat(label_ids), label_probs=flat(label_probs), weights=flat(envelope),
+        prev_tokens=flat(prev), dist_ids=flat(label_ids), dist_probs=flat(label_probs),
+        block_index=flat(torch.arange(len(ANCHORS))[:, None].expand_as(slot)), label_column=flat(slot - 1),
     )  # fmt: skip
+    loss_sum, _ = dflash2_head_loss(ours, slots, lm_head=case["lm_head"], options=options, loss_chunk=7, autocast=contextlib.nullcontext())
     return loss_sum / (pick.sum() + 1e-5)  # speculators' denominator: the trained slots (+ its eps)
 
 

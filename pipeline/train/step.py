@@ -103,6 +103,7 @@ def forward_loss(
         hidden=hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows),  # [M, H]
         label_ids=label_ids, label_probs=label_probs, weights=batch.slot_weights.reshape(-1).index_select(0, supervised),
         prev_tokens=batch.prev_tokens.reshape(-1).index_select(0, supervised), dist_ids=dist_ids, dist_probs=dist_probs,
+        block_index=supervised // num_slots, label_column=slot_index,
     )  # fmt: skip
     drafter = getattr(model, "module", model)  # the family's own heads (DDP wraps the drafter)
     loss_sum, correct = family_of(drafter).head_loss(

@@ -15,12 +15,14 @@ The cache holds p as its top-k plus a tail mass, not the whole softmax; what tha
 - KL becomes the KL between the two distributions coarsened to (the k ids, everything else): a
   lower bound of the full KL (merging outcomes never increases a KL), exact when the tail is 0 or
   q's tail is proportional to p's. Its gradient is the top-k + tail cross-entropy's
-  (pipeline/train/objectives.py), since the two differ by p's (coarsened) entropy.
-- TV is half of objectives.topk_tail_l1: a lower bound, exact under the same conditions.
-- The selector's label is the label's top id, exact from a top-k.
-Here p is the method's label distribution (`label_ids/probs`: the corpus token for `dflash`, the
-target's top-k + tail otherwise) for the KL and the selector; TV compares with `dist_ids/probs`,
-the target's distribution at the slot (as DSpark's L1 does).
+  (drafter/losses.py), since the two differ by p's (coarsened) entropy.
+- TV is half of losses.topk_tail_l1: a lower bound, exact under the same conditions.
+- The selector's label is p's top id, exact from a top-k.
+Here the KL's p is the method's label distribution (`label_ids/probs`: the corpus token for
+`dflash`, the target's top-k + tail otherwise); TV and the selector's label read `dist_ids/probs`,
+the target's distribution at the slot (as DSpark's L1 does), which for every method but `dflash`
+is the label itself. So the selector always learns the target's top token, as speculators' does
+whatever its data holds (docs/dflash2.md, "What the cache supplies").
 """
 
 from __future__ import annotations
@@ -32,35 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.config import opt
-from pipeline.train.objectives import topk_tail_l1, topk_tail_loss_and_grad, topk_tail_slot_losses
-from pipeline.train.step import head_matmul
+from drafter.family import SupervisedSlots
+from drafter.losses import head_matmul, topk_tail_l1, topk_tail_loss_and_grad, topk_tail_slot_losses
 
 SLOT_WEIGHTINGS = ("exp-decay", "dpace")
-
-
-@dataclass(kw_only=True)
-class DFlash2LossConfig:
-    """--arch dflash2: the terms of speculators' DFlash2 loss (docs/dflash2.md, "The loss")."""
-
-    kl_alpha: float = opt("Weight of KL(label || draft) (speculators' default kl_div; top-k + tail: a lower bound).", default=1.0)
-    tv_alpha: float = opt("Weight of TV(target, draft), speculators' tv option (top-k + tail: a lower bound).", default=0.0)
-    selector_alpha: float = opt("Weight of the selector's K-way cross-entropy (speculators' selector_loss_alpha).", default=1.0)
-    slot_weighting: str = opt(
-        "exp-decay (w_k = exp(-(k - 1) / gamma), speculators' default) or dpace (D-PACE: each slot weighted by the "
-        "smoothed chance its block is still accepted there, from the detached per-slot losses).",
-        default="exp-decay",
-    )
-    dpace_alpha: float = opt("D-PACE's smoothing constant (speculators' dpace_alpha).", default=0.5)
-
-    def __post_init__(self):
-        for name in ("kl_alpha", "tv_alpha", "selector_alpha"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.slot_weighting not in SLOT_WEIGHTINGS:
-            raise ValueError(f"--slot-weighting must be one of {', '.join(SLOT_WEIGHTINGS)}, got {self.slot_weighting!r}")
-        if not 0 <= self.dpace_alpha <= 1:
-            raise ValueError(f"--dpace-alpha must lie in [0, 1], got {self.dpace_alpha}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,62 +116,52 @@ def _dpace_on_slots(losses: Tensor, *, blocks: Tensor, slots: Tensor, alpha: flo
 
 @dataclass(kw_only=True)
 class SlotTerms:
-    """The DFlash2 loss terms of M slots (each [M]) and whether the selector picks the label's top id."""
+    """The DFlash2 loss terms of M slots (each [M]) and whether the selector picks the label."""
 
     kl: Tensor
     tv: Tensor
     selector: Tensor
-    correct: Tensor  # bool: the selector's pick (given the right previous token) is the label and the unary top-K held it
+    correct: Tensor  # bool: the selector's pick (after the right previous token) is the label, the unary top-K holding its target
 
 
-def dflash2_slot_terms(
-    *, draft_logits: Tensor, hidden: Tensor, selector, prev_tokens: Tensor, label_ids: Tensor, label_probs: Tensor,
-    dist_ids: Tensor, dist_probs: Tensor,
-) -> SlotTerms:
-    """Every term of M slots from their unary logits [M, V] and hidden states [M, H] (plain torch,
-    autograd through everything): the unary terms against label / dist [M, k], the selector's
-    cross-entropy over the training candidates scored after prev_tokens [M]."""
+def dflash2_slot_terms(model, slots: SupervisedSlots, *, draft_logits: Tensor) -> SlotTerms:
+    """Every term of M slots from their unary logits [M, V] (plain torch, autograd through
+    everything): KL against the label, TV against the target's distribution, and the selector's
+    cross-entropy over the training candidates scored after each slot's previous token, labelled
+    with the target's top token."""
+    selector = getattr(model, "module", model).candidate_selector  # DDP wraps the drafter
     logits = draft_logits.float()
-    target = label_ids[:, 0].long()
     candidate_ids = logits.detach().topk(selector.top_k, dim=-1).indices  # [M, K]
-    training_ids, target_index, contains = selector_training_candidates(candidate_ids, target)
-    scores = logits.gather(-1, training_ids) + selector.transition_scores(hidden, prev_tokens, training_ids).float()  # [M, K]
+    training_ids, target_index, contains = selector_training_candidates(candidate_ids, slots.dist_ids[:, 0].long())
+    scores = logits.gather(-1, training_ids) + selector.transition_scores(slots.hidden, slots.prev_tokens, training_ids).float()  # [M, K]
+    picked = training_ids.gather(-1, scores.detach().argmax(dim=-1, keepdim=True))[:, 0]
     return SlotTerms(
-        kl=topk_tail_kl(draft_logits=logits, label_ids=label_ids, label_probs=label_probs),
-        tv=topk_tail_tv(draft_logits=logits, dist_ids=dist_ids, dist_probs=dist_probs),
+        kl=topk_tail_kl(draft_logits=logits, label_ids=slots.label_ids, label_probs=slots.label_probs),
+        tv=topk_tail_tv(draft_logits=logits, dist_ids=slots.dist_ids, dist_probs=slots.dist_probs),
         selector=F.cross_entropy(scores, target_index, reduction="none"),
-        correct=(scores.detach().argmax(dim=-1) == target_index) & contains,
+        correct=(picked == slots.label_ids[:, 0]) & contains,
     )
 
 
-def term_weights(terms: SlotTerms, weights: Tensor, options: DFlash2LossConfig, *, blocks: Tensor | None, slots: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def term_weights(terms: SlotTerms | None, slots: SupervisedSlots, options) -> tuple[Tensor, Tensor, Tensor]:
     """Weights [M] of the KL, TV and selector terms: alpha * w (exp-decay: w carries the envelope),
-    or alpha * w * D-PACE of that term's detached losses (dpace: w without the envelope; blocks and
-    slots [M] say where each slot sits)."""
-    weights = weights.float()
+    or alpha * w * D-PACE of that term's detached losses (dpace: w without the envelope; each slot's
+    block and label column say where it sits). options: the family's (drafter/dflash2.py)."""
+    weights = slots.weights.float()
     alphas = (options.kl_alpha, options.tv_alpha, options.selector_alpha)
-    if options.slot_weighting == "exp-decay":
+    if options.dflash2_weighting == "exp-decay":
         return tuple(alpha * weights for alpha in alphas)
-    if blocks is None or slots is None:
-        raise ValueError("slot_weighting dpace needs each slot's block and slot number (blocks=, slots=)")
     losses = (terms.kl, terms.tv, terms.selector)
     return tuple(
-        alpha * weights * _dpace_on_slots(loss.detach(), blocks=blocks, slots=slots, alpha=options.dpace_alpha)
+        alpha * weights * _dpace_on_slots(loss.detach(), blocks=slots.block_index, slots=slots.label_column, alpha=options.dpace_alpha)
         for alpha, loss in zip(alphas, losses, strict=True)
     )
 
 
-def reference_dflash2_head_loss(
-    model, hidden: Tensor, *, lm_head: Tensor, label_ids: Tensor, label_probs: Tensor, weights: Tensor, prev_tokens: Tensor,
-    dist_ids: Tensor, dist_probs: Tensor, options: DFlash2LossConfig, blocks: Tensor | None = None, slots: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def reference_dflash2_head_loss(model, slots: SupervisedSlots, *, lm_head: Tensor, options) -> tuple[Tensor, Tensor]:
     """dflash2_head_loss in plain torch for tests: the whole [M, V] logits at once, autograd throughout."""
-    selector = getattr(model, "module", model).candidate_selector
-    terms = dflash2_slot_terms(
-        draft_logits=F.linear(hidden, lm_head), hidden=hidden, selector=selector, prev_tokens=prev_tokens,
-        label_ids=label_ids, label_probs=label_probs, dist_ids=dist_ids, dist_probs=dist_probs,
-    )  # fmt: skip
-    kl_w, tv_w, selector_w = term_weights(terms, weights, options, blocks=blocks, slots=slots)
+    terms = dflash2_slot_terms(model, slots, draft_logits=F.linear(slots.hidden, lm_head))
+    kl_w, tv_w, selector_w = term_weights(terms, slots, options)
     return (kl_w * terms.kl + tv_w * terms.tv + selector_w * terms.selector).sum(), terms.correct
 
 
@@ -204,14 +171,14 @@ def reference_dflash2_head_loss(
 
 class UnaryHead(torch.autograd.Function):
     """The unary terms of the drafter's hidden states [M, H] through the frozen lm_head, chunk by
-    chunk, with their gradient made in the same pass (as step.HeadLoss: each [chunk, V] logits is
+    chunk, with their gradient made in the same pass (as losses.HeadLoss: each [chunk, V] logits is
     made once and turned into its gradient), and the unary logits of the selector's training
     candidates [M, K] as a differentiable output (backward adds their gradient through the K rows
     of the head). Returns (sum of the weighted KL and TV terms, training candidate logits [M, K],
-    training candidate ids [M, K], whether the unary top-K held the target [M])."""
+    training candidate ids [M, K], whether the unary top-K held the selector's target [M])."""
 
     @staticmethod
-    def forward(ctx, hidden, lm_head, label_ids, label_probs, dist_ids, dist_probs, kl_weights, tv_weights, top_k: int, loss_chunk: int, head_dtype):
+    def forward(ctx, hidden, lm_head, slots: SupervisedSlots, kl_weights, tv_weights, top_k: int, loss_chunk: int, head_dtype):
         head = lm_head.to(head_dtype)  # no copy when the head is already in the compute dtype
         num_slots = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
@@ -219,19 +186,25 @@ class UnaryHead(torch.autograd.Function):
         training_ids = torch.empty(num_slots, top_k, dtype=torch.long, device=hidden.device)
         training_logits = torch.empty(num_slots, top_k, dtype=torch.float32, device=hidden.device)
         contains = torch.empty(num_slots, dtype=torch.bool, device=hidden.device)
+        targets = slots.dist_ids[:, 0].long()  # the selector's label: the target's top token
         for start in range(0, num_slots, loss_chunk):
             part = slice(start, start + loss_chunk)
             logits = head_matmul(hidden[part], head.t())  # [chunk, V] float32
             candidates = logits.topk(top_k, dim=-1).indices
-            training_ids[part], _, contains[part] = selector_training_candidates(candidates, label_ids[part, 0].long())
+            training_ids[part], _, contains[part] = selector_training_candidates(candidates, targets[part])
             training_logits[part] = logits.gather(-1, training_ids[part])
             grad = None
             if tv_weights is not None:
-                tv_sum, grad = topk_tail_tv_loss_and_grad(draft_logits=logits, dist_ids=dist_ids[part], dist_probs=dist_probs[part], weights=tv_weights[part])
+                tv_sum, grad = topk_tail_tv_loss_and_grad(
+                    draft_logits=logits, dist_ids=slots.dist_ids[part], dist_probs=slots.dist_probs[part], weights=tv_weights[part]
+                )
                 loss_sum += tv_sum
             if kl_weights is not None:  # last: it turns the float32 logits into their gradient in place
-                kl_sum, kl_grad, _ = topk_tail_loss_and_grad(draft_logits=logits, label_ids=label_ids[part], label_probs=label_probs[part], weights=kl_weights[part])
-                loss_sum += kl_sum + (kl_weights[part] * label_negentropy(label_probs[part])).sum()
+                label_probs = slots.label_probs[part]
+                kl_sum, kl_grad, _ = topk_tail_loss_and_grad(
+                    draft_logits=logits, label_ids=slots.label_ids[part], label_probs=label_probs, weights=kl_weights[part]
+                )
+                loss_sum += kl_sum + (kl_weights[part] * label_negentropy(label_probs)).sum()
                 grad = kl_grad if grad is None else grad.add_(kl_grad)
             del logits
             if grad_hidden is not None and grad is not None:
@@ -250,46 +223,42 @@ class UnaryHead(torch.autograd.Function):
                 part = slice(start, start + ctx.loss_chunk)
                 rows = lm_head[training_ids[part]].to(ctx.head_dtype).float()  # [chunk, K, H]
                 grad[part] += (grad_training_logits[part, :, None] * rows).sum(dim=1).to(grad.dtype)
-        return grad, *([None] * 10)
+        return grad, *([None] * 7)
 
 
-def dflash2_head_loss(
-    model, hidden: Tensor, *, lm_head: Tensor, label_ids: Tensor, label_probs: Tensor, weights: Tensor, prev_tokens: Tensor,
-    dist_ids: Tensor, dist_probs: Tensor, loss_chunk: int, autocast, options: DFlash2LossConfig,
-    blocks: Tensor | None = None, slots: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """A DFlash2 drafter's loss over M supervised slots: hidden [M, H] (final-normed), the frozen
-    lm_head [V, H], labels and target distributions [M, k], weights [M], prev_tokens [M] (the token
-    before each label on the label's own track). No [M, V] tensor lives beyond one chunk: the unary
-    terms go through UnaryHead, the selector (trainable, small) through autograd, chunk by chunk
-    and recomputed in backward. dpace first scores every slot without gradient (one more pass of
-    the head). Returns (sum of the weighted terms [], whether each slot's selector pick is its
-    label [M])."""
+def dflash2_head_loss(model, slots: SupervisedSlots, *, lm_head: Tensor, options, loss_chunk: int, autocast) -> tuple[Tensor, Tensor]:
+    """A DFlash2 drafter's loss over M supervised slots (the family's `head_loss`): the slots'
+    final-normed states, labels, target distributions, weights, previous tokens and places
+    (drafter/family.py, `SupervisedSlots`) through the frozen lm_head [V, H]. No [M, V] tensor
+    lives beyond one chunk: the unary terms go through UnaryHead, the selector (trainable, small)
+    through autograd, chunk by chunk and recomputed in backward. dpace first scores every slot
+    without gradient (one more pass of the head). Returns (sum of the weighted terms [], whether
+    each slot's selector pick, after the right previous token, is its label [M])."""
     selector = getattr(model, "module", model).candidate_selector  # DDP wraps the drafter
+    hidden = slots.hidden
     with autocast:  # the head GEMM's dtype: bf16 under bf16 autocast, else the head's own
         device_type = hidden.device.type
         head_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else lm_head.dtype
-    if options.slot_weighting == "dpace":
+    terms = None
+    if options.dflash2_weighting == "dpace":
         with torch.no_grad():
-            terms = _chunked_slot_terms(hidden, selector, lm_head=lm_head.to(head_dtype), label_ids=label_ids, label_probs=label_probs,
-                                        prev_tokens=prev_tokens, dist_ids=dist_ids, dist_probs=dist_probs, loss_chunk=loss_chunk)  # fmt: skip
-    else:
-        terms = None
-    kl_w, tv_w, selector_w = term_weights(terms, weights, options, blocks=blocks, slots=slots)
+            terms = _chunked_slot_terms(model, slots, lm_head=lm_head.to(head_dtype), loss_chunk=loss_chunk)
+    kl_w, tv_w, selector_w = term_weights(terms, slots, options)
     loss_sum, training_logits, training_ids, contains = UnaryHead.apply(
-        hidden, lm_head, label_ids, label_probs, dist_ids, dist_probs, kl_w if options.kl_alpha > 0 else None,
-        tv_w if options.tv_alpha > 0 else None, selector.top_k, loss_chunk, head_dtype,
+        hidden, lm_head, slots, kl_w if options.kl_alpha > 0 else None, tv_w if options.tv_alpha > 0 else None,
+        selector.top_k, loss_chunk, head_dtype,
     )  # fmt: skip
-    target_index = (training_ids == label_ids[:, :1]).int().argmax(dim=-1)  # [M]
+    target_index = (training_ids == slots.dist_ids[:, :1]).int().argmax(dim=-1)  # [M]
 
-    def chunk_loss(h, prev, ids, unary, index, w):
+    def chunk_loss(h, prev, ids, unary, index, w, label):
         with autocast:
             transition = selector.transition_scores(h, prev, ids)  # [chunk, K]
         scores = unary + transition.float()
-        return (w * F.cross_entropy(scores, index, reduction="none")).sum(), scores.argmax(dim=-1) == index
+        picked = ids.gather(-1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+        return (w * F.cross_entropy(scores, index, reduction="none")).sum(), picked == label
 
     correct = torch.zeros_like(contains)
-    inputs = (hidden, prev_tokens, training_ids, training_logits, target_index, selector_w)
+    inputs = (hidden, slots.prev_tokens, training_ids, training_logits, target_index, selector_w, slots.label_ids[:, 0])
     for start in range(0, hidden.shape[0], loss_chunk):
         part = slice(start, start + loss_chunk)
         chunk_sum, chunk_correct = checkpoint(chunk_loss, *(t[part] for t in inputs), use_reentrant=False)
@@ -298,13 +267,11 @@ def dflash2_head_loss(
     return loss_sum, correct
 
 
-def _chunked_slot_terms(hidden, selector, *, lm_head, label_ids, label_probs, prev_tokens, dist_ids, dist_probs, loss_chunk) -> SlotTerms:
+def _chunked_slot_terms(model, slots: SupervisedSlots, *, lm_head: Tensor, loss_chunk: int) -> SlotTerms:
     """dflash2_slot_terms of every slot, chunk by chunk (for D-PACE's weights, without gradient)."""
     parts = []
-    for start in range(0, hidden.shape[0], loss_chunk):
+    for start in range(0, slots.hidden.shape[0], loss_chunk):
         part = slice(start, start + loss_chunk)
-        parts.append(dflash2_slot_terms(
-            draft_logits=head_matmul(hidden[part], lm_head.t()), hidden=hidden[part], selector=selector, prev_tokens=prev_tokens[part],
-            label_ids=label_ids[part], label_probs=label_probs[part], dist_ids=dist_ids[part], dist_probs=dist_probs[part],
-        ))  # fmt: skip
+        chunk = SupervisedSlots(**{name: value[part] for name, value in vars(slots).items()})
+        parts.append(dflash2_slot_terms(model, chunk, draft_logits=head_matmul(chunk.hidden, lm_head.t())))
     return SlotTerms(**{name: torch.cat([getattr(p, name) for p in parts]) for name in ("kl", "tv", "selector", "correct")})
