@@ -31,10 +31,10 @@ WEIGHTINGS = ("exp-decay", "dpace")
 DEFAULT_CONV_KERNEL_SIZE = 2  # speculators' defaults
 DEFAULT_CONV_GROUP_SIZE = 16
 DEFAULT_SELECTOR_RANK = 256
-# Files copied into every DFlash2 export: its wrapper and model beside the backbone's files.
+# Files copied into every DFlash2 export: its wrapper and model beside the backbone's files (DFlash's wrapper among them).
 MODELING_FILES = (
-    ("hf_modeling_dflash2.py", "modeling_dflash2.py"), ("dflash2_model.py", "dflash2_model.py"), ("model.py", "dflash_model.py"),
-    ("config.py", "dflash_config.py"),
+    ("hf_modeling_dflash2.py", "modeling_dflash2.py"), ("hf_modeling.py", "modeling_dflash.py"), ("dflash2_model.py", "dflash2_model.py"),
+    ("model.py", "dflash_model.py"), ("config.py", "dflash_config.py"),
 )  # fmt: skip
 _SHAPE_DEFAULT = "unset: speculators' {default} for a fresh drafter, a DFlash2 --drafter-init's own"
 

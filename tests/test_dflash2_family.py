@@ -20,25 +20,14 @@ from drafter.checkpoint import load_drafter
 from drafter.dflash2_model import DFlash2Drafter
 from drafter.model import DFlashDrafter
 from pipeline.train.methods import METHODS
+from tests.test_dspark import _eval, _losses, prompts_file  # noqa: F401 (a fixture: the same prompts and evaluation settings)
+from tests.test_dspark import _train_config as _dspark_train_config
 from tests.waits import HANG_CAP_S
-
-PROMPTS = [
-    {"benchmark": "alpha", "prompt": "tell me a story about the river ."},
-    {"benchmark": "alpha", "prompt": "what is the name of the city ?"},
-    {"benchmark": "beta", "prompt": "write about the house , the door and the light ."},
-]
 
 
 def _train_config(cache: Path, out: Path, **overrides):
-    from pipeline.train.config import TrainConfig
-
-    base = dict(cache=str(cache), out=str(out), arch="dflash2", method="alr", epochs=2, batch_size=2, num_workers=0,
-                progress=False, log_every=1, save_dtype="float32", lr=3e-3)  # fmt: skip
-    return TrainConfig.from_flags(**{**base, **overrides})
-
-
-def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """tests/test_dspark.py's small run (2 epochs, batch 2, fp32 export, lr 3e-3) with --arch dflash2."""
+    return _dspark_train_config(cache, out, **{"arch": "dflash2", **overrides})
 
 
 def _strict_json(path: Path) -> dict:
@@ -203,21 +192,6 @@ def dflash2_drafter(k7_cache, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("dflash2-run") / "alr"
     train(_train_config(k7_cache, run, method="alr", epochs=3))
     return run / "drafter"
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory) -> Path:
-    from tests.conftest import write_jsonl
-
-    return write_jsonl(tmp_path_factory.mktemp("dflash2-prompts") / "prompts.jsonl", PROMPTS)
-
-
-def _eval(toy_target, drafter, prompts, out, **overrides):
-    from pipeline.eval.evaluate import EvalConfig, run_eval
-
-    base = dict(target=str(toy_target), drafter=str(drafter), prompts=str(prompts), out=str(out), max_new_tokens=24, device="cpu",
-                progress=False, dtype="float32")  # fmt: skip
-    return run_eval(EvalConfig(**{**base, **overrides}))
 
 
 def _rows(path: Path) -> list[dict]:
