@@ -57,8 +57,8 @@ class DFlash2Options:
         default=None,
     )
     selector_top_k: int | None = option(
-        "--arch dflash2: unary candidates the selector reranks per slot (unset: speculators' 16, at most what llama.cpp "
-        "serves, K * (K + 1) <= hidden size, for a fresh drafter; a DFlash2 --drafter-init's own).",
+        f"--arch dflash2: unary candidates K the selector reranks per slot "
+        f"({_SHAPE_DEFAULT.format(default='16, at most what llama.cpp serves (K * (K + 1) <= hidden size),')}).",
         default=None,
     )
     kl_alpha: float = option(
