@@ -52,7 +52,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _save_weights(tensors: dict[str, torch.Tensor], tmp: str, *, shown: Path) -> None:
     """safetensors' save_file, whose failed write (a full disk, a quota) is a SafetensorError holding
     the OS error's code ("... No space left on device (os error 28)"): raised as that OSError, naming the file,
-    so a command says it in one line (found by benchmarks/chaos.py; docs/failure-modes.md)."""
+    so a command says it in one line (found by benchmarks/harness/chaos.py; docs/failure-modes.md)."""
     try:
         save_file(tensors, tmp, metadata={"format": "pt"})
     except Exception as error:
@@ -78,11 +78,11 @@ def save_drafter(model, out_dir: str | os.PathLike, *, dtype: torch.dtype = torc
     hf["torch_dtype"] = dtype_name  # what transformers 4.x (the public DFlash code's pin) reads
     if family.auto_map is not None:
         hf["auto_map"] = dict(family.auto_map)  # the export ships its modeling code, as public releases do
+    code = {name: _exported_code(source, files=family.modeling_files) for source, name in family.modeling_files}
     # Weights and code first, config last: a directory whose config.json is new has new weights.
     atomic_write(out_dir / WEIGHTS_FILE, lambda tmp: _save_weights(tensors, tmp, shown=out_dir / WEIGHTS_FILE))
-    for source, name in family.modeling_files:
-        code = _exported_code(source, files=family.modeling_files)
-        atomic_write(out_dir / name, lambda tmp, code=code: Path(tmp).write_text(code))
+    for name, text in code.items():
+        atomic_write(out_dir / name, lambda tmp, text=text: Path(tmp).write_text(text))
 
     def write_config(tmp: str) -> None:
         with open(tmp, "w") as f:

@@ -17,6 +17,7 @@ evaluation need of it:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -109,21 +110,36 @@ def default_selector_rank(vocab_size: int) -> int:
     return max(1, min(DEFAULT_SELECTOR_RANK, vocab_size // 4))
 
 
-def resolve_dflash2_options(options: DFlash2Options, *, num_slots: int, vocab_size: int) -> DFlash2Options:
-    """Bounds of the options on a cache of K = num_slots (a block of K + 1) and this vocabulary. The
-    shape stays unset where not given: a DFlash2 --drafter-init keeps its own (dflash2_config)."""
-    if options.conv_kernel_size is not None and options.conv_kernel_size > num_slots + 1:
-        raise ValueError(f"--conv-kernel-size {options.conv_kernel_size} is longer than this cache's block of {num_slots + 1} slots")
+def resolve_dflash2_options(options: DFlash2Options, *, num_slots: int, vocab_size: int, init=None) -> DFlash2Options:
+    """The convolution and selector shape of a run on a cache of K = num_slots (a block of K + 1) and
+    this vocabulary. From a DFlash2 --drafter-init (`init`: its path and config) it is the init's, and
+    a shape flag that differs is refused naming both, so train_config.json, provenance and the export
+    agree. Otherwise speculators' defaults, the selector's rank within a quarter of the vocabulary;
+    the top-K stays unset unless given: its default is capped by the hidden size (dflash2_config)."""
+    given = {name: getattr(options, name) for name in DFLASH2_KEYS}
+    if init is not None:
+        path, config = init
+        held = {name: getattr(config, name) for name in DFLASH2_KEYS}
+        differ = [f"--{name.replace('_', '-')} {given[name]} (the init has {held[name]})" for name in DFLASH2_KEYS
+                  if given[name] is not None and given[name] != held[name]]  # fmt: skip
+        if differ:
+            raise ValueError(f"--drafter-init {path} is a DFlash2 drafter whose shape is its own: {'; '.join(differ)}; drop the flag")
+        return dataclasses.replace(options, **held)
+    if given["conv_kernel_size"] is not None and given["conv_kernel_size"] > num_slots + 1:
+        raise ValueError(f"--conv-kernel-size {given['conv_kernel_size']} is longer than this cache's block of {num_slots + 1} slots")
     for name in ("selector_rank", "selector_top_k"):
-        value = getattr(options, name)
-        if value is not None and value > vocab_size:
-            raise ValueError(f"--{name.replace('_', '-')} {value} is larger than the vocabulary ({vocab_size})")
-    return options
+        if given[name] is not None and given[name] > vocab_size:
+            raise ValueError(f"--{name.replace('_', '-')} {given[name]} is larger than the vocabulary ({vocab_size})")
+    return dataclasses.replace(
+        options, conv_kernel_size=given["conv_kernel_size"] or DEFAULT_CONV_KERNEL_SIZE,
+        conv_group_size=given["conv_group_size"] or DEFAULT_CONV_GROUP_SIZE,
+        selector_rank=given["selector_rank"] or default_selector_rank(vocab_size),
+    )  # fmt: skip
 
 
 def dflash2_config(backbone: DFlashConfig, options: DFlash2Options) -> DFlash2Config:
-    """A DFlash2 config on a DFlash backbone's shape: the options' shape, else speculators' defaults
-    (the selector's rank and top-k capped as default_selector_rank / default_selector_top_k say)."""
+    """A DFlash2 config on a DFlash backbone's shape: the options' shape (resolve_dflash2_options),
+    speculators' defaults where unset, the selector's top-K capped by default_selector_top_k."""
     hidden, vocab = backbone.hidden_size, backbone.vocab_size
     group = options.conv_group_size or DEFAULT_CONV_GROUP_SIZE
     if hidden % group:
@@ -135,17 +151,6 @@ def dflash2_config(backbone: DFlashConfig, options: DFlash2Options) -> DFlash2Co
         selector_rank=options.selector_rank or default_selector_rank(vocab),
         selector_top_k=options.selector_top_k or default_selector_top_k(hidden_size=hidden, vocab_size=vocab),
     )
-
-
-def check_dflash2_init(config: DFlash2Config, options: DFlash2Options, *, init: str) -> None:
-    """A DFlash2 --drafter-init trains as it is: a shape flag given must be its own."""
-    for name in DFLASH2_KEYS:
-        given = getattr(options, name)
-        if given is not None and given != getattr(config, name):
-            raise ValueError(
-                f"--{name.replace('_', '-')} {given}: --drafter-init {init} has {name} {getattr(config, name)}; leave the flag out "
-                "to train it as it is"
-            )
 
 
 def dflash2_layout(options: DFlash2Options, *, num_slots: int) -> BlockLayout:
@@ -176,7 +181,6 @@ DFLASH2 = DrafterFamily(
     options_class=DFlash2Options,
     resolve_options=resolve_dflash2_options,
     new_config=dflash2_config,
-    check_init=check_dflash2_init,
     init_from=("dflash",),
     own_envelope=True,
     modeling_files=MODELING_FILES,

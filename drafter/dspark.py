@@ -44,10 +44,14 @@ class DSparkOptions:
         default=None,
     )
     markov_rank: int | None = option(
-        "--arch dspark: rank of the Markov head, 0 for none (default: DeepSpec's 256, at most a quarter of the vocabulary).",
+        "--arch dspark: rank of the Markov head, 0 for none; at most a quarter of the vocabulary (default: DeepSpec's 256 "
+        "within that bound, or a DSpark --drafter-init's).",
         default=None,
     )
-    confidence_head: bool = option("--arch dspark: train the confidence head (its acceptance prediction).", default=True)
+    confidence_head: bool | None = option(
+        "--arch dspark: train the confidence head (its acceptance prediction); default on, or as a DSpark --drafter-init has it.",
+        default=None,
+    )
     dspark_gamma: float = option(
         "--arch dspark: slot envelope decay exp(-k / gamma) over DSpark slot k = 0..B-1, for every method (DeepSpec's 4).",
         default=4.0,
@@ -77,20 +81,34 @@ class DSparkOptions:
             raise ValueError(f"--confidence-target must be overlap or greedy, got {self.confidence_target!r}")
 
 
-def resolve_dspark_options(options: DSparkOptions, *, num_slots: int, vocab_size: int) -> DSparkOptions:
-    """B and the Markov rank of a run on a cache of K = num_slots: B defaults to K and may not exceed
-    it (slot B - 1 needs the label of the cache's last slot); the rank defaults to DeepSpec's 256,
-    at most a quarter of the vocabulary, and may not exceed the vocabulary."""
-    block = num_slots if options.dspark_block is None else options.dspark_block
+def resolve_dspark_options(options: DSparkOptions, *, num_slots: int, vocab_size: int, init=None) -> DSparkOptions:
+    """B, the Markov rank and the confidence head of a run on a cache of K = num_slots. From a DSpark
+    --drafter-init (`init`: its path and config) they are the init's, and a flag that differs is
+    refused naming both, so train_config.json, provenance and the export agree. Otherwise B defaults
+    to K, the rank to DeepSpec's 256 within a quarter of the vocabulary (a rank near V is a full
+    bigram table; docs/dspark.md), the confidence head to on. B may not exceed K (slot B - 1 needs
+    the label of the cache's last slot)."""
+    given = {"dspark_block": options.dspark_block, "markov_rank": options.markov_rank, "confidence_head": options.confidence_head}
+    if init is not None:
+        path, config = init
+        held = {"dspark_block": config.block_size, "markov_rank": config.markov_rank, "confidence_head": config.enable_confidence_head}
+        differ = [f"--{name.replace('_', '-')} {given[name]} (the init has {held[name]})" for name in given
+                  if given[name] is not None and given[name] != held[name]]  # fmt: skip
+        if differ:
+            raise ValueError(f"--drafter-init {path} is a DSpark drafter whose heads are its own: {'; '.join(differ)}; drop the flag")
+        given = held
+    block = num_slots if given["dspark_block"] is None else given["dspark_block"]
     if block > num_slots:
+        what = f"--drafter-init {init[0]}'s block of {block}" if init is not None else f"--dspark-block {block}"
         raise ValueError(
-            f"--dspark-block {block} is larger than this cache supports: it labels K = {num_slots} predicted slots per anchor "
+            f"{what} is larger than this cache supports: it labels K = {num_slots} predicted slots per anchor "
             f"(DFlash block size {num_slots + 1}), so a DSpark block has at most B = {num_slots}; build a cache with --num-slots {block} or more"
         )
-    rank = default_markov_rank(vocab_size) if options.markov_rank is None else options.markov_rank
-    if rank > vocab_size:
-        raise ValueError(f"--markov-rank {rank} is larger than the vocabulary ({vocab_size})")
-    return dataclasses.replace(options, dspark_block=block, markov_rank=rank)
+    rank = default_markov_rank(vocab_size) if given["markov_rank"] is None else given["markov_rank"]
+    if init is None and rank > vocab_size // 4:
+        raise ValueError(f"--markov-rank {rank} is more than a quarter of the vocabulary ({vocab_size} // 4 = {vocab_size // 4})")
+    confidence_head = True if given["confidence_head"] is None else given["confidence_head"]
+    return dataclasses.replace(options, dspark_block=block, markov_rank=rank, confidence_head=confidence_head)
 
 
 def dspark_config(backbone, options: DSparkOptions) -> DSparkConfig:

@@ -56,3 +56,16 @@ def family_of(model) -> DrafterFamily:
 
 def families() -> list[DrafterFamily]:
     return list(FAMILIES.values())
+
+
+def check_init(init: str, *, family: DrafterFamily, init_family: DrafterFamily, init_config, mask_token_id: int) -> None:
+    """A --drafter-init the run can start from: the cache's mask token (its export would name the
+    wrong one), and either the family's own checkpoint (its settings held against the run's by
+    `resolve_options`) or one whose backbone the family starts from (`init_from`)."""
+    if init_config.mask_token_id != mask_token_id:
+        raise ValueError(
+            f"--drafter-init {init}: its mask token {init_config.mask_token_id} is not the cache's {mask_token_id}; build the "
+            f"cache with --mask-token {init_config.mask_token_id}"
+        )
+    if init_family is not family and init_family.name not in family.init_from:
+        raise ValueError(f"--drafter-init {init} is a {init_family.title} drafter: train it with --arch {init_family.name}")

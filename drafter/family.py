@@ -13,8 +13,8 @@ The pieces, and who calls them:
   backbone's (final-normed hidden states of the block slots). checkpoint.py saves and loads them.
 - `options_class`: the family's training options, a typed dataclass whose fields are flags of
   `alrira-train` (pipeline/train/config.py gathers every family's); `resolve_options` fills their
-  defaults from the cache; `new_config` builds a fresh drafter's config on the backbone's shape;
-  `check_init` holds a `--drafter-init` of the family against the options; `init_from` names the
+  defaults from the cache, or from a `--drafter-init` of the family (refusing a flag that contradicts
+  it); `new_config` builds a fresh drafter's config on the backbone's shape; `init_from` names the
   families whose checkpoint's backbone may start this one with fresh heads.
 - `layout`: how the family's block sits on the cache's K labelled slots (`BlockLayout`), applied by
   the label builder (pipeline/train/labels.py) to every method's blocks.
@@ -106,12 +106,12 @@ class DrafterFamily:
     # (options, *, num_slots) -> BlockLayout
     layout: Callable[..., BlockLayout]
     options_class: type | None = None
-    # (options, *, num_slots, vocab_size) -> options with the cache's defaults filled in, bounds checked
-    resolve_options: Callable[..., Any] = lambda options, **cache: options
+    # (options, *, num_slots, vocab_size, init: (path, config) of a --drafter-init of this family or None)
+    # -> options with their defaults filled in (the init's, else the cache's), bounds checked; a flag
+    # that contradicts the init is refused naming both
+    resolve_options: Callable[..., Any] = lambda options, **given: options
     # (backbone: DFlashConfig, options) -> the family's config on that shape
     new_config: Callable[..., Any] = lambda backbone, options: backbone
-    # (config of a --drafter-init of this family, options, *, init) -> None, or a ValueError naming both
-    check_init: Callable[..., None] = lambda config, options, *, init: None
     init_from: tuple[str, ...] = ()  # families whose checkpoint's backbone starts this one (fresh heads)
     own_envelope: bool = False  # layout.envelope_gamma is set: the methods' --gamma / --dflash-gamma are unused
     tree_verification: bool = False

@@ -17,10 +17,11 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from pipeline.config import flag_name, from_flags, is_required, leaf_fields, recipe_flags, recipe_keys, to_flags
+from pipeline.config import flag_name, from_flags, is_required, leaf_fields
+from pipeline.recipes import dump_recipe, recipe_flags, recipe_keys
 from pipeline.eval.evaluate import EvalConfig
 from pipeline.train.config import TrainConfig
-from storage.errors import first_line
+from storage.errors import first_line, redact_userinfo
 from storage.local_cache import check_local_cache_root
 from storage.location import is_url, refuse_userinfo
 
@@ -84,10 +85,10 @@ def config_options(cls):
             help="Print the resolved settings (every key, as a recipe --config reads) and exit without running anything.",
         )(command)  # fmt: skip
         return click.option(
-            "--config", "recipe_file", type=click.Path(exists=True, dir_okay=False), is_eager=True,
-            callback=lambda ctx, param, path: _read_recipe(cls, ctx, path),
-            help="A recipe: YAML {flag name: value} of this command's settings (docs/recipes.md). Flags typed on the "
-            "command line override it; it overrides the defaults.",
+            "--config", "recipe_file", type=click.Path(exists=True, dir_okay=False), is_eager=True, multiple=True,
+            callback=lambda ctx, param, paths: _read_recipe(cls, ctx, paths),
+            help="A recipe: YAML {flag name: value} of this command's settings (docs/recipes.md); one per command. Flags "
+            "typed on the command line override it; it overrides the defaults.",
         )(command)  # fmt: skip
 
     return decorate
@@ -98,20 +99,24 @@ _RECIPE = "alrira.recipe"  # ctx.meta key: the checked flags of --config's file
 _NOT_TYPED = (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
 
 
-def _read_recipe(cls, ctx: click.Context, path: str | None) -> str | None:
+def _read_recipe(cls, ctx: click.Context, paths: tuple[str, ...]) -> str | None:
     """--config's callback, run before the other options (eager): read and check the recipe, keep it
     for the command (ctx.meta) and give its required settings to click as defaults (ctx.default_map)
-    so that a required flag the file sets is not reported missing."""
-    if path is None:
+    so that a required flag the file sets is not reported missing. A second --config is refused:
+    which file wins, or how two would merge, is not something a reader of the command can tell."""
+    if not paths:
         return None
+    if len(paths) > 1:
+        raise click.UsageError(f"--config is given {len(paths)} times ({', '.join(paths)}); a command reads one recipe: merge them into one file")
+    path = paths[0]
     keys = recipe_keys(cls)
     command_only = {p.name for p in ctx.command.params if p.name not in keys} - {"recipe_file", "dump_config", "help"}
     try:
         flags = recipe_flags(cls, path, command_only=command_only)
     except ImportError:  # pyyaml: a dependency of transformers and ray, so nearly always there
         raise click.UsageError("--config needs PyYAML: pip install pyyaml") from None
-    except ValueError as error:
-        raise click.UsageError(f"--config {error}") from None
+    except ValueError as error:  # a key or value may hold a URL with credentials: never echoed
+        raise click.UsageError(redact_userinfo(f"--config {error}")) from None
     ctx.meta[_RECIPE] = flags
     required = {name: value for name, value in flags.items() if is_required(keys[name][0]) and value is not None}
     ctx.default_map = {**(ctx.default_map or {}), **required}
@@ -135,18 +140,6 @@ def _with_recipe(cls, func):
         return func(*args, **kwargs)
 
     return command
-
-
-def dump_recipe(config) -> str:
-    """The YAML recipe of a resolved config: every leaf, flag names with underscores, in the
-    command's flag order; `--config` reads it back to the same config."""
-    import yaml
-
-    class Dumper(yaml.SafeDumper):  # one key per line; a list on its key's line ([1, 9, 17])
-        pass
-
-    Dumper.add_representer(list, lambda dumper, value: dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=True))
-    return yaml.dump(to_flags(config), Dumper=Dumper, sort_keys=False, allow_unicode=True, width=1000)
 
 
 def config_from_flags(cls, kwargs):
@@ -221,7 +214,7 @@ def stop_watching_loader_workers() -> None:
     """The run is over (done or failed): no DataLoader worker's death concerns this process any more.
     torch's SIGCHLD handler would still raise for one that dies now, wherever the main thread is:
     at exit, in the join of an executor's threads, as a traceback after the run's one line (found by
-    benchmarks/chaos.py: a worker killed as a failed run ended). The default handler is restored."""
+    benchmarks/harness/chaos.py: a worker killed as a failed run ended). The default handler is restored."""
     import signal
     import threading
 

@@ -294,7 +294,11 @@ def unproven(out: Path, record: dict, names: list[str]) -> str | None:
 def read_record(out: str | os.PathLike | Location) -> dict | None:
     """OUT/.alrira-output.json, or None when there is none; one-line ValueError when it is not a
     record this tool wrote. `out` may be a store prefix (a run's --out)."""
-    location = resolve(out)
+    return read_location_record(resolve(out))
+
+
+def read_location_record(location: Location) -> dict | None:
+    """read_record of a resolved --out."""
     path = location.join(RECORD_FILE)
     if location.is_local:
         if (kind := not_a_regular_file(Path(path))) is not None:
@@ -314,7 +318,12 @@ def read_record(out: str | os.PathLike | Location) -> dict | None:
 
 def write_record(out: str | os.PathLike | Location, record: dict) -> None:
     """Replace OUT/.alrira-output.json atomically (storage.atomic; on a store, one PUT)."""
-    atomic_write_text(resolve(out).join(RECORD_FILE), json.dumps(record, indent=1, sort_keys=True) + "\n")
+    write_location_record(resolve(out), record)
+
+
+def write_location_record(location: Location, record: dict) -> None:
+    """write_record of a resolved --out."""
+    atomic_write_text(location.join(RECORD_FILE), json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def is_bookkeeping(name: str) -> bool:

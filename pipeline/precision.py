@@ -11,7 +11,7 @@ from pathlib import Path
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of a CPU with bf16 matmul units
 # Stages where `auto` is bf16 on a native-bf16 CPU: stage 1's target pass (build and regeneration) and
-# the training step, measured faster in bf16 side by side (benchmarks/bf16.py). Evaluation stays fp32,
+# the training step, measured faster in bf16 side by side (benchmarks/speed/bf16.py). Evaluation stays fp32,
 # where the lossless check is exact (in bf16 it counts near-tie flips instead: docs/design.md).
 CPU_BF16_STAGES = frozenset({"build", "train"})
 # "0": `auto` is fp32 on every CPU (the tests set it, so their numbers do not depend on the CI

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -109,6 +110,58 @@ def read_target_config(target_dir: str | Path) -> dict:
     config = json.loads(path.read_text())
     # Multimodal targets (Qwen3-VL) keep the language model's keys under text_config.
     return config.get("text_config", config)
+
+
+# A tokenizer without a limit reports transformers' VERY_LARGE_INTEGER (1e30) as model_max_length.
+_NO_TOKENIZER_LIMIT = 1 << 40
+
+
+@dataclass(frozen=True)
+class ContextLimit:
+    """The most positions the target reads (prompt + generated tokens) and what says so."""
+
+    positions: int | None  # None: neither the config nor the tokenizer states one
+    source: str  # "max_position_embeddings", "the tokenizer's model_max_length", or ""
+
+    def budget(self, prompt_length: int, max_new_tokens: int) -> int:
+        """The tokens a prompt of `prompt_length` may generate: `max_new_tokens`, or what the
+        context leaves after the prompt (< 1: the prompt fills it)."""
+        return max_new_tokens if self.positions is None else min(max_new_tokens, self.positions - prompt_length)
+
+
+def context_limit(target_dir: str | Path, tokenizer=None) -> ContextLimit:
+    """The target's context: its (text) config's max_position_embeddings, or the tokenizer's
+    model_max_length where that is smaller. Decoding past it runs on positions the target was never
+    trained at (RoPE extrapolates silently), so every generation is capped by it (docs/design.md,
+    "Evaluation")."""
+    limits = []
+    positions = read_target_config(target_dir).get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
+        limits.append((positions, "max_position_embeddings"))
+    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tokenizer_limit, int) and 0 < tokenizer_limit < _NO_TOKENIZER_LIMIT:
+        limits.append((tokenizer_limit, "the tokenizer's model_max_length"))
+    return ContextLimit(*min(limits)) if limits else ContextLimit(None, "")
+
+
+def prompt_budgets(limit: ContextLimit, prompt_lengths: list[int], *, max_new_tokens: int, flag: str,
+                   where: list[str]) -> tuple[list[int], str | None]:  # fmt: skip
+    """Each prompt's generation budget under the target's context, and the line that says a budget
+    was cut (None when none was). A prompt that leaves no room is refused, naming it (`where`)."""
+    budgets = [limit.budget(n, max_new_tokens) for n in prompt_lengths]
+    for budget, length, row in zip(budgets, prompt_lengths, where, strict=True):
+        if budget < 1:
+            raise ValueError(
+                f"{row}: the prompt has {length} tokens, the target's context is {limit.positions} ({limit.source}); "
+                f"nothing can be generated after it: shorten or remove the prompt"
+            )
+    cut = [b for b in budgets if b < max_new_tokens]
+    if not cut:
+        return budgets, None
+    return budgets, (
+        f"{flag} {max_new_tokens}: capped by the target's context ({limit.positions} positions, {limit.source}): "
+        f"{len(cut)} of {len(budgets)} prompt(s) generate at most {max(cut)} tokens (as few as {min(cut)})"
+    )
 
 
 def read_generation_config(target_dir: str | Path) -> dict | None:

@@ -39,7 +39,7 @@ def cache_build(progress: bool, estimate: bool, **kwargs):
         from pipeline.cache_build.estimate import estimate_build, estimate_lines
 
         try:
-            lines = estimate_lines(estimate_build(config, progress=progress))
+            lines = estimate_lines(estimate_build(config, progress=progress, log=lambda m: click.echo(m, err=True)))
         except (ValueError, OSError) as error:
             raise click.ClickException(first_line(error)) from None
         click.echo("\n".join(lines))
@@ -85,12 +85,19 @@ def _cache_argument(ctx, param, value: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def cache_info(cache: str, as_json: bool):
     """Sequences, tokens, anchors, bytes per token, compression, and which objectives the cache serves."""
+    from storage.eval_split import SplitFit, eval_split_problems
+    from storage.location import resolve
     from storage.verify import identity_note, identity_problems, size_problems
 
     try:  # a corrupt tar header, a crafted manifest, an endpoint down: one line, no traceback
         info, reader = _cache_info(cache)
         problems = size_problems(cache, reader.manifest)
         problems = problems or identity_problems(reader)  # opens each shard: only when all are there
+        # The split's record against its tensors' header and the taps (no data read: `verify` reads it all).
+        split_problems = eval_split_problems(resolve(cache), SplitFit.of(reader.manifest), full=False)
+        if split_problems:
+            info["eval_split"] = "damaged (see below)"
+        problems += split_problems
         note = identity_note(reader)
     except (ValueError, OSError) as error:
         raise click.ClickException(first_line(error)) from None
@@ -109,7 +116,7 @@ def cache_info(cache: str, as_json: bool):
     for problem in problems:
         click.echo(problem, err=True)
     if problems:
-        raise click.ClickException(f"{cache}: {len(problems)} shard(s) damaged; run `alrira-cache verify {cache}`")
+        raise click.ClickException(f"{cache}: {len(problems)} problem(s) found; run `alrira-cache verify {cache}`")
 
 
 def _cache_info(cache: str):
@@ -154,13 +161,22 @@ def _cache_info(cache: str):
 
 
 def _eval_split_line(cache: str) -> str:
+    """The split's prompts and tokens as its record says, and what of it is not held out: prompts
+    that repeat another, prompts the corpus also holds (pipeline/eval/split.py)."""
     from storage.eval_split import read_eval_split_record
     from storage.location import resolve
 
-    record = read_eval_split_record(resolve(cache))
+    try:
+        record = read_eval_split_record(resolve(cache))
+    except ValueError:
+        return "damaged (see below)"
     if record is None:
         return "none (build with --eval-prompts FILE for alrira-train --eval-every)"
-    return f"{record['num_prompts']} prompts, {record['num_tokens']} tokens (max new tokens {record['key'].get('max_new_tokens')})"
+    line = f"{record['num_prompts']} prompts, {record['num_tokens']} tokens (max new tokens {record['key']['max_new_tokens']})"
+    held_out = record.get("held_out")
+    if held_out is None:
+        return f"{line}; repeats and corpus overlaps not recorded (built before they were)"
+    return f"{line}; {held_out['duplicate_prompts']} repeat an earlier prompt, {held_out['corpus_overlaps']} also in the corpus"
 
 
 def _ira_parents_note(settings) -> dict:

@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO
 
-from storage.errors import first_line, has_userinfo, redact_userinfo
+from storage.errors import first_line, has_userinfo, redact_url
 from storage.paths import checked_join
 
 LOCAL_COPIES_DIR = "alrira-store-copies"  # under the temp dir ($TMPDIR): node-local copies of store prefixes
@@ -61,7 +61,7 @@ def refuse_userinfo(url: str | os.PathLike, *, flag: str | None = None) -> None:
     """ValueError, the URL redacted, when a URL carries credentials: they belong in the environment
     (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), where they are never echoed or recorded."""
     if isinstance(url, str) and has_userinfo(url):
-        named = f"{flag} {redact_userinfo(url)}" if flag else redact_userinfo(url)
+        named = f"{flag} {redact_url(url)}" if flag else redact_url(url)
         raise ValueError(
             f"{named}: credentials in a URL are refused; set them in the environment (AWS_ACCESS_KEY_ID, "
             "AWS_SECRET_ACCESS_KEY) and pass the URL without them"

@@ -543,12 +543,16 @@ def save_target_head(
     atomic_write(location.join(TARGET_HEAD_FILE), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def target_head_hash(cache_dir: str | os.PathLike) -> str | None:
+def target_head_hash(cache_dir: str | os.PathLike | Location) -> str | None:
     """The target hash a head file was written for; None if the file is missing, unreadable or
     untagged. On a store only the file's header is read."""
+    return location_head_hash(resolve(cache_dir))
+
+
+def location_head_hash(location: Location) -> str | None:
+    """target_head_hash of a resolved cache."""
     from safetensors import SafetensorError, safe_open
 
-    location = resolve(cache_dir)
     if not location.is_local:
         try:
             return (read_safetensors_header(location, TARGET_HEAD_FILE).get("__metadata__") or {}).get(TARGET_HEAD_HASH_KEY)
@@ -562,13 +566,17 @@ def target_head_hash(cache_dir: str | os.PathLike) -> str | None:
         return None
 
 
-def load_target_head(cache_dir: str | os.PathLike, *, target_hash: str | None = None) -> dict[str, torch.Tensor]:
+def load_target_head(cache_dir: str | os.PathLike | Location, *, target_hash: str | None = None) -> dict[str, torch.Tensor]:
     """{"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} from `cache_dir`; with `target_hash`
     (the manifest's), a head written for another target is refused."""
+    return read_target_head(resolve(cache_dir), target_hash=target_hash)
+
+
+def read_target_head(location: Location, *, target_hash: str | None = None) -> dict[str, torch.Tensor]:
+    """load_target_head of a resolved cache."""
     from safetensors import SafetensorError
     from safetensors.torch import load, load_file
 
-    location = resolve(cache_dir)
     path = location.join(TARGET_HEAD_FILE)
     if not location.is_file(TARGET_HEAD_FILE):
         raise ValueError(f"{path}: missing target head file")
@@ -579,7 +587,7 @@ def load_target_head(cache_dir: str | os.PathLike, *, target_hash: str | None = 
     missing = [k for k in TARGET_HEAD_KEYS if k not in tensors]
     if missing:
         raise ValueError(f"{path}: missing tensors {missing}")
-    if target_hash is not None and (written_for := target_head_hash(cache_dir)) != target_hash:
+    if target_hash is not None and (written_for := location_head_hash(location)) != target_hash:
         raise ValueError(
             f"{path}: written for target {written_for or 'unknown (untagged)'}, but the manifest's target is "
             f"{target_hash}; rebuild the cache (alrira-cache build resumes and rewrites the head)"

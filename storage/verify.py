@@ -17,7 +17,7 @@ from storage.format import (
     TARGET_HEAD_FILE,
     MANIFEST_FILE,
 )
-from storage.eval_split import EVAL_SPLIT_RECORD, read_eval_split, read_eval_split_record
+from storage.eval_split import SplitFit, eval_split_problems
 from storage.location import Location, read_safetensors_header, resolve
 from storage.manifest import (
     TARGET_HEAD_HASH_KEY,
@@ -239,21 +239,6 @@ def identity_note(reader) -> str | None:
     return None
 
 
-def _eval_split_problems(cache: Location, manifest: Manifest) -> list[str]:
-    """A kept evaluation split (storage/eval_split.py) must match its record's sha256 and belong to
-    this cache's target and taps; a cache without one has nothing to check."""
-    try:
-        if read_eval_split_record(cache) is None:
-            return []
-        split = read_eval_split(cache)
-    except ValueError as error:
-        return [_one_line(error)]
-    key = split.key
-    if key.get("target_hash") != manifest.settings.target_hash or key.get("layer_ids") != list(manifest.settings.layer_ids):
-        return [f"{cache.join(EVAL_SPLIT_RECORD)}: computed for another target or taps; rebuild it with --eval-prompts"]
-    return []
-
-
 def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
     """Every problem found in the cache at `cache_dir` (a directory or a store URL), one line
     each; empty if it is good. On a store every shard object is downloaded once."""
@@ -268,7 +253,7 @@ def verify_cache(cache_dir: str | os.PathLike | Location) -> list[str]:
             f"{cache.join(MANIFEST_FILE)}: {len(manifest.complete_shards)} of {manifest.num_shards_planned} planned shards are complete"
         )
     problems += _target_head_problems(cache, manifest)
-    problems += _eval_split_problems(cache, manifest)
+    problems += eval_split_problems(cache, SplitFit.of(manifest))  # checked like a shard: record, counts, token ids, widths
     for record in manifest.complete_shards:
         problems += [f"{record.name}: {p}" for p in _shard_problems(cache, manifest, record)]
     if not problems:  # every shard whole: is each the one its record names (rows, not only bytes)?

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def run_benchmark(script: str, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # scripts start their own Ray
-    result = run_to_end([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, env=env)
+    result = run_to_end([sys.executable, "-m", f"benchmarks.{script}", *args], cwd=ROOT, env=env)
     assert result.returncode == 0, f"{script}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
 
@@ -41,7 +41,7 @@ def table_rows(output: str, header_start: str) -> list[list[str]]:
 
 
 def test_draft_step_cached_and_uncached_propose_the_same_drafts():
-    rows = table_rows(run_benchmark("draft_step.py", "--quick", "--threads", "1"), "context p")
+    rows = table_rows(run_benchmark("speed.draft_step", "--quick", "--threads", "1"), "context p")
     assert len(rows) == 2
     for row in rows:
         same, total = row[-1].split("/")
@@ -49,13 +49,13 @@ def test_draft_step_cached_and_uncached_propose_the_same_drafts():
 
 
 def test_activation_memory_checkpointing_saves_memory():
-    rows = table_rows(run_benchmark("activation_memory.py", "--quick", "--threads", "1"), "layers")
+    rows = table_rows(run_benchmark("speed.activation_memory", "--quick", "--threads", "1"), "layers")
     assert [row[0] for row in rows] == ["1", "3", "5"]
     assert all(float(row[3].rstrip("x")) > 1 for row in rows), rows
 
 
 def test_cache_build_batched_rollouts_match_generate(tmp_path):
-    output = run_benchmark("cache_build.py", "--quick", "--threads", "1", "--out", str(tmp_path / "work"))
+    output = run_benchmark("speed.cache_build", "--quick", "--threads", "1", "--out", str(tmp_path / "work"))
     match = re.search(r"rollout tokens identical: (\d+)/(\d+) anchors", output)
     assert match and match.group(1) == match.group(2), output[-2000:]
     sizes = table_rows(output, "format codec")
@@ -63,7 +63,7 @@ def test_cache_build_batched_rollouts_match_generate(tmp_path):
 
 
 def test_train_step_measures_every_row(tmp_path):
-    run_benchmark("train_step.py", "--quick", "--threads", "1", "--out", str(tmp_path / "work"))
+    run_benchmark("speed.train_step", "--quick", "--threads", "1", "--out", str(tmp_path / "work"))
     results = json.loads((tmp_path / "work" / "results.json").read_text())
     assert [s["method"] for s in results["steps"]] == ["dflash", "alr_ira"]
     assert all(s["offline_s"] > 0 and s["online_s"] > s["offline_s"] * 0.5 for s in results["steps"])
@@ -75,7 +75,7 @@ def test_methods_summarises_replicates(tmp_path):
     and cache (the resume path), so the world and its Ray cache build are paid once."""
     out = tmp_path / "methods"
     run_benchmark(
-        "methods.py", "--quick", "--seeds", "0,1", "--world-seed", "0", "--temperatures", "0", "--methods", "dflash,alr",
+        "speed.methods", "--quick", "--seeds", "0,1", "--world-seed", "0", "--temperatures", "0", "--methods", "dflash,alr",
         "--out", str(out),
     )  # fmt: skip
     table = json.loads((out / "methods.json").read_text())
@@ -90,13 +90,13 @@ def test_methods_summarises_replicates(tmp_path):
 
 def test_rollout_backends_agree():
     pytest.importorskip("vllm")
-    output = run_benchmark("rollout_backends.py", "--quick", "--repeats", "1")
+    output = run_benchmark("speed.rollout_backends", "--quick", "--repeats", "1")
     match = re.search(r"rollout tokens identical for (\d+)/(\d+) anchors", output)
     assert match and match.group(1) == match.group(2), output[-2000:]
 
 
 def test_read_checksums_refuse_a_flipped_byte():
-    rows = table_rows(run_benchmark("read_checksums.py", "--quick"), "format")
+    rows = table_rows(run_benchmark("speed.read_checksums", "--quick"), "format")
     assert [row[0] for row in rows] == ["zarr", "wds"]
     # Checked reads refuse the flip in both formats. Unchecked, Zarr's Blosc chunk still decodes (to
     # a different value); a compressed WebDataset member may decode or be refused by Blosc itself.
@@ -105,7 +105,7 @@ def test_read_checksums_refuse_a_flipped_byte():
 
 
 def test_real_shapes_loader_reads_what_each_method_needs(tmp_path):
-    output = run_benchmark("real_shapes.py", "--quick", "--out", str(tmp_path / "work"))  # (a)-(f): the default limit
+    output = run_benchmark("speed.real_shapes", "--quick", "--out", str(tmp_path / "work"))  # (a)-(f): the default limit
     results = json.loads((tmp_path / "work" / "results.json").read_text())
     reads = {r["label"]: r for r in results["reads"]}
     assert [row[0] for row in table_rows(output, "method")][:5] == ["dflash", "kd", "erase", "alr", "alr_ira"]
@@ -126,7 +126,7 @@ def test_real_shapes_loader_reads_what_each_method_needs(tmp_path):
 
 
 def test_cache_settings_orders_the_settings_by_bytes(tmp_path):
-    output = run_benchmark("cache_settings.py", "--quick", "--out", str(tmp_path / "work"))
+    output = run_benchmark("speed.cache_settings", "--quick", "--out", str(tmp_path / "work"))
     results = json.loads((tmp_path / "work" / "results.json").read_text())
     per_token = {r["setting"].split(" (")[0]: r["bytes_per_token"] for r in results["bytes"]}
     assert len(table_rows(output, "setting")) == len(results["bytes"]) == 11
@@ -141,18 +141,18 @@ def test_cache_settings_orders_the_settings_by_bytes(tmp_path):
     assert all(r["seq_per_s_per_core"] > 0 for r in results["loader"]) and len(results["codecs"]) == 16
 
 
-# benchmarks/gpu_check.sh's tests: tests/test_gpu_check.py.
+# benchmarks/harness/gpu_check.sh's tests: tests/test_gpu_check.py.
 
 
 def test_object_store_reads_every_record_from_the_store_as_from_disk():
     """The script compares every record read from moto with the local one (it fails otherwise)."""
-    rows = table_rows(run_benchmark("object_store.py", "--quick"), "format")
+    rows = table_rows(run_benchmark("speed.object_store", "--quick"), "format")
     assert [row[:2] for row in rows] == [["zarr", "all arrays"], ["zarr", "alr arrays"], ["wds", "all arrays"], ["wds", "alr arrays"]]
     assert all(int(row[-1]) > 0 for row in rows), rows  # the reads went to the store
 
 
 def test_store_stream_runs_the_stream_loader_from_every_source_within_the_budget():
-    rows = table_rows(run_benchmark("store_stream.py", "--quick"), "source")
+    rows = table_rows(run_benchmark("speed.store_stream", "--quick"), "source")
     assert [row[0] for row in rows] == ["local disk", "moto, tar read straight", "moto, local cache + 1 ahead"] * 3
     assert all(float(row[2]) > 0 for row in rows)  # every source delivered its micro-batches
     assert all(int(row[6]) > 0 for row in rows if row[0].startswith("moto"))  # from the store
@@ -162,7 +162,7 @@ def test_store_stream_runs_the_stream_loader_from_every_source_within_the_budget
 
 
 def test_regenerate_backends_write_the_same_rows():
-    output = run_benchmark("regenerate.py", "--quick", "--no-vllm")
+    output = run_benchmark("speed.regenerate", "--quick", "--no-vllm")
     assert [row[0] for row in table_rows(output, "arm")] == ["hf batched", "hf per row"]
     assert "rows differing from hf batched: hf per row 0/4" in output
 
@@ -173,7 +173,7 @@ def test_cache_tau_rows_share_a_cache_and_compare_paired(tmp_path):
     with other settings is refused instead of reusing its runs."""
     out = tmp_path / "tau"
     common = ["--quick", "--seeds", "0", "--temperatures", "0", "--methods", "alr", "--in-process-cache", "--out", str(out)]
-    run_benchmark("cache_tau.py", *common, "--row", "base: --shard-size 24", "--row", "draw4: --shard-size 24 | anchors_per_step=4")
+    run_benchmark("speed.cache_tau", *common, "--row", "base: --shard-size 24", "--row", "draw4: --shard-size 24 | anchors_per_step=4")
     caches = [p for p in (out / "world-0" / "caches").iterdir() if p.is_dir()]
     assert len(caches) == 1
     assert len(json.loads((caches[0] / "manifest.json").read_text())["shards"]) == 2  # 48 rows, --shard-size 24
@@ -185,18 +185,18 @@ def test_cache_tau_rows_share_a_cache_and_compare_paired(tmp_path):
     assert report["table"]["draw4"]["alr"]["T0"]["diff_pct"] == [pytest.approx(100 * (draw4 - base) / base)]
     assert "| draw4 | `--shard-size 24 anchors_per_step=4` | alr |" in (out / "cache_tau.md").read_text()
     result = run_to_end(
-        [sys.executable, "benchmarks/cache_tau.py", *common, "--row", "base: --shard-size 24", "--row", "draw4: | anchors_per_step=2"], cwd=ROOT
+        [sys.executable, "-m", "benchmarks.speed.cache_tau", *common, "--row", "base: --shard-size 24", "--row", "draw4: | anchors_per_step=2"], cwd=ROOT
     )  # fmt: skip
     assert result.returncode != 0 and "row 'draw4' was run with" in result.stderr, result.stderr[-2000:]
 
 
 def test_peer_step_runs_alrira_and_the_installed_peers(tmp_path):
-    """benchmarks/peer_step.py at its --quick size: alrira's step always runs (a peer without its
+    """benchmarks/speed/peer_step.py at its --quick size: alrira's step always runs (a peer without its
     virtualenv is left out in one line); with ALRIRA_PEER_VENVS pointing at --make-peer-venvs' folder,
     SpecForge's first-step loss on the same weights, inputs and anchors equals alrira's."""
     venvs = os.environ.get("ALRIRA_PEER_VENVS")
     args = ["--quick", "--out", str(tmp_path), "--precisions", "fp32"] + (["--peer-venvs", venvs] if venvs else [])
-    output = run_benchmark("peer_step.py", *args)
+    output = run_benchmark("speed.peer_step", *args)
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     alrira = row["trainers"]["alrira"]
     assert alrira["step_s"] > 0 and 0 < alrira["first_loss"] < 20 and alrira["step_peak_rss_gib"] >= alrira["live_rss_gib"] > 0

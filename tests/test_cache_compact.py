@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.shard_builder import ShardBuilder
-from pipeline.train.batching import CacheTrainDataset, check_ira_parents_serve, example_from_record
+from pipeline.train.batching import CacheTrainDataset, example_from_record
+from pipeline.train.methods import check_ira_parents_serve
 from pipeline.train.labels import ObjectiveConfig
 from pipeline.train.objectives import draw_ira_from_parents
 from ray_jobs.cli import cache_cli

@@ -1,4 +1,4 @@
-"""The chaos harness in CI (benchmarks/chaos.py): rounds of random combined faults per
+"""The chaos harness in CI (benchmarks/harness/chaos.py): rounds of random combined faults per
 stage (a seeded draw: the failing round's replay command is in the message), each ending exactly
 as a clean run; and the regression tests of the failures the harness found (docs/failure-modes.md,
 "Chaos").
@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import chaos
+from benchmarks.common import ROOT
+from benchmarks.harness import chaos
 from tests.tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.slow
@@ -220,13 +221,14 @@ def test_a_lock_naming_no_holder_is_taken_over_once_old(tmp_path):
 WORKER_SCRIPT = """
 import os, signal, sys, time
 import torch
-from pipeline.train.data import stop_map_loader_workers
+from pipeline.train.config import LoaderConfig
+from pipeline.train.data import release_loader
 
 loader = torch.utils.data.DataLoader(list(range(64)), batch_sampler=[[0, 1], [2, 3], [4, 5]], num_workers=1)
 batches = iter(loader)
 next(batches), next(batches)  # the trainer's last step: its batches taken, the iterator not exhausted
 if sys.argv[1] == "stop":
-    stop_map_loader_workers(batches)
+    release_loader(batches, loader=LoaderConfig(num_workers=1))
 try:
     os.kill(batches._workers[0].pid, signal.SIGKILL)  # the worker dies after the last step
 except ProcessLookupError:
@@ -242,9 +244,9 @@ def test_a_loader_worker_killed_after_the_last_step_is_not_a_traceback(stop):
     """Regression (found by the chaos harness): the map loader's workers lived until the
     interpreter exited, so one killed after the last step made torch's SIGCHLD handler raise in the
     final save or in an atexit hook: a traceback after the run ended. The trainer now stops them
-    after the last step (`stop_map_loader_workers`); without that, the control shows the raise."""
+    after the last step (`release_loader`); without that, the control shows the raise."""
     proc = subprocess.run([sys.executable, "-c", WORKER_SCRIPT, "stop" if stop else "keep"], capture_output=True, text=True,
-                          timeout=chaos.RUN_CAP_S, env={**os.environ, "PYTHONPATH": str(chaos.ROOT)})  # fmt: skip
+                          timeout=chaos.RUN_CAP_S, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     if stop:
         assert proc.returncode == 0 and proc.stdout.strip() == "ended cleanly" and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     else:
@@ -307,11 +309,11 @@ def test_the_docs_chaos_tables_are_the_runs_they_name():
     table is chaos.table of the files named in the paragraph right above it."""
     import re
 
-    section = (chaos.ROOT / "docs" / "benchmarks.md").read_text().split("\n## Chaos", 1)[1].split("\n### Earlier runs", 1)[0]
+    section = (ROOT / "docs" / "benchmarks.md").read_text().split("\n## Chaos", 1)[1].split("\n### Earlier runs", 1)[0]
     found = re.findall(r"([^\n]*(?:\n[^\n]+)*)\n\n(\| stage \| rounds passed \|.*?)(?:\n\n|\Z)", section, re.S)
     assert len(found) >= 3, "no chaos table names its runs"
     for paragraph, doc_table in found:
         names = re.findall(r"`(docs/chaos/[\w.-]+\.jsonl)`", paragraph)
         assert names, f"a chaos table names no docs/chaos/*.jsonl above it: {paragraph[-200:]}"
-        rows = [json.loads(line) for name in names for line in (chaos.ROOT / name).read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for name in names for line in (ROOT / name).read_text().splitlines() if line.strip()]
         assert doc_table.strip() == chaos.table(rows), f"{names}: the doc's table is not these runs'"

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 LOCAL = {"pipeline", "storage", "ray_jobs", "drafter", "tests", "benchmarks"}
 # Imported from a checkout named at run time, not installed: DeepSpec's reference code
-# (benchmarks/deepspec_check.py puts $ALRIRA_DEEPSPEC on sys.path; it is no package on the index).
+# (benchmarks/checks/deepspec_check.py puts $ALRIRA_DEEPSPEC on sys.path; it is no package on the index).
 CHECKOUTS = {"deepspec"}
-# The peer trainers benchmarks/peer_step.py compares against, each installed with --no-deps into its
+# The peer trainers benchmarks/speed/peer_step.py compares against, each installed with --no-deps into its
 # own virtualenv (--make-peer-venvs), never beside alrira: their dependencies would replace torch.
 PEER_VENVS = {"specforge", "speculators"}
 

@@ -67,10 +67,11 @@ def test_every_method_trains_a_dflash2_drafter_from_the_dflash_cache(k7_cache, t
 
 def test_the_envelope_is_speculators_for_every_method_and_dpace_replaces_it(k7_cache, tmp_path):
     from pipeline.train.loop import train
+    from pipeline.train.plan import plan_training
     from pipeline.train.setup import setup
 
     def ratios(config) -> torch.Tensor:
-        weights = next(setup(config).batches).slot_weights  # [B, N, K]
+        weights = next(setup(plan_training(config)).batches).slot_weights  # [B, N, K]
         both = (weights[..., 0] > 0) & (weights[..., 1] > 0)
         return weights[..., 1][both] / weights[..., 0][both]
 
@@ -175,7 +176,7 @@ def test_a_dflash_backbone_starts_a_dflash2_run_and_a_dflash2_checkpoint_trains_
     # The DFlash2 checkpoint trains on as it is; a shape flag that is not its own is refused.
     train(_train_config(k7_cache, tmp_path / "again", drafter_init=str(tmp_path / "dflash2" / "drafter"), max_steps=1))
     assert load_drafter(tmp_path / "again" / "drafter").config == started.config
-    with pytest.raises(ValueError, match=r"--selector-rank 3: --drafter-init .* has selector_rank \d+; leave the flag out"):
+    with pytest.raises(ValueError, match=r"is a DFlash2 drafter whose shape is its own: --selector-rank 3 \(the init has \d+\); drop the flag"):
         train(_train_config(k7_cache, tmp_path / "other", drafter_init=str(tmp_path / "dflash2" / "drafter"), selector_rank=3))
     with pytest.raises(ValueError, match="is a DFlash2 drafter: train it with --arch dflash2"):
         train(_train_config(k7_cache, tmp_path / "back", arch="dflash", drafter_init=str(tmp_path / "dflash2" / "drafter")))

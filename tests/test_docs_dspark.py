@@ -1,22 +1,20 @@
 """docs/results.md's DSpark tables come from runs: the block between its markers is
-benchmarks/methods.py `dspark_section` of the two methods.json files it names (copied under
+benchmarks/speed/methods.py `dspark_section` of the two methods.json files it names (copied under
 docs/dspark/), so a table cannot drift from the run it reports."""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
+
+from benchmarks.speed.methods import dspark_section
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- dspark_section\((docs/dspark/[\w.-]+\.json), (docs/dspark/[\w.-]+\.json)\) -->\n(.*?)\n<!-- end -->", re.S)
 
 
 def test_the_dspark_tables_are_the_runs_they_name():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from methods import dspark_section
-
     blocks = BLOCK.findall((ROOT / "docs" / "results.md").read_text())
     assert len(blocks) == 1, "docs/results.md: no DSpark block naming its runs"
     full, without_head, text = blocks[0]

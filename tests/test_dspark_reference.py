@@ -1,4 +1,4 @@
-"""Our DSpark drafter against DeepSpec's reference code (benchmarks/deepspec_check.py): the export
+"""Our DSpark drafter against DeepSpec's reference code (benchmarks/checks/deepspec_check.py): the export
 loads into its Qwen3DSparkModel, its drafts and heads equal ours, its loss equals ours where the
 inputs coincide. Runs when ALRIRA_DEEPSPEC names a DeepSpec checkout (its Python package is
 imported from there); skipped otherwise."""
@@ -15,7 +15,7 @@ DEEPSPEC = os.environ.get("ALRIRA_DEEPSPEC")
 
 @pytest.mark.skipif(not DEEPSPEC, reason="ALRIRA_DEEPSPEC does not name a DeepSpec checkout")
 def test_export_drafts_and_loss_match_deepspec():
-    from benchmarks.deepspec_check import run_check
+    from benchmarks.checks.deepspec_check import run_check
 
     assert (Path(DEEPSPEC) / "deepspec" / "modeling" / "dspark").is_dir(), f"{DEEPSPEC} is not a DeepSpec checkout"
     report = run_check(DEEPSPEC)

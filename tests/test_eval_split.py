@@ -12,8 +12,9 @@ import pytest
 
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.train.config import TrainConfig
-from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD, read_eval_split
+from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD, SplitFit, read_eval_split
 from storage.location import resolve
+from storage.manifest import load_manifest
 from tests.conftest import write_jsonl
 
 PROMPTS = [
@@ -51,7 +52,7 @@ def test_the_split_holds_replays_greedy_responses_and_is_kept_by_a_rebuild(split
     from ray_jobs.build import build_cache
 
     cache, prompts = split_cache
-    split = read_eval_split(resolve(cache))
+    split = read_eval_split(resolve(cache), SplitFit.of(load_manifest(cache)))
     record = json.loads((cache / EVAL_SPLIT_RECORD).read_text())
     assert split.num_prompts == record["num_prompts"] == len(PROMPTS) and split.features.shape[1] == 2 * 64
     assert all(len(split.sequence(i)[0]) > split.sequence(i)[1] for i in range(split.num_prompts))  # a response follows
@@ -92,6 +93,23 @@ def test_training_time_tau_equals_replay_of_the_exported_drafter(split_cache, to
     assert final["tau_mean_per_request"] == pytest.approx(replayed["tau_mean_per_request"], abs=1e-12)
     assert final["acceptance_per_position"] == replayed["acceptance_per_position"]
     assert final["rounds"] == replayed["rounds"]
+    assert final["acceptance_per_position"][0] > 0  # drafts were accepted: the equality is not 1.0 == 1.0
+
+
+def test_training_time_tau_equals_replay_in_the_default_precision(split_cache, toy_target, tmp_path):
+    """bf16 training (on this CPU `auto` is bf16, as on every GPU) and the default bf16 export: the
+    tau logged at the last step is the export's under replay, to the last digit, on a world where
+    drafts are accepted; the record says what it scored."""
+    from pipeline.eval.replay import run_replay
+
+    cache, prompts = split_cache
+    run = tmp_path / "run"
+    final = _train(cache, run, precision="bf16", save_dtype="bfloat16", epochs=3)["final_eval"]
+    assert (final["weights_dtype"], final["compute_dtype"]) == ("bfloat16", "float32")
+    replayed = run_replay(target=str(toy_target), drafters={"d": str(run / "drafter")}, prompts=str(prompts),
+                          out=str(tmp_path / "replay"), max_new_tokens=NEW_TOKENS)["d"]  # fmt: skip
+    assert final["tau_pooled"] == replayed["tau_pooled"] and final["rounds"] == replayed["rounds"]
+    assert final["acceptance_per_position"] == replayed["acceptance_per_position"]
     assert final["acceptance_per_position"][0] > 0  # drafts were accepted: the equality is not 1.0 == 1.0
 
 

@@ -27,12 +27,13 @@ MAX_FAMILY_LINES = 10
 
 
 def _family_words() -> re.Pattern:
+    """The default family's object and module (case-sensitive), every other family's name, title and
+    architecture (any case)."""
     words = {r"\bDFLASH\b", r"drafter\.dflash\b"}
     for family in FAMILIES.values():
-        if family.name == DEFAULT_FAMILY:
-            continue
-        words |= {re.escape(family.name), re.escape(family.title), re.escape(family.architecture), rf"\b{family.name.upper()}\b"}
-    return re.compile("|".join(sorted(words)), re.IGNORECASE)
+        if family.name != DEFAULT_FAMILY:
+            words |= {f"(?i:{re.escape(word)})" for word in (family.name, family.title, family.architecture)}
+    return re.compile("|".join(sorted(words)))
 
 
 def test_outside_drafter_and_the_demo_at_most_ten_lines_name_a_family():
@@ -103,6 +104,7 @@ def test_a_family_registered_in_a_test_trains_evaluates_and_exports(toy_family, 
     from pipeline.eval.evaluate import EvalConfig, run_eval
     from pipeline.eval.replay import run_replay
     from pipeline.train import TrainConfig, train
+    from pipeline.train.plan import plan_training
     from pipeline.train.setup import setup
     from tests.conftest import write_jsonl
 
@@ -112,7 +114,7 @@ def test_a_family_registered_in_a_test_trains_evaluates_and_exports(toy_family, 
     )  # fmt: skip
     # Its layout reaches the labels: every block's envelope is exp(-c / 0.5) (alr_ira's other factors
     # are 0 or 1), not the method's gamma of 2.
-    weights = next(setup(config).batches).slot_weights  # [B, N, K]
+    weights = next(setup(plan_training(config)).batches).slot_weights  # [B, N, K]
     both = (weights[..., 0] > 0) & (weights[..., 1] > 0)
     ratios = weights[..., 1][both] / weights[..., 0][both]
     assert ratios.numel() and torch.allclose(ratios, torch.full_like(ratios, torch.e ** (-1 / TOY_GAMMA)), rtol=1e-5)

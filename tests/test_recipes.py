@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cli import eval_cli, train_cli
-from pipeline.config import from_flags, recipe_flags, to_flags
+from pipeline.config import from_flags, to_flags
+from pipeline.recipes import recipe_flags
 from pipeline.eval.evaluate import EvalConfig
 from pipeline.provenance import PACKAGES, package_version, provenance_record, source_revision
 from pipeline.regenerate.config import RegenerateConfig

@@ -271,7 +271,7 @@ def test_every_run_records_what_produced_it(cache, tmp_path):
 
 
 def test_resume_ignores_settings_the_method_never_reads_and_checks_the_resolved_dtype(cache, tmp_path, monkeypatch):
-    from pipeline.train import setup as setup_module
+    from pipeline.train import plan as plan_module
 
     run = tmp_path / "run"
     train(_config(cache, run, method="alr", epochs=1))
@@ -282,7 +282,7 @@ def test_resume_ignores_settings_the_method_never_reads_and_checks_the_resolved_
     with pytest.raises(ValueError, match="--gamma was 2.0, now 3.0"):  # one it reads
         train(_config(cache, run, method="alr", epochs=2, resume=True, gamma=3.0))
     # A machine where auto resolves to bf16: refused naming both dtypes, and the flag that continues.
-    monkeypatch.setattr(setup_module, "auto_bf16", lambda device_type, stage: True)
+    monkeypatch.setattr(plan_module, "auto_bf16", lambda device_type, stage: True)
     with pytest.raises(ValueError, match=r"this run computed in float32 \(on cpu\); here --precision auto resolves to bfloat16 on cpu: "
                                          r"resume with --precision fp32"):
         train(_config(cache, run, method="alr", epochs=3, resume=True))
@@ -293,19 +293,28 @@ def test_resume_ignores_settings_the_method_never_reads_and_checks_the_resolved_
 # Real scale: the attention kernel, bf16 on the lm_head, pinned batches, collectives on the device
 
 
-def _stats_on(s, batch, **overrides):
+def _setup(config):
+    """The run's plan and the state built from it (pipeline/train/plan.py, setup.py), as the loop holds them."""
+    from pipeline.train.plan import plan_training
+    from pipeline.train.setup import setup
+
+    plan = plan_training(config)
+    return plan, setup(plan)
+
+
+def _stats_on(plan, s, batch, **overrides):
     from pipeline.train.step import forward_loss
 
-    kwargs = dict(embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=s.num_slots + 1, loss_chunk=4096,
-                  autocast=s.autocast, attention=s.attention)  # fmt: skip
+    kwargs = dict(embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=plan.num_slots + 1, loss_chunk=4096,
+                  autocast=s.autocast, attention=plan.attention)  # fmt: skip
     return forward_loss(s.model, batch, **(kwargs | overrides))
 
 
 def test_attention_flag_resolves_per_device_and_refuses_flex_without_cuda(cache, tmp_path):
-    from pipeline.train.setup import setup
+    from pipeline.train.plan import plan_training
 
-    assert setup(_config(cache, tmp_path / "auto")).attention == ("flex" if torch.cuda.is_available() else "sdpa")
-    assert setup(_config(cache, tmp_path / "sdpa", attention="sdpa")).attention == "sdpa"
+    assert plan_training(_config(cache, tmp_path / "auto")).attention == ("flex" if torch.cuda.is_available() else "sdpa")
+    assert plan_training(_config(cache, tmp_path / "sdpa", attention="sdpa")).attention == "sdpa"
     with pytest.raises(ValueError, match="--attention must be auto, flex or sdpa"):
         _config(cache, tmp_path / "x", attention="dense")
     if not torch.cuda.is_available():
@@ -329,9 +338,7 @@ def test_bf16_runs_the_lm_head_gemms_in_bf16_once_each_and_the_loss_in_fp32(cach
     fp32, and the hidden states' gradient is one bf16 GEMM of the [slots, V] logit gradient."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from pipeline.train.setup import setup
-
-    s = setup(_config(cache, tmp_path / "run", precision="bf16"))
+    plan, s = _setup(_config(cache, tmp_path / "run", precision="bf16"))
     assert s.lm_head.dtype == s.embed_tokens.dtype == torch.bfloat16
     vocab = s.lm_head.shape[0]
     seen = []
@@ -348,7 +355,7 @@ def test_bf16_runs_the_lm_head_gemms_in_bf16_once_each_and_the_loss_in_fp32(cach
 
     batch = next(s.batches)
     with Record():
-        stats = _stats_on(s, batch, loss_chunk=7)
+        stats = _stats_on(plan, s, batch, loss_chunk=7)
         stats.loss_sum.backward()
     assert stats.loss_sum.dtype == torch.float32
     chunks = -(-len(batch.supervised_index) // 7)
@@ -375,9 +382,7 @@ def test_train_batch_pin_memory_pins_every_tensor(cache, tmp_path, monkeypatch):
     from torch.utils.data._utils.pin_memory import pin_memory
 
     from pipeline.train.batching import TrainBatch
-    from pipeline.train.setup import setup
-
-    batch = next(setup(_config(cache, tmp_path / "run")).batches)
+    batch = next(_setup(_config(cache, tmp_path / "run"))[1].batches)
     tensor_fields = [name for name, value in vars(batch).items() if isinstance(value, torch.Tensor)]
     pinned_ids = []
     if not torch.cuda.is_available():
@@ -441,7 +446,7 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
     monkeypatch.setattr(step, "all_reduce_on", recording)  # StepStats.all_reduced's
     trained_on = []
     real_setup = loop.setup
-    monkeypatch.setattr(loop, "setup", lambda config: trained_on.append(s := real_setup(config)) or s)
+    monkeypatch.setattr(loop, "setup", lambda plan: trained_on.append(s := real_setup(plan)) or s)
     summary = train(_config(cache, tmp_path / "run", epochs=1))
     model_device = next(trained_on[0].drafter.parameters()).device
     assert len(calls) == 3 * summary["steps"] > 0
@@ -531,7 +536,7 @@ def _syncing_ops(fn) -> list[str]:
     return seen
 
 
-def _masked_loss(s, batch):
+def _masked_loss(plan, s, batch):
     """forward_loss as it was: the context cut to its longest sequence, the supervised slots picked
     by boolean masks (one host sync each), everything else the same (the loss's own chunking aside)."""
     import torch.nn.functional as F
@@ -543,7 +548,7 @@ def _masked_loss(s, batch):
     mask = visibility_mask(
         context_positions=batch.context_positions[:, :c], context_owner=batch.context_owner[:, :c],
         context_valid=batch.context_valid[:, :c], block_corpus_limit=batch.block_corpus_limit,
-        block_valid=batch.block_valid, block_size=s.num_slots + 1,
+        block_valid=batch.block_valid, block_size=plan.num_slots + 1,
     )  # fmt: skip
     hidden = s.model(
         context_features=(batch.context_features[:, :c].to(torch.int32) << 16).view(torch.float32),
@@ -551,7 +556,7 @@ def _masked_loss(s, batch):
         block_positions=batch.block_positions, attention_mask=mask,
     )  # fmt: skip
     num_batch, num_blocks, _ = batch.slot_weights.shape
-    hidden = hidden.view(num_batch, num_blocks, s.num_slots + 1, -1)[:, :, 1:]
+    hidden = hidden.view(num_batch, num_blocks, plan.num_slots + 1, -1)[:, :, 1:]
     supervised = batch.slot_weights > 0
     logits = F.linear(hidden[supervised], s.lm_head)
     loss_sum, weight_sum = topk_tail_loss(
@@ -565,10 +570,8 @@ def test_a_micro_batch_needs_no_host_sync_and_keeps_its_loss_and_gradients(cache
     """The loss of a padded batch with the collate's indices equals the unpadded, boolean-masked one
     (values and gradients, fp32 rounding), and its forward, backward and clip run none of the ops
     that wait on the device, which the boolean-masked loss runs (so the detector detects)."""
-    from pipeline.train.setup import setup
-
-    s = setup(_config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32"))
-    batch = next(s.batches).to(s.device)
+    plan, s = _setup(_config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32"))
+    batch = next(s.batches).to(plan.ranks.device)
     assert batch.context_features.shape[1] % 128 == 0 and not batch.context_valid[:, -1].any()
     assert torch.equal(batch.supervised_index, torch.nonzero(batch.slot_weights.flatten() > 0).flatten())
 
@@ -580,12 +583,12 @@ def test_a_micro_batch_needs_no_host_sync_and_keeps_its_loss_and_gradients(cache
         return loss_sum.detach(), weight_sum.detach(), {n: p.grad.clone() for n, p in s.drafter.named_parameters()}
 
     def fast():
-        stats = _stats_on(s, batch, loss_chunk=7)  # several chunks
+        stats = _stats_on(plan, s, batch, loss_chunk=7)  # several chunks
         return stats.loss_sum, stats.weight_sum
 
     results = {}
     assert _syncing_ops(lambda: results.update(fast=gradients(fast))) == []
-    assert "index" in _syncing_ops(lambda: results.update(masked=gradients(lambda: _masked_loss(s, batch))))
+    assert "index" in _syncing_ops(lambda: results.update(masked=gradients(lambda: _masked_loss(plan, s, batch))))
     (fast_loss, fast_weight, fast_grads), (loss, weight, grads) = results["fast"], results["masked"]
     assert fast_weight == weight > 0
     torch.testing.assert_close(fast_loss, loss, rtol=1e-6, atol=0)
@@ -614,12 +617,10 @@ def test_flex_equals_sdpa_on_real_batches_of_ten_lengths_with_at_most_two_compil
     from torch._dynamo.utils import counters
 
     from pipeline.train.batching import CacheTrainDataset, collate
-    from pipeline.train.setup import setup
-
     config = _config(cache, tmp_path / "run", method="alr_ira", attention="sdpa", precision="fp32")
-    s, reader = setup(config), open_cache(cache)
+    (plan, s), reader = _setup(config), open_cache(cache)
     m = reader.manifest
-    objective = config.objective.for_cache(num_slots=s.num_slots, mask_token_id=m.mask_token_id, stop_token_ids=m.stop_token_ids)
+    objective = config.objective.for_cache(num_slots=plan.num_slots, mask_token_id=m.mask_token_id, stop_token_ids=m.stop_token_ids)
     dataset = CacheTrainDataset(reader, objective=objective, seed=0)
     examples = [dataset[(0, i)] for i in range(2)]
     shortest = min(e.num_tokens for e in examples)
@@ -633,9 +634,9 @@ def test_flex_equals_sdpa_on_real_batches_of_ten_lengths_with_at_most_two_compil
 
     before = counters["stats"]["unique_graphs"]
     for length in lengths:
-        batch = collate([cut(examples[0], length), examples[1]]).to(s.device)
+        batch = collate([cut(examples[0], length), examples[1]]).to(plan.ranks.device)
         with torch.no_grad():
-            sdpa, flex = _stats_on(s, batch, attention="sdpa"), _stats_on(s, batch, attention="flex")
+            sdpa, flex = _stats_on(plan, s, batch, attention="sdpa"), _stats_on(plan, s, batch, attention="flex")
         assert batch.context_owner.max() >= 0 and not batch.context_valid.all()  # private and padded context
         assert flex.weight_sum == sdpa.weight_sum > 0
         assert abs(flex.loss_sum - sdpa.loss_sum) <= 1e-5 * abs(sdpa.loss_sum), (length, flex.loss_sum, sdpa.loss_sum)

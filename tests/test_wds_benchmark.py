@@ -1,4 +1,4 @@
-"""benchmarks/wds_storage.py still runs at its --quick size and reports what it must (no timings)."""
+"""benchmarks/speed/wds_storage.py still runs at its --quick size and reports what it must (no timings)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_wds_storage_benchmark_reports_every_storage_for_both_codecs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    result = run_to_end([sys.executable, "benchmarks/wds_storage.py", "--quick", "--out", str(tmp_path / "work")], cwd=ROOT, env=env)
+    result = run_to_end([sys.executable, "-m", "benchmarks.speed.wds_storage", "--quick", "--out", str(tmp_path / "work")], cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     tables = [i for i, line in enumerate(lines) if line.startswith("storage ")]

@@ -19,6 +19,7 @@ from drafter.checkpoint import load_drafter
 from pipeline.train.batching import CacheTrainDataset, collate
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import train
+from pipeline.train.plan import plan_training
 from pipeline.train.setup import setup
 from storage.format import SHARD_DIR, TARGET_HEAD_FILE, shard_name
 from storage.manifest import ShardRecord, save_manifest
@@ -99,26 +100,32 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _epochs_seen(s) -> list[list[int]]:
+def _set_up(config):
+    """The run's plan and the state built from it (pipeline/train/plan.py, setup.py), as the loop holds them."""
+    plan = plan_training(config)
+    return plan, setup(plan)
+
+
+def _epochs_seen(plan, s) -> list[list[int]]:
     """The sequence indices of each epoch's steps, in order, from a set-up run's batches."""
-    epochs = [[] for _ in s.epoch_ends]
+    epochs = [[] for _ in plan.epoch_ends]
     for step, batch in enumerate(s.batches):
-        epochs[s.epoch_of(step)] += batch.indices
+        epochs[plan.epoch_of(step)] += batch.indices
     return epochs
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_every_sequence_is_seen_once_per_epoch(caches, tmp_path, num_workers):
-    s = setup(_config(caches["wds-bf16"], tmp_path / "run", epochs=3, num_workers=num_workers))
-    assert s.epoch_ends == [4, 8, 12]  # 8 sequences, micro-batches of 2, every stream has whole batches
-    epochs = _epochs_seen(s)
+    plan, s = _set_up(_config(caches["wds-bf16"], tmp_path / "run", epochs=3, num_workers=num_workers))
+    assert list(plan.epoch_ends) == [4, 8, 12]  # 8 sequences, micro-batches of 2, every stream has whole batches
+    epochs = _epochs_seen(plan, s)
     assert [sorted(seen) for seen in epochs] == [list(range(NUM_SEQUENCES))] * 3
     assert len({tuple(seen) for seen in epochs}) == 3  # a new shard order and shuffle every epoch
 
 
 def test_stream_refuses_a_zarr_cache_in_one_line(caches, tmp_path):
     with pytest.raises(ValueError) as error:
-        setup(_config(caches["zarr-bf16"], tmp_path / "run"))
+        plan_training(_config(caches["zarr-bf16"], tmp_path / "run"))
     assert str(error.value).startswith("--loader stream needs a wds cache;") and "\n" not in str(error.value)
     with pytest.raises(ValueError, match="--loader must be map or stream"):
         _config(caches["zarr-bf16"], tmp_path / "run", loader="iterable")
@@ -127,7 +134,7 @@ def test_stream_refuses_a_zarr_cache_in_one_line(caches, tmp_path):
 def _assert_stream_equals_map(stream_cache: Path, map_cache: Path, tmp_path: Path, *, method: str) -> None:
     """Each streamed batch equals the batch the map loader builds from `map_cache` for the same
     (epoch, sequence) keys; some IRA secondary saw its parent's rollout features."""
-    s = setup(_config(stream_cache, tmp_path / "stream", method=method, num_workers=2))
+    plan, s = _set_up(_config(stream_cache, tmp_path / "stream", method=method, num_workers=2))
     map_config = _config(map_cache, tmp_path / "map", method=method, loader="map")
     reader = open_cache(map_cache)
     objective = map_config.objective.for_cache(
@@ -137,7 +144,7 @@ def _assert_stream_equals_map(stream_cache: Path, map_cache: Path, tmp_path: Pat
     by_map = CacheTrainDataset(reader, objective=objective, seed=map_config.seed)
     seen, private_context = [], 0
     for step, batch in enumerate(s.batches):
-        expected = collate([by_map[(s.epoch_of(step), index)] for index in batch.indices])
+        expected = collate([by_map[(plan.epoch_of(step), index)] for index in batch.indices])
         for field in dataclasses.fields(expected):
             got, want = getattr(batch, field.name), getattr(expected, field.name)
             assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, (step, field.name)
@@ -221,7 +228,7 @@ def test_resume_refuses_what_changes_a_stream_but_not_what_the_map_loader_ignore
 def test_the_plan_every_rank_computes_alike():
     """Pure planning, no data: the DataLoader's turn order, epochs of uneven shards sized by the
     slowest rank, and a checkpoint's data position that does not depend on the rank computing it."""
-    from pipeline.train.data import data_position as _data_position
+    from pipeline.train.streaming import data_position as _data_position
     from pipeline.train.streaming import StreamPlan, StreamShard, stream_position, turn_order, wholly_consumed_shards
 
     assert turn_order([3, 1, 2]) == [0, 1, 2, 0, 2, 0]
@@ -252,14 +259,15 @@ def _free_port() -> int:
 PROBE = """
 import json, os, sys
 from pipeline.train import TrainConfig, train
+from pipeline.train.plan import plan_training
 from pipeline.train.setup import setup
 
 config = TrainConfig.from_flags(**json.loads(sys.argv[1]))
 if len(sys.argv) > 2:  # record each rank's batches first
-    s = setup(config)
-    seen = [list(batch.indices) for batch in s.batches]
-    with open(os.path.join(sys.argv[2], f"rank{s.rank}.json"), "w") as f:
-        json.dump({"epoch_ends": s.epoch_ends, "steps": seen}, f)
+    plan = plan_training(config)
+    seen = [list(batch.indices) for batch in setup(plan).batches]
+    with open(os.path.join(sys.argv[2], f"rank{plan.ranks.rank}.json"), "w") as f:
+        json.dump({"epoch_ends": list(plan.epoch_ends), "steps": seen}, f)
 train(config)
 """
 

@@ -274,18 +274,18 @@ class ShardBook:
         removed = clean_partial_shards(out, published=[s.name for s in manifest.shards])
         if removed:
             self.log(f"removed {len(removed)} partial shard(s) left by writers of an earlier build")
-        split = plan.config.eval_split
-        if split.eval_prompts is not None:  # kept when one of the same inputs is there (a resumed or repeated build)
+        if plan.eval_split is not None:  # kept when one of the same inputs is there (a resumed or repeated build)
             import torch
 
             from pipeline.eval.split import build_eval_split
 
             check_owner(out, self.owner)
-            build_eval_split(
-                out, target=plan.config.target, prompts=split.eval_prompts, max_new_tokens=split.eval_max_new_tokens,
-                max_prompts=split.eval_max_prompts, layer_ids=plan.settings.layer_ids,
-                device="cuda" if torch.cuda.is_available() else "cpu", log=self.log,
-            )  # fmt: skip
+            from storage.eval_split import SplitFit
+
+            fit = SplitFit(target_hash=plan.settings.target_hash, layer_ids=list(plan.settings.layer_ids), vocab_size=plan.vocab_size,
+                           feature_width=len(plan.settings.layer_ids) * int(plan.target_config["hidden_size"]))  # fmt: skip
+            build_eval_split(out, plan.eval_split, target=plan.config.target, fit=fit,
+                             device="cuda" if torch.cuda.is_available() else "cpu", log=self.log)  # fmt: skip
         # What produced the cache: one entry per build invocation (a resume adds one; pipeline/provenance.py).
         append_provenance(
             out, BUILD_PROVENANCE_FILE, {**to_flags(plan.config), "compute": plan.compute, "mask_token_id": plan.mask_token_id}

@@ -5,7 +5,7 @@ Tokenizes the corpus and sizes every sequence's anchor pool exactly as the build
 forward, nothing written), so tokens, anchors and IRA parents are the build's own; the raw bytes
 of every array group follow from them and the settings. What compression will make of them is
 not known before the target runs: each group's raw bytes are divided by the ratio measured for
-it (benchmarks/cache_settings.py at Qwen3-4B shapes, and the toy target's caches in
+it (benchmarks/speed/cache_settings.py at Qwen3-4B shapes, and the toy target's caches in
 tests/test_cache_compact.py): bf16 features compress 1.27-1.41x (toy target, random and
 SmolLM2-135M activations), fp8 features 1.0-1.2x. The projection is within 10% of what the toy
 build writes (tested); a real target's activations may compress differently, which is the
@@ -22,6 +22,7 @@ import numpy as np
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.corpus import corpus_vision_inputs, ingest_corpus
 from pipeline.cache_build.rollouts import anchor_pool_size
+from storage.eval_split import split_file_bytes
 from storage.format import num_parents, record_array_names
 from storage.reader import BYTE_GROUPS
 
@@ -29,6 +30,7 @@ from storage.reader import BYTE_GROUPS
 COMPRESSION = {"bf16": 1.33, "fp8": 1.1, "labels": 1.2, "tokens": 1.0}
 # Zarr metadata and offsets per shard (measured: ~3 KiB a toy shard); a tar's end blocks.
 INDEX_BYTES_PER_SHARD = {"zarr": 3 << 10, "wds": 1 << 10}
+EVAL_SPLIT_RECORD_BYTES = 2 << 10  # eval_split.json: its key, sha256 and counts
 # A tar member's header and padding (storage/formats/wds.py: one member per array per sequence).
 TAR_MEMBER_BYTES = 512 + 256
 
@@ -94,7 +96,27 @@ def projected_bytes(raw: dict[str, int], *, codecs: dict[str, str], storage_form
     return out
 
 
-def estimate_cache(config: CacheBuildConfig, *, feature_dim: int, progress: bool = False) -> dict:
+def eval_split_estimate(config: CacheBuildConfig, *, tokenizer, feature_dim: int, log=print) -> dict | None:
+    """The evaluation split's prompts, most tokens and exact most bytes (None without --eval-prompts);
+    its prompts are read and checked as the build reads them (pipeline/eval/split.py)."""
+    split = config.eval_split
+    if split.eval_prompts is None:
+        return None
+    from pipeline.corpus_source import local_corpus
+    from pipeline.eval.split import plan_eval_split
+
+    plan = plan_eval_split(
+        split.eval_prompts, target=config.target, tokenizer=tokenizer, max_new_tokens=split.eval_max_new_tokens,
+        max_prompts=split.eval_max_prompts, corpus=local_corpus(config.corpus.path), log=log,
+    )  # fmt: skip
+    num_tokens = plan.max_tokens
+    return {
+        "prompts": len(plan.prompts), "max_tokens": num_tokens,
+        "bytes": split_file_bytes(num_tokens=num_tokens, num_prompts=len(plan.prompts), feature_width=feature_dim),
+    }  # fmt: skip
+
+
+def estimate_cache(config: CacheBuildConfig, *, feature_dim: int, progress: bool = False, log=print) -> dict:
     """Tokens, anchors, parents and projected bytes (total and by group) of the build `config`
     describes (taps resolved: `feature_dim` = taps x hidden size); nothing is written."""
     from pipeline.target import load_tokenizer
@@ -125,8 +147,16 @@ def estimate_cache(config: CacheBuildConfig, *, feature_dim: int, progress: bool
     overhead = format_overhead_bound(
         raw, storage_format=config.storage.storage_format, num_shards=num_shards, num_sequences=len(corpus), num_arrays=num_arrays
     )  # fmt: skip
+    # The evaluation split (--eval-prompts) is written as it is (float32 features, no compression):
+    # its bound is every prompt with its whole budget, its projection the same (a response stops
+    # early only where the target emits a stop token, which is not known before it runs).
+    split = eval_split_estimate(config, tokenizer=tokenizer, feature_dim=feature_dim, log=log)
+    if split is not None:
+        raw["eval_split"] = projected["eval_split"] = split["bytes"]
+        overhead += EVAL_SPLIT_RECORD_BYTES
     total, tokens = sum(projected.values()), int(lengths.sum())
     return {
+        "eval_split": split,
         "sequences": len(corpus), "tokens": tokens, "anchors": int(pools.sum()), "ira_parents": int(parents.sum()),
         "shards": num_shards, "feature_dim": feature_dim, "codecs": codecs, "profile": layout["profile"],
         "contents": list(config.contents),
@@ -139,14 +169,14 @@ def estimate_cache(config: CacheBuildConfig, *, feature_dim: int, progress: bool
     }  # fmt: skip
 
 
-def estimate_build(config: CacheBuildConfig, *, progress: bool = False) -> dict:
+def estimate_build(config: CacheBuildConfig, *, progress: bool = False, log=print) -> dict:
     """estimate_cache with the taps resolved as the build resolves them."""
     from pipeline.cache_build.plan import resolve_layer_ids
     from pipeline.target import read_target_config
 
     target_config = read_target_config(config.target)
     layer_ids = resolve_layer_ids(config, num_target_layers=int(target_config["num_hidden_layers"]))
-    return estimate_cache(config, feature_dim=len(layer_ids) * int(target_config["hidden_size"]), progress=progress)
+    return estimate_cache(config, feature_dim=len(layer_ids) * int(target_config["hidden_size"]), progress=progress, log=log)
 
 
 def estimate_lines(estimate: dict) -> list[str]:
@@ -165,6 +195,12 @@ def estimate_lines(estimate: dict) -> list[str]:
         f"per corpus token, {e['bytes_per_sequence'] / mib:,.2f} MiB per sequence (no target forward: the projection "
         "assumes each group's compression, docs/cache-format.md 'Size'; the bound assumes none)",
     ]
+    if e["eval_split"] is not None:
+        split = e["eval_split"]
+        lines.append(
+            f"eval split: {split['prompts']:,} prompts, at most {split['max_tokens']:,} tokens (prompt + --eval-max-new-tokens each), "
+            f"{split['bytes'] / mib:,.2f} MiB at most (float32 features: {e['feature_dim'] * 4:,} bytes per token, uncompressed)"
+        )
     for group, size in e["bytes_by_group"].items():
         lines.append(f"  {group:<17} {e['bytes_per_token_by_group'][group] / 1024:>10,.2f} KiB/token  {size / mib:>12,.2f} MiB")
     return lines

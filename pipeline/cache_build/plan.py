@@ -1,6 +1,6 @@
 """What a cache build resolves before it writes anything, resolved once into one frozen `BuildPlan`
 (docs/design.md, "A cache build"): the corpus's one local copy and its hash, the target's config
-and hash, the tapped layers, the settings the manifest records, the compute `auto` resolves to,
+and hash, the tapped layers, the evaluation split's prompts (checked, budgeted), the settings the manifest records, the compute `auto` resolves to,
 the tokenizer, stop and mask tokens, the vision inputs, and what a resume must match (the
 previous manifest, whether --overwrite replaces it, whether the tokenized corpus is reused).
 
@@ -21,6 +21,7 @@ from pipeline.cache_build.config import CacheBuildConfig, vision_cache_settings
 from pipeline.cache_build.corpus import CORPUS_FILES, changed_corpus_images, corpus_vision_inputs
 from pipeline.chat import iter_corpus_rows
 from pipeline.corpus_source import file_sha256, local_corpus
+from pipeline.eval.split import SplitPlan, plan_eval_split
 from pipeline.target import (
     load_tokenizer,
     read_generation_config,
@@ -56,6 +57,7 @@ class BuildPlan:
     reuse_corpus: bool  # the tokenized corpus of the previous build is kept
     had_cache: bool  # --out held a cache (or a build's claim) before this build
     created: bool  # --out did not exist before this build
+    eval_split: SplitPlan | None = None  # --eval-prompts read, checked and budgeted (pipeline/eval/split.py)
 
     @property
     def vocab_size(self) -> int:
@@ -88,6 +90,11 @@ def plan_build(config: CacheBuildConfig, *, log=print) -> BuildPlan:
     check_init_mask_token(config, mask_token_id, init=init)
     layer_ids = resolve_layer_ids(config, num_target_layers=int(target_config["num_hidden_layers"]), init=init)
     config = config.with_taps(layer_ids)
+    split = config.eval_split
+    eval_split = None if split.eval_prompts is None else plan_eval_split(
+        split.eval_prompts, target=config.target, tokenizer=tokenizer, max_new_tokens=split.eval_max_new_tokens,
+        max_prompts=split.eval_max_prompts, corpus=corpus_copy, log=log,
+    )  # fmt: skip
     settings = CacheSettings(
         target_hash=settings_target_hash, layer_ids=layer_ids, corpus_hash=corpus_hash, **content, **vision_settings
     )
@@ -112,6 +119,7 @@ def plan_build(config: CacheBuildConfig, *, log=print) -> BuildPlan:
         config=config, out=out, started=started, corpus_copy=corpus_copy, target_config=target_config, settings=settings,
         compute=compute, tokenizer=tokenizer, stop_ids=stop_ids, mask_token_id=mask_token_id, vision=vision,
         previous=previous, replaced=replaced, reuse_corpus=reuse_corpus, had_cache=had_cache, created=created,
+        eval_split=eval_split,
     )  # fmt: skip
 
 

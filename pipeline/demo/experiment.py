@@ -23,7 +23,7 @@ Phases (each reuses its finished output, so an interrupted run resumes):
                  T = 1 (its MAT), seed 0 at T = 0 (speedups, losslessness); then replay of the same
                  prompts checked against it round for round
   8. analyses    compare, offset profile, training cost, hard offsets (pipeline/eval/analysis.py)
-Writes OUT/paper.json: every number with the run directory it came from. benchmarks/paper.py
+Writes OUT/paper.json: every number with the run directory it came from. benchmarks/speed/paper.py
 turns it into docs/results.md's real-model section.
 """
 
@@ -580,4 +580,4 @@ def main(out: str, quick: bool, profile: str, cache_dir: str):
     torch.set_num_threads(1)  # the real model: one thread (two are slower on a shared machine)
     hf_logging.disable_progress_bar()
     report = run_paper(out=Path(out), profile="quick" if quick else profile, cache_dir=Path(cache_dir))
-    print(f"results: {report['out']}/paper.json ({report['wall_s']:.0f}s); docs/results.md: benchmarks/paper.py")
+    print(f"results: {report['out']}/paper.json ({report['wall_s']:.0f}s); docs/results.md: benchmarks/speed/paper.py")

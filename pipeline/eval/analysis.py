@@ -326,7 +326,7 @@ def hard_offsets(*, target_dir: str, prompts: str, drafters: dict[str, str], max
                  max_prompts: int | None) -> list[dict]:  # fmt: skip
     """One raw row per (prompt, response offset with K tokens after it): each role's acceptance length."""
     from drafter.checkpoint import load_drafter
-    from pipeline.eval.evaluate import check_drafter_fits, load_prompts, load_target_and_stops
+    from pipeline.eval.evaluate import check_drafter_fits, context_budgets, load_prompts, load_target_and_stops
     from pipeline.target import tapped_features
 
     target, tokenizer, stops = load_target_and_stops(target_dir, device=torch.device("cpu"), dtype=torch.float32)
@@ -344,8 +344,10 @@ def hard_offsets(*, target_dir: str, prompts: str, drafters: dict[str, str], max
     num_draft = drafts_per_block.pop()
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     raw = []
-    for prompt in load_prompts(prompts, tokenizer, max_prompts=max_prompts):
-        sequence, hidden_states = greedy_sequence(target, prompt.input_ids, max_new_tokens=max_new_tokens, stops=stops)
+    rows = load_prompts(prompts, tokenizer, max_prompts=max_prompts)
+    budgets = context_budgets(target_dir, tokenizer, rows, max_new_tokens=max_new_tokens, flag="--max-new-tokens", path=prompts)
+    for prompt in rows:
+        sequence, hidden_states = greedy_sequence(target, prompt.input_ids, max_new_tokens=budgets[prompt.prompt_id], stops=stops)
         start = len(prompt.input_ids)
         anchors = list(range(start, len(sequence) - num_draft))  # response token at offset o sits at start + o
         if not anchors:

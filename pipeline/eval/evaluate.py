@@ -49,7 +49,7 @@ from pipeline.eval.scores import (
 )
 from pipeline.eval.tree import tree_speculative_decode
 from pipeline.outputs import check_out_path, claim_output, log_line, owns
-from pipeline.target import load_target, load_tokenizer, stop_token_ids
+from pipeline.target import context_limit, load_target, load_tokenizer, prompt_budgets, stop_token_ids
 from pipeline.vision import (
     SequenceImage,
     VisionInputConfig,
@@ -210,6 +210,22 @@ def select_evenly(rows: list[tuple], *, max_prompts: int | None) -> list[tuple]:
     return [rows[position] for position in sorted(itertools.islice(rounds, max_prompts))]
 
 
+def context_budgets(target_dir: str, tokenizer, prompts: list[EvalPrompt], *, max_new_tokens: int, path: str,
+                    flag: str = "--max-new-tokens", log=log_line) -> dict[int, int]:  # fmt: skip
+    """{prompt id: tokens it may generate}: `max_new_tokens`, cut where the prompt and its response
+    would outgrow the target's context (pipeline.target.context_limit), with one line saying so; a
+    prompt that fills the context is refused naming its row. Every decode of a prompts file (run,
+    replay, hard, the cache's evaluation split) goes through it."""
+    locate = row_locator(path)
+    budgets, line = prompt_budgets(
+        context_limit(target_dir, tokenizer), [len(p.input_ids) for p in prompts], max_new_tokens=max_new_tokens, flag=flag,
+        where=[locate(p.prompt_id) for p in prompts],
+    )  # fmt: skip
+    if line is not None:
+        log(line)
+    return {p.prompt_id: budget for p, budget in zip(prompts, budgets, strict=True)}
+
+
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -327,7 +343,7 @@ def run_eval(config: EvalConfig, *, log=log_line) -> dict:
                       log=log) as output:  # fmt: skip
         if output.kept:
             return json.loads((output.path / "summary.json").read_text())
-        summary = _run_eval(config, device=device, dtype=dtype)
+        summary = _run_eval(config, device=device, dtype=dtype, log=log)
         summary["inputs"] = inputs
         summary["provenance"] = provenance_record({**to_flags(config), "dtype_resolved": str(dtype).removeprefix("torch."),
                                                    "device_resolved": str(device)})  # fmt: skip
@@ -336,20 +352,14 @@ def run_eval(config: EvalConfig, *, log=log_line) -> dict:
     return summary
 
 
-def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -> dict:
+def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype, log=log_line) -> dict:
     target, tokenizer, drafter, stops = load_models(config, device, dtype)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     draft_config = drafter.config
     prompts = eval_prompts(config, tokenizer)
+    budgets = context_budgets(config.target, tokenizer, prompts, max_new_tokens=config.max_new_tokens, path=config.prompts, log=log)
     num_draft = draft_config.num_drafts
-    family = family_of(drafter)
-    if config.tree_budget is not None and not family.tree_verification:
-        raise ValueError(f"--tree-budget: {config.drafter} is a {family.title} drafter, whose slots are not drafted independently; verify a chain")
-    if config.confidence_threshold > 0 and not family.has_confidence(draft_config):
-        raise ValueError(
-            f"--confidence-threshold {config.confidence_threshold}: {config.drafter} is a {family.title} drafter without a "
-            "confidence prediction, so no threshold can cut its proposals; leave it at 0"
-        )
+    check_drafting_options(config, drafter)
 
     def run_ar(prompt: EvalPrompt, max_new_tokens: int, seed: int) -> DecodeResult:
         return autoregressive_decode(
@@ -387,11 +397,9 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
             confidence_threshold=config.confidence_threshold,
         )
 
-    ar_key = ar_baseline_key(config, prompts, dtype=dtype, device=device)
-    found = find_ar_baseline(ar_baseline_candidates(config.out, config.ar_baseline_from), ar_key, prompts) if config.reuse_ar_baseline else None
-    reused_from, known_ar = found if found is not None else (None, None)
+    ar_key, reused_from, known_ar = _kept_ar_baseline(config, prompts, budgets, dtype=dtype, device=device)
     # Untimed warm-up of both decoders: first-call costs (allocator, kernels) would skew prompt 0.
-    warmup = min(config.max_new_tokens, WARMUP_TOKENS)
+    warmup = min(budgets[prompts[0].prompt_id], WARMUP_TOKENS)
     if known_ar is None:
         run_ar(prompts[0], warmup, config.seed)
     run_spec(prompts[0], warmup, config.seed)
@@ -400,15 +408,15 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     accepted_by_group: dict[str, list[int]] = {}
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=not config.progress)
     for i, prompt in enumerate(bar):
-        seed = config.seed + i
+        seed, max_new_tokens = config.seed + i, budgets[prompt.prompt_id]
         if known_ar is not None:
-            ar, spec = known_ar[prompt.prompt_id], run_spec(prompt, config.max_new_tokens, seed)
+            ar, spec = known_ar[prompt.prompt_id], run_spec(prompt, max_new_tokens, seed)
         elif i % 2 == 0:
-            ar = run_ar(prompt, config.max_new_tokens, seed)
-            spec = run_spec(prompt, config.max_new_tokens, seed)
+            ar = run_ar(prompt, max_new_tokens, seed)
+            spec = run_spec(prompt, max_new_tokens, seed)
         else:
-            spec = run_spec(prompt, config.max_new_tokens, seed)
-            ar = run_ar(prompt, config.max_new_tokens, seed)
+            spec = run_spec(prompt, max_new_tokens, seed)
+            ar = run_ar(prompt, max_new_tokens, seed)
         ar_results[prompt.prompt_id] = ar
         spec_results.append(spec)
         if config.temperature == 0 and spec.tokens != ar.tokens:
@@ -424,26 +432,58 @@ def _run_eval(config: EvalConfig, *, device: torch.device, dtype: torch.dtype) -
     plotted = _write_rows_and_histogram(out, rows, accepted_by_group, num_draft=num_draft)
     write_csv_rows(out / "rounds.csv", rounds, columns=ROUND_COLUMNS)
     summary = _summary(config, rows, num_groups=len(accepted_by_group), mismatches=mismatches, dtype=dtype, device=device,
-                       block_size=draft_config.block_size, plotted=plotted)  # fmt: skip
+                       block_size=draft_config.block_size, plotted=plotted, budgets=budgets)  # fmt: skip
     summary["ar_baseline"] = {"file": str(ar_file), "reused": known_ar is not None, "reused_from": None if reused_from is None else str(reused_from)}
-    summary["arch"] = family.name
-    summary["num_drafts"] = num_draft
-    summary["slot_acceptance"] = slot_acceptance(spec_results, num_drafts=num_draft)
-    summary["acceptance_per_position"] = position_acceptance(
-        [n for r in spec_results for n in r.accepted_lengths], num_drafts=num_draft
-    )
-    summary["mean_proposed"] = (
-        sum(sum(r.proposed_lengths) for r in spec_results) / max(1, sum(len(r.proposed_lengths) for r in spec_results))
-    )
-    if family.has_confidence(draft_config):  # a threshold only a confidence prediction can apply
-        summary["confidence_threshold"] = config.confidence_threshold
+    summary |= drafting_summary(config, drafter, spec_results)
     _write_json(out / "summary.json", summary)
     return summary
 
 
+def check_drafting_options(config: EvalConfig, drafter) -> None:
+    """The evaluation options the drafter's family supports (drafter/family.py): a token tree only
+    over slots drafted independently, a confidence threshold only with a per-slot acceptance prediction."""
+    family = family_of(drafter)
+    if config.tree_budget is not None and not family.tree_verification:
+        raise ValueError(f"--tree-budget: {config.drafter} is a {family.title} drafter, whose slots are not drafted independently; verify a chain")
+    if config.confidence_threshold > 0 and not family.has_confidence(drafter.config):
+        raise ValueError(
+            f"--confidence-threshold {config.confidence_threshold}: {config.drafter} is a {family.title} drafter without a "
+            "confidence prediction, so no threshold can cut its proposals; leave it at 0"
+        )
+
+
+def drafting_summary(config: EvalConfig, drafter, spec_results: list[DecodeResult]) -> dict:
+    """What summary.json says of the drafter's rounds: its family, drafts per block, acceptance per
+    slot and per position, the mean proposal, and the confidence threshold where one applies."""
+    family, num_drafts = family_of(drafter), drafter.config.num_drafts
+    summary = {
+        "arch": family.name,
+        "num_drafts": num_drafts,
+        "slot_acceptance": slot_acceptance(spec_results, num_drafts=num_drafts),
+        "acceptance_per_position": position_acceptance([n for r in spec_results for n in r.accepted_lengths], num_drafts=num_drafts),
+        "mean_proposed": sum(sum(r.proposed_lengths) for r in spec_results) / max(1, sum(len(r.proposed_lengths) for r in spec_results)),
+    }
+    if family.has_confidence(drafter.config):  # a threshold only a confidence prediction can apply
+        summary["confidence_threshold"] = config.confidence_threshold
+    return summary
+
+
+def _kept_ar_baseline(config: EvalConfig, prompts: list[EvalPrompt], budgets: dict[int, int], *, dtype: torch.dtype,
+                      device: torch.device) -> tuple[str, Path | None, dict | None]:  # fmt: skip
+    """(the AR baseline's key, where a kept one was found, its results by prompt id) (None, None
+    when none is reused: --no-reuse-ar-baseline, none found, or one holding more tokens than a
+    prompt's budget under the target's context, which this run would not decode)."""
+    ar_key = ar_baseline_key(config, prompts, dtype=dtype, device=device)
+    found = find_ar_baseline(ar_baseline_candidates(config.out, config.ar_baseline_from), ar_key, prompts) if config.reuse_ar_baseline else None
+    if found is None or any(len(found[1][p.prompt_id].tokens) > budgets[p.prompt_id] for p in prompts):
+        return ar_key, None, None
+    return ar_key, found[0], found[1]
+
+
 def _summary(config: EvalConfig, rows: list[dict], *, num_groups: int, mismatches: int, dtype: torch.dtype,
-             device: torch.device, block_size: int, plotted: bool) -> dict:  # fmt: skip
-    """summary.json of a run: its settings, the pooled scores, the lossless check."""
+             device: torch.device, block_size: int, plotted: bool, budgets: dict[int, int]) -> dict:  # fmt: skip
+    """summary.json of a run: its settings, the pooled scores, the lossless check, how many prompts
+    the target's context held to fewer than --max-new-tokens (`budgets`)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return {
         "target": str(Path(config.target).resolve()),
@@ -451,6 +491,7 @@ def _summary(config: EvalConfig, rows: list[dict], *, num_groups: int, mismatche
         "prompts": str(Path(config.prompts).resolve()),
         "temperature": config.temperature,
         "max_new_tokens": config.max_new_tokens,
+        "capped_prompts": sum(budget < config.max_new_tokens for budget in budgets.values()),
         "seed": config.seed,
         "dtype": dtype_name,
         "device": str(device),

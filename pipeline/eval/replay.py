@@ -15,7 +15,7 @@ are: results.csv (draft_ms empty: nothing speculative was timed), rounds.csv, su
 null, `"mode": "greedy_replay"`). What can differ from real decoding is float rounding: the
 features come from one forward over the whole sequence instead of the verification forwards, and
 the drafts from batched blocks instead of the cached draft step, so a near-tie argmax can flip.
-benchmarks/paper.py runs both on the same prompts and reports how far they agree.
+benchmarks/speed/paper.py runs both on the same prompts and reports how far they agree.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from drafter.drafting import block_drafts, match_lengths, position_acceptance, replay_rounds
 from pipeline.provenance import provenance_record
-from pipeline.eval.evaluate import EVAL_FILES, EvalPrompt, load_prompts, load_target_and_stops, replay_inputs
+from pipeline.eval.evaluate import EVAL_FILES, EvalPrompt, context_budgets, load_prompts, load_target_and_stops, replay_inputs
 from pipeline.eval.scores import ROUND_COLUMNS, _write_rows_and_histogram, round_rows, summarize, write_csv_rows
 from pipeline.eval.speculative import DecodeResult, autoregressive_decode
 from pipeline.outputs import LOCK_FILE, check_out_path, log_line, output_lock, owns, prepare_output, read_record
@@ -135,8 +135,11 @@ def _replay(*, target: str, todo: dict[str, str], prompts: str, outputs: dict, m
     rows = {name: [] for name in todo}
     rounds = {name: [] for name in todo}
     accepted_by_group = {name: {} for name in todo}
-    for prompt in load_prompts(prompts, tokenizer, max_prompts=max_prompts):
-        ar, hidden_states = greedy_response(target_model, prompt, max_new_tokens=max_new_tokens, stops=stops)
+    rows_in = load_prompts(prompts, tokenizer, max_prompts=max_prompts)
+    budgets = context_budgets(target, tokenizer, rows_in, max_new_tokens=max_new_tokens, flag="--max-new-tokens", path=prompts,
+                              log=log or log_line)  # fmt: skip
+    for prompt in rows_in:
+        ar, hidden_states = greedy_response(target_model, prompt, max_new_tokens=budgets[prompt.prompt_id], stops=stops)
         for name, model in models.items():
             accepted = replay_prompt(model, embed_tokens=embed_tokens, lm_head=lm_head, prompt=prompt, ar=ar,
                                      hidden_states=hidden_states)  # fmt: skip
@@ -158,6 +161,7 @@ def _replay(*, target: str, todo: dict[str, str], prompts: str, outputs: dict, m
             "rounds": sum(r["rounds"] for r in rows[name]), **summarize(rows[name]), "lossless_mismatches": None,
             "lossless_exact": None, "lossless_note": "greedy replay: the committed tokens are the target's greedy tokens",
             "accept_hist_png": plotted, "inputs": output.inputs, "num_drafts": num_drafts,
+            "capped_prompts": sum(b < max_new_tokens for b in budgets.values()),
             "acceptance_per_position": position_acceptance(
                 [n for lengths in accepted_by_group[name].values() for n in lengths], num_drafts=num_drafts
             ),

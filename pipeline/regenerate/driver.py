@@ -43,7 +43,7 @@ from pipeline.outputs import differences as recorded_differences
 from pipeline.provenance import append_provenance
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.parts import PartSpec
-from pipeline.target import target_hash
+from pipeline.target import ContextLimit, context_limit, load_tokenizer, target_hash
 from pipeline.vision import is_vision_target
 from storage.atomic import atomic_write_bytes
 from storage.location import is_url, resolve
@@ -227,6 +227,7 @@ class RegeneratePlan:
     resumed: bool  # an earlier run with the same provenance is continued
     remove: list[str]  # --out's names removed before the first part: temp files, or all of them for --overwrite
     compute: dict[str, str]  # device and dtype the workers compute in, `auto` resolved (WorkerConfig.planned_compute)
+    context: ContextLimit  # the target's: every turn's prompt + response fits it (rows.next_request)
 
     @property
     def pending(self) -> list[PartSpec]:
@@ -268,7 +269,7 @@ def plan_regenerate(config: RegenerateConfig) -> RegeneratePlan:
             redo.append(f"{record['name']}: not kept ({problem}); writing it again")
     return RegeneratePlan(
         config=config, provenance=new, specs=specs, kept=kept, redo=redo, resumed=previous is not None,
-        remove=remove, compute=config.compute.planned_compute(),
+        remove=remove, compute=config.compute.planned_compute(), context=context_limit(config.target, load_tokenizer(config.target)),
     )  # fmt: skip
 
 
@@ -309,6 +310,9 @@ def started_parts(plan: RegeneratePlan, *, log) -> PartBook:
         log(f"{config.out}: resuming, {len(plan.kept)}/{len(plan.specs)} part(s) already written and intact")
     for line in plan.redo:
         log(line)
+    if plan.context.positions is not None and config.sampling.max_new_tokens >= plan.context.positions:
+        log(f"--max-new-tokens {config.sampling.max_new_tokens}: capped by the target's context ({plan.context.positions} positions, "
+            f"{plan.context.source}): each turn generates at most what its prompt leaves of it")  # fmt: skip
     manifest = {
         "kind": REGENERATED_KIND, "format_version": FORMAT_VERSION, "out": str(config.out), "provenance": plan.provenance,
         "num_parts": len(plan.specs), "parts": list(plan.kept),

@@ -19,7 +19,7 @@ from pipeline.corpus_source import pinned_local_corpus
 from pipeline.regenerate.backends import load_generator
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.regenerate.rows import RowRegeneration, apply_turn, next_request, output_row, prepare_row
-from pipeline.target import read_target_config
+from pipeline.target import context_limit
 from pipeline.vision import effective_system_prompt
 from storage.atomic import atomic_write_bytes
 from storage.location import resolve
@@ -59,7 +59,8 @@ class PartWriter:
         corpus = CorpusConfig(path=config.corpus, vision_input=config.vision_input, skip_bad_rows=config.skip_bad_rows)
         self.vision = corpus_vision_inputs(config.target, corpus)
         self.system_prompt = effective_system_prompt(config.vision_input.system_prompt, vision=self.vision)
-        self.max_context = int(read_target_config(config.target).get("max_position_embeddings", 1 << 30))
+        # Each turn generates at most what the target's context leaves after its prompt (rows.next_request).
+        self.max_context = context_limit(config.target, self.tokenizer).positions or 1 << 30
 
     def write(self, spec: PartSpec) -> dict:
         """Regenerate and publish part `spec`; its manifest record."""

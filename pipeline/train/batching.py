@@ -16,7 +16,6 @@ from torch import Tensor
 
 from drafter.masks import SHARED_OWNER
 from pipeline.train.labels import BlockTargets, ObjectiveConfig, build_block_targets
-from pipeline.train.methods import recipe
 from storage.codecs import FP8_E4M3FN_TABLE
 from storage.format import ANCHOR_ARRAYS, TOKEN_ARRAYS, ira_parent_rows
 
@@ -72,8 +71,7 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         # Features travel as their stored bits (bf16: uint16, half of float32; fp8: uint8 plus a
         # float32 scale per row) and are decoded on the training device (decode_feature_bits).
         self.fp8 = reader.rollout_feature_codec == "fp8"  # the parents' rows come with scales
-        self.ira_parents = reader.ira_parents
-        check_ira_parents_serve(objective, ira_parents=reader.ira_parents, anchors_per_sequence=reader.manifest.settings.anchors_per_sequence)
+        self.ira_parents = reader.ira_parents  # the trainer's plan checked they serve the method (check_ira_parents_serve)
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -93,20 +91,6 @@ class CacheTrainDataset(torch.utils.data.Dataset):
             record, epoch=epoch, index=index, objective=self.objective, seed=self.seed, parent_rollout_features=parent_rows,
             ira_parents=self.ira_parents,
         )  # fmt: skip
-
-
-def check_ira_parents_serve(objective: ObjectiveConfig, *, ira_parents: int | None, anchors_per_sequence: int) -> None:
-    """One line refusing alr_ira on a cache that keeps rollout features for fewer anchors per
-    sequence than a step draws parents (floor(m/2) of m anchors; docs/design.md, "The cache contract")."""
-    if ira_parents is None or recipe(objective.method).ira != "secondaries":
-        return
-    per_step = min(objective.anchors_per_step or anchors_per_sequence, anchors_per_sequence)
-    if ira_parents < per_step // 2:
-        raise ValueError(
-            f"--method {objective.method} draws {per_step // 2} IRA parents per sequence ({per_step} anchors per step) "
-            f"but the cache keeps rollout features for {ira_parents} anchors per sequence (built with --ira-parents "
-            f"{ira_parents}): train with --anchors-per-step <= {2 * ira_parents + 1}, or rebuild with more --ira-parents"
-        )
 
 
 def _parents_like(rows: np.ndarray, scales: np.ndarray | None, *, like: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

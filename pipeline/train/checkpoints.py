@@ -23,7 +23,15 @@ import torch
 
 from drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, exported_file_names
 from drafter.families import DEFAULT_FAMILY, FAMILIES, families
-from pipeline.outputs import LOCK_FILE, differences, read_record, refuse_foreign, refuse_foreign_inside, remove_names, write_record
+from pipeline.outputs import (
+    LOCK_FILE,
+    differences,
+    read_location_record,
+    refuse_foreign,
+    refuse_foreign_inside,
+    remove_names,
+    write_location_record,
+)
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.location import Location, is_url
@@ -38,7 +46,9 @@ RESUMABLE_CHANGES = frozenset(
     {"epochs", "max_steps", "save_every", "resume", "overwrite", "progress", "num_workers", "prefetch", "out", "attention",
      "local_cache_gib", "local_cache_dir", "prefetch_shards", "allow_partial", "log_every", "eval_every",
      # --precision may change while the dtype it resolves to does not (compute_dtype, checked on its own)
-     "precision", "device_kind"}
+     "precision", "device_kind",
+     # the evaluation split: a resume's is checked against the run's logged points (plan.load_eval_split)
+     "eval_split"}
 )  # fmt: skip
 # Settings added after checkpoints were first written: the value an older checkpoint's run had. A
 # run recorded before a family existed trained the default family and left every family's options
@@ -60,13 +70,15 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dict, data_position: dict | None = None) -> str:
-    """Write the checkpoint after `step`, then point `latest` at it; returns where it went."""
+def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dict, data_position: dict | None = None,
+                    drafter_config: dict | None = None) -> str:  # fmt: skip
+    """Write the checkpoint after `step`, then point `latest` at it; returns where it went.
+    `drafter_config`: the drafter's config.json form, recorded beside its weights."""
     final = run.join(f"checkpoints/{checkpoint_name(step)}")
     state = {
         "step": step,
         "model": model.state_dict(),
-        "drafter_config": model.config.to_hf_dict(),
+        "drafter_config": drafter_config,
         "optimizer": optimizer.state_dict(),
         "rng": torch.get_rng_state(),
         "config": settings,
@@ -87,7 +99,7 @@ def save_checkpoint(run: Location, *, step: int, model, optimizer, settings: dic
 def _save_state(state: dict, path: Path) -> None:
     """torch.save through a Python file object: torch's zip writer turns a failed write (a full
     disk, a quota) into a RuntimeError ("unexpected pos", "iostream error") that the CLI would show
-    as a traceback; the OSError it hides is raised instead (found by benchmarks/chaos.py)."""
+    as a traceback; the OSError it hides is raised instead (found by benchmarks/harness/chaos.py)."""
     with open(path, "wb") as f:
         try:
             torch.save(state, f)
@@ -264,13 +276,6 @@ RUN_PATHS = re.compile(
 )  # what a run writes below its top level (drafter/checkpoint.py, save_checkpoint, tensorboard), temp names included
 
 
-def run_inputs(manifest, *, cache: str) -> dict:
-    """What a run's drafter depends on besides its flags (checked on --resume): the cache by place
-    and by what it was built from."""
-    settings = manifest.settings
-    return {"cache": cache, "target_hash": settings.target_hash, "corpus_hash": settings.corpus_hash, "cache_seed": settings.seed}
-
-
 def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log=print) -> None:
     """Check --out before a run writes to it (rank 0), with pipeline/outputs.py's checks and record:
     names a run does not write are refused; an earlier run is refused unless --resume (then it must
@@ -279,7 +284,7 @@ def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log
     names = run.names()
     refuse_foreign(run, names, command=TRAIN_COMMAND, own=RUN_NAMES.match)
     earlier = "train_config.json" in names or "checkpoints" in names
-    record = read_record(run)
+    record = read_location_record(run)
     if earlier and not (resume or overwrite):
         saved = json.loads(run.read_bytes("train_config.json")) if "train_config.json" in names else {}
         raise ValueError(
@@ -298,4 +303,4 @@ def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log
         log(f"--out {run}: --overwrite: removing the earlier run ({', '.join(replaced)})")
         remove_names(run.local_path, replaced)
     run.make_dirs()
-    write_record(run, {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False})
+    write_location_record(run, {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False})

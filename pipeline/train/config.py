@@ -201,22 +201,31 @@ class TrainConfig:
     )
 
     def __post_init__(self):
-        for family in families():  # another family's settings would be recorded and never read
+        for family in families():
+            # Another family's options that size its drafter (default None: resolved from the cache) name
+            # a shape this run cannot have; its loss weights are recorded and never read (unused on resume).
             options = self.family_options(family)
             if family.name == self.drafter.arch or options is None:
                 continue
-            given = [flag for flag, value in to_flags(options).items() if value != family.option_flags()[flag]]
+            given = [flag for flag, value in to_flags(options).items() if family.option_flags()[flag] is None and value is not None]
             if given:
-                flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+                flags = " and ".join("--" + flag.replace("_", "-") for flag in given)
                 raise ValueError(f"{flags}: settings of --arch {family.name}, not of --arch {self.drafter.arch}")
         if self.log_every < 1:
             raise ValueError(f"--log-every must be >= 1, got {self.log_every}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
 
+    def resolved_settings(self, *, objective: ObjectiveConfig, family, options) -> dict:
+        """The flat flags with what the cache gave (`objective` bound to it: the depth, K - 1 by
+        default; --dflash-gamma's default from the target kind; the family's `options`, their defaults
+        from the cache or its init): what train_config.json and checkpoints record and compare."""
+        resolved_objective = dataclasses.replace(self.objective, rollout_depth=objective.rollout_depth, dflash_gamma=objective.dflash_gamma)
+        families = self.families if options is None else dataclasses.replace(self.families, **{family.name: options})
+        return to_flags(dataclasses.replace(self, objective=resolved_objective, families=families))
+
     def family_options(self, family=None):
         """The settings of `family` (default: the --arch one), or None when it has none."""
-        family = family or get_family(self.drafter.arch)
-        return getattr(self.families, family.name, None)
+        return getattr(self.families, self.drafter.arch if family is None else family.name, None)
 
     from_flags = classmethod(from_flags)

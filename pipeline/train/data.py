@@ -1,82 +1,67 @@
 """Where the data of a step comes from and where it stands: both loaders behind one interface.
 `make_batches` gives this rank's micro-batches from a start step on (the map loader: a seeded
 sampler of (epoch, index) keys over any cache; the stream: webdataset's pipeline over a wds
-cache), `data_position` where the data stands after a step (stored in checkpoints, checked on
-resume), `stop_map_loader_workers` the end of the map loader's workers (docs/design.md, "A
-training step").
+cache), `release_loader` the end of the loader's workers (docs/design.md, "A training step");
+where the data stands after a step is streaming.py's `data_position`.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 from functools import partial
 
 import torch
 
 from pipeline.train.batching import CacheTrainDataset, StepSampler, collate
-from pipeline.train.config import TrainConfig
-from pipeline.train.streaming import StreamTrainDataset, stream_batches, stream_position
+from pipeline.train.config import LoaderConfig
+from pipeline.train.streaming import StreamTrainDataset, stream_batches
+from storage.local_cache import sweep_orphans
 
 
-def make_batches(config: TrainConfig, reader, objective, *, plan, epoch_steps: list[int], start_step: int, rank: int,
-             world_size: int, device: torch.device):  # fmt: skip
-    """Iterator over this rank's micro-batches from `start_step` on: the map loader (a sampler of
-    (epoch, index) keys) or the stream (one webdataset pipeline per epoch), as --loader says."""
+def make_batches(plan):
+    """This rank's micro-batches from the plan's start step on (pipeline/train/plan.py), an iterable
+    whose workers start when it is iterated: the map loader (a sampler of (epoch, index) keys) or the
+    stream (one webdataset pipeline per epoch), as --loader says."""
+    config, reader, ranks = plan.config, plan.reader, plan.ranks
+    loader = partial(data_loader, loader=config.loader, device=ranks.device)
+    if plan.stream is not None:
+        dataset = StreamTrainDataset(plan.stream, objective=plan.objective, feature_codec=reader.feature_codec)
+        return stream_batches(dataset, epoch_steps=plan.epoch_steps, start_step=plan.start_step,
+                              make_loader=partial(loader, batch_size=None, collate_fn=_as_is))  # fmt: skip
     optim = config.optim
-    if plan is not None:
-        dataset = StreamTrainDataset(plan, objective=objective, feature_codec=reader.feature_codec)
-        make_loader = partial(data_loader, config=config, device=device, batch_size=None, collate_fn=_as_is)
-        return stream_batches(dataset, epoch_steps=epoch_steps, start_step=start_step, make_loader=make_loader)
     sampler = StepSampler(
         len(reader), batch_size=optim.batch_size, grad_accum=optim.grad_accum, epochs=optim.epochs,
-        seed=config.seed, rank=rank, world_size=world_size, start_step=start_step,
+        seed=config.seed, rank=ranks.rank, world_size=ranks.world_size, start_step=plan.start_step,
     )  # fmt: skip
-    dataset = CacheTrainDataset(reader, objective=objective, seed=config.seed)
-    return iter(data_loader(dataset, config=config, device=device, batch_sampler=sampler, collate_fn=collate))
+    dataset = CacheTrainDataset(reader, objective=plan.objective, seed=config.seed)
+    return loader(dataset, batch_sampler=sampler, collate_fn=collate)
 
 
-def data_position(step: int, *, epoch_ends: list[int], plan) -> dict:
-    """Where the data stands after `step` steps (stored in checkpoints, checked on resume)."""
-    epoch = bisect.bisect_right(epoch_ends, step)
-    done = step - (epoch_ends[epoch - 1] if epoch else 0)
-    if plan is None or done == 0:  # (at an epoch's start no worker has delivered anything yet)
-        return {"loader": "map" if plan is None else "stream", "epoch": epoch, "steps_into_epoch": done}
-    # Rank 0's: the one every rank computes alike (each checks a resume against what rank 0 stored).
-    return {"loader": "stream", **stream_position(plan, epoch=epoch, steps_done=done, rank=0)}
-
-
-def stream_epoch_steps(plan, num_epochs: int) -> list[int]:
-    steps = [plan.epoch_steps(epoch) for epoch in range(num_epochs)]
-    if min(steps) == 0:
-        epoch = steps.index(0)
-        raise ValueError(
-            f"--loader stream: epoch {epoch} has no full step on some rank ({len(plan.shards)} shards split over "
-            f"{plan.world_size} rank(s) x {plan.num_streams} stream(s), micro-batches of {plan.micro_batch}); "
-            "use fewer --num-workers, a smaller --batch-size or more, smaller shards"
-        )
-    return steps
-
-
-def data_loader(dataset, *, config: TrainConfig, device: torch.device, **kwargs) -> torch.utils.data.DataLoader:
+def data_loader(dataset, *, loader: LoaderConfig, device: torch.device, **kwargs) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         dataset,
-        num_workers=config.loader.num_workers,
-        prefetch_factor=config.loader.prefetch if config.loader.num_workers else None,
+        num_workers=loader.num_workers,
+        prefetch_factor=loader.prefetch if loader.num_workers else None,
         pin_memory=device.type == "cuda",
         worker_init_fn=single_threaded_worker,
         **kwargs,
     )
 
 
-def stop_map_loader_workers(batches) -> None:
-    """Stop the map loader's DataLoader workers once the last step has its batches. They would live
-    on until the interpreter exits, and one that dies then (killed, out of memory) makes torch's
-    SIGCHLD handler raise wherever the main thread is: in the final save, or in an atexit hook as a
-    traceback after the run ended (found by benchmarks/chaos.py; docs/failure-modes.md). Stopped,
-    their pids are no longer watched. The stream loader stops its own (`close`)."""
+def release_loader(batches, *, loader: LoaderConfig) -> None:
+    """End the loader's workers once the run's last step has its batches (or the run failed).
+    The map loader's would live on until the interpreter exits, and one that dies then (killed, out
+    of memory) makes torch's SIGCHLD handler raise wherever the main thread is: in the final save,
+    or in an atexit hook as a traceback after the run ended (found by benchmarks/harness/chaos.py;
+    docs/failure-modes.md); stopped, their pids are no longer watched. The stream's last epoch's
+    workers are stopped too, and the local copies of workers stopped at an epoch's end swept."""
     with contextlib.suppress(Exception):  # never hides the run's own error
         getattr(batches, "_shutdown_workers", lambda: None)()
+    if loader.kind == "stream":
+        with contextlib.suppress(Exception):
+            getattr(batches, "close", lambda: None)()
+        with contextlib.suppress(OSError):
+            sweep_orphans(loader.local_cache_root)
 
 
 def _as_is(item):

@@ -93,6 +93,20 @@ def check_cache_serves(method: str, arrays: set[str], cache: str, *, arch: str, 
         raise ValueError(f"{cache}: --method {method} needs cache arrays that are missing: {', '.join(missing)} (with --arch {arch})")
 
 
+def check_ira_parents_serve(objective, *, ira_parents: int | None, anchors_per_sequence: int) -> None:
+    """One line refusing alr_ira on a cache that keeps rollout features for fewer anchors per
+    sequence than a step draws parents (floor(m/2) of m anchors; docs/design.md, "The cache contract")."""
+    if ira_parents is None or recipe(objective.method).ira != "secondaries":
+        return
+    per_step = min(objective.anchors_per_step or anchors_per_sequence, anchors_per_sequence)
+    if ira_parents < per_step // 2:
+        raise ValueError(
+            f"--method {objective.method} draws {per_step // 2} IRA parents per sequence ({per_step} anchors per step) "
+            f"but the cache keeps rollout features for {ira_parents} anchors per sequence (built with --ira-parents "
+            f"{ira_parents}): train with --anchors-per-step <= {2 * ira_parents + 1}, or rebuild with more --ira-parents"
+        )
+
+
 # Every name above must be an array of the cache format (storage/format.py is their one home).
 _unknown = set().union(*(r.arrays for r in RECIPES.values())) - set(TOKEN_ARRAYS + ANCHOR_ARRAYS)
 assert not _unknown, f"method recipes name arrays the cache format does not define: {sorted(_unknown)}"

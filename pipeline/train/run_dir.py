@@ -1,7 +1,8 @@
-"""What a run leaves in --out besides its checkpoints (pipeline/train/checkpoints.py): rank 0's
-metrics.jsonl and tensorboard events (`RunLogs`), the exported drafter (`save_drafter_to`) and the
-summary's figures (`summarize_history`, `format_summary`). A local run writes in place; a run on
-an object store stages files locally and uploads each whole.
+"""What a run leaves in --out besides its checkpoints (pipeline/train/checkpoints.py), rank 0's:
+train_config.json and provenance.json first (`RunLogs.start`), metrics.jsonl and tensorboard events
+as it steps (`RunLogs`), then the exported drafter (`save_drafter_to`) and summary.json with the
+history's figures (`RunLogs.finish`, `summarize_history`; `format_summary` prints them). A local run
+writes in place; a run on an object store stages files locally and uploads each whole.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from pathlib import Path
 import torch
 
 from drafter.checkpoint import CONFIG_FILE, save_drafter
+from pipeline.provenance import append_provenance
 from storage.atomic import atomic_write_text, remove_path_tolerant
 from storage.errors import DISK_FULL_ERRNOS
 from storage.location import Location, resolve
+
+PROVENANCE_FILE = "provenance.json"
 
 
 class RunLogs:
@@ -30,6 +34,16 @@ class RunLogs:
         self.run, self.staging = run, staging
         self.metrics = open(staging / "metrics.jsonl", "a")
         self.writer = _tensorboard(staging)
+
+    @classmethod
+    def start(cls, plan) -> RunLogs:
+        """The run's records before its first step (pipeline/train/plan.py's `TrainPlan`):
+        train_config.json (what marks --out as a run), provenance.json, then the logs."""
+        run = plan.run
+        run.make_dirs()
+        atomic_write_text(run.join("train_config.json"), json.dumps(plan.settings, indent=2))
+        record_provenance(run, {**plan.settings, "attention_kernel": plan.attention, "start_step": plan.start_step})
+        return cls.open(run, start_step=plan.start_step)
 
     @classmethod
     def open(cls, run: Location, *, start_step: int) -> RunLogs:
@@ -74,6 +88,14 @@ class RunLogs:
             self.writer.close()
         self.publish()
 
+    def finish(self, summary: dict, history: list[dict], *, drafter, num_slots: int, dtype: torch.dtype) -> dict:
+        """The end of a run: the logs closed, RUN/drafter/ exported, then summary.json (last: the run is done)."""
+        self.close()
+        save_drafter_to(self.run, drafter, dtype=dtype)
+        summary = summary | summarize_history(history, num_slots=num_slots)
+        atomic_write_text(self.run.join("summary.json"), json.dumps(summary, indent=2))
+        return summary
+
     def discard(self) -> None:
         """Close the files; a store run's staging directory goes (what matters is on the store)."""
         if not self.metrics.closed:
@@ -83,6 +105,15 @@ class RunLogs:
         if not self.run.is_local:
             with contextlib.suppress(OSError):
                 remove_path_tolerant(self.staging)
+
+
+def record_provenance(run: Location, settings: dict) -> None:
+    """RUN/provenance.json: one entry per invocation of this run (a resume adds one) with the exact
+    command, package versions, source revision and the resolved settings, `auto` resolved (precision,
+    attention kernel, loader workers) (pipeline/provenance.py). A new run starts the file afresh."""
+    if not settings["start_step"] and run.is_file(PROVENANCE_FILE):
+        run.remove(PROVENANCE_FILE)
+    append_provenance(run, PROVENANCE_FILE, settings)
 
 
 def _step_of(line: str) -> float:

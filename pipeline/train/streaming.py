@@ -34,7 +34,9 @@ node never holds more. A copy is deleted once read (docs/design.md, "Caches on o
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import os
 import random
 import tarfile
 from collections import Counter
@@ -47,7 +49,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from pipeline.train.batching import ReadFailure, TrainBatch, check_ira_parents_serve, collate, example_from_record
+from pipeline.train.batching import ReadFailure, TrainBatch, collate, example_from_record
 from pipeline.train.labels import ObjectiveConfig
 from storage.errors import first_line
 from storage.format import FP8_SCALE_ARRAYS
@@ -226,7 +228,6 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, plan: StreamPlan, *, objective: ObjectiveConfig, feature_codec: str):
         self.plan, self.objective, self.feature_codec = plan, objective, feature_codec
-        check_ira_parents_serve(objective, ira_parents=plan.ira_parents, anchors_per_sequence=plan.anchors_per_sequence)
         arrays = set(objective.cache_arrays)
         self.arrays = arrays | {FP8_SCALE_ARRAYS[n] for n in arrays if n in FP8_SCALE_ARRAYS}
         self.epoch, self.skip_batches = 0, [0] * plan.num_streams
@@ -288,6 +289,39 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
             record, epoch=self.epoch, index=sample["__index__"], objective=self.objective, seed=self.plan.seed,
             parent_rollout_features=parent_rows, ira_parents=ira_parents,
         )  # fmt: skip
+
+
+def data_position(step: int, *, epoch_ends: list[int], plan) -> dict:
+    """Where the data stands after `step` steps (stored in checkpoints, checked on resume)."""
+    epoch = bisect.bisect_right(epoch_ends, step)
+    done = step - (epoch_ends[epoch - 1] if epoch else 0)
+    if plan is None or done == 0:  # (at an epoch's start no worker has delivered anything yet)
+        return {"loader": "map" if plan is None else "stream", "epoch": epoch, "steps_into_epoch": done}
+    # Rank 0's: the one every rank computes alike (each checks a resume against what rank 0 stored).
+    return {"loader": "stream", **stream_position(plan, epoch=epoch, steps_done=done, rank=0)}
+
+
+def plan_stream(config, reader: CacheReader, *, rank: int, world_size: int) -> StreamPlan:
+    """--loader stream: which shards every rank and worker of a run (its TrainConfig) streams (a Zarr cache is refused)."""
+    optim, loader = config.optim, config.loader
+    return stream_plan(
+        reader, seed=config.seed, rank=rank, world_size=world_size, num_workers=loader.num_workers,
+        micro_batch=optim.batch_size // (world_size * optim.grad_accum), grad_accum=optim.grad_accum,
+        shuffle_buffer=loader.shuffle_buffer, local_cache_gib=loader.local_cache_gib, local_cache_dir=loader.local_cache_root,
+        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), prefetch_shards=loader.prefetch_shards,
+    )  # fmt: skip
+
+
+def stream_epoch_steps(plan, num_epochs: int) -> list[int]:
+    steps = [plan.epoch_steps(epoch) for epoch in range(num_epochs)]
+    if min(steps) == 0:
+        epoch = steps.index(0)
+        raise ValueError(
+            f"--loader stream: epoch {epoch} has no full step on some rank ({len(plan.shards)} shards split over "
+            f"{plan.world_size} rank(s) x {plan.num_streams} stream(s), micro-batches of {plan.micro_batch}); "
+            "use fewer --num-workers, a smaller --batch-size or more, smaller shards"
+        )
+    return steps
 
 
 def stream_plan(reader: CacheReader, *, seed: int, rank: int, world_size: int, num_workers: int, micro_batch: int,

@@ -97,7 +97,7 @@ class ZarrShard:
             if self.rows is not None and self.rows.layout(name):
                 return self.rows.pick(name, a0 + np.asarray(rows, dtype=np.int64))
             # One slice per row: 3x faster than zarr's orthogonal indexing over one-anchor chunks
-            # (benchmarks/real_shapes.py).
+            # (benchmarks/speed/real_shapes.py).
             picked = [array[a0 + int(r) : a0 + int(r) + 1] for r in np.asarray(rows, dtype=np.int64)]
             return np.concatenate(picked) if picked else array[a0:a0]
         except Exception as e:

@@ -1,7 +1,7 @@
 """Rows of a local Zarr shard's arrays decoded straight from their chunk files (docs/cache-format.md).
 
 zarr-python reads a slice through its asyncio pipeline, one inner chunk at a time with a thread
-hand-off per codec: at real shapes that costs 2-3x the Blosc decode itself (benchmarks/real_shapes.py,
+hand-off per codec: at real shapes that costs 2-3x the Blosc decode itself (benchmarks/speed/real_shapes.py,
 "(b2)"), so the map loader ran far below its decompression floor. This reads the one layout the
 cache writer produces (chunked along the first axis only; codecs bytes, blosc, crc32c; optionally
 inside a `sharding_indexed` file with its index at the end, bytes + crc32c) with one read per run
