@@ -1,8 +1,8 @@
 """Our DFlash2 drafter against speculators 0.9's (benchmarks/checks/dflash2_reference.py): with the same
 weights and batch its unary logits and selector scores equal ours, and its loss and gradients
 equal ours given the target's whole softmax, for its default KL, its TV option and D-PACE weights.
-Runs when ALRIRA_SPECULATORS_VENV names a virtualenv holding speculators 0.9 (the script runs under
-its python); skipped otherwise."""
+Runs when ALRIRA_SPECULATORS_VENV names a virtualenv holding speculators 0.9 (the module runs again
+under its python); skipped otherwise."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ VENV = os.environ.get("ALRIRA_SPECULATORS_VENV")
 @pytest.mark.skipif(not VENV, reason="ALRIRA_SPECULATORS_VENV does not name a speculators 0.9 virtualenv")
 def test_forward_scores_and_loss_match_speculators(tmp_path):
     out = tmp_path / "dflash2_reference.json"
-    result = run_to_end([sys.executable, str(ROOT / "benchmarks" / "checks" / "dflash2_reference.py"), "--json", str(out)], cap_s=900, cwd=ROOT)
+    result = run_to_end([sys.executable, "-m", "benchmarks.checks.dflash2_reference", "--json", str(out)], cap_s=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["speculators"] == "0.9.0"

@@ -1,12 +1,13 @@
 """Our DFlash2 drafter and loss against speculators 0.9's (`speculators/models/dflash2/`), on one tiny
 Qwen3 shape, identical weights and one batch.
 
-    ALRIRA_SPECULATORS_VENV=/work/venvs/speculators .venv/bin/python benchmarks/checks/dflash2_reference.py [--json OUT]
+    ALRIRA_SPECULATORS_VENV=/work/venvs/speculators .venv/bin/python -m benchmarks.checks.dflash2_reference [--json OUT]
 
 The virtualenv holds speculators==0.9.0 and hs-connectors==0.9.0 installed with --no-deps, sharing
 this project's torch and transformers through a .pth file (as `benchmarks/peer_step.py
---make-peer-venvs` builds it); run under another interpreter, the script runs itself again under
-that virtualenv's python. Checks, each printed as one line (tests/test_dflash2_reference.py runs it
+--make-peer-venvs` builds it); run under another interpreter, the module runs itself again under
+that virtualenv's python, from the checkout (its sys.path first, so this checkout's alrira is the one
+imported). Checks, each printed as one line (tests/test_dflash2_reference.py runs it
 when ALRIRA_SPECULATORS_VENV is set):
   1. forward  every weight random (convolutions and norms too, so an identity or a swapped norm
               shows); speculators' `_backbone_forward` on a packed sequence with pinned anchors and
@@ -28,29 +29,30 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.common import ROOT
+
 VENV_VARIABLE = "ALRIRA_SPECULATORS_VENV"
 
 
 def _rerun_in_reference_venv() -> None:
-    """Run this script again under the speculators virtualenv's python when this one lacks it."""
+    """Run this module again under the speculators virtualenv's python when this one lacks it."""
     try:
         import speculators.models.dflash2  # noqa: F401
-    except ImportError:
+    except ImportError as error:
         venv = os.environ.get(VENV_VARIABLE)
         if not venv:
             raise SystemExit(f"speculators 0.9 is not importable here; set {VENV_VARIABLE} to its virtualenv") from None
         python = Path(venv) / "bin" / "python"
         if not python.exists():
             raise SystemExit(f"{VENV_VARIABLE}={venv}: no {python}") from None
-        os.execv(str(python), [str(python), __file__, *sys.argv[1:]])
+        if Path(sys.prefix).resolve() == Path(venv).resolve():  # already there: its own import fails
+            raise SystemExit(f"{VENV_VARIABLE}={venv}: speculators does not import there ({error})") from None
+        os.chdir(ROOT)
+        os.execv(str(python), [str(python), "-m", __spec__.name, *sys.argv[1:]])
 
 
 if __name__ == "__main__":
     _rerun_in_reference_venv()
-
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
