@@ -22,6 +22,7 @@ from drafter.model import DFlashDrafter
 from pipeline.train.methods import METHODS
 from tests.test_dspark import _eval, _losses, prompts_file  # noqa: F401 (a fixture: the same prompts and evaluation settings)
 from tests.test_dspark import _train_config as _dspark_train_config
+from tests.test_dspark import trained_from_the_k7_cache
 from tests.waits import HANG_CAP_S
 
 
@@ -41,14 +42,8 @@ def _strict_json(path: Path) -> dict:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_trains_a_dflash2_drafter_from_the_dflash_cache(k7_cache, tmp_path, method):
-    from pipeline.train.loop import train
-
     run = tmp_path / method
-    train(_train_config(k7_cache, run, method=method, epochs=3))
-    losses = _losses(run)
-    third = len(losses) // 3
-    assert sum(losses[-third:]) / third < sum(losses[:third]) / third
-    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    record = trained_from_the_k7_cache(k7_cache, run, arch="dflash2", method=method)
     assert len(record["slot_acc"]) == 7  # DFlash's block of K + 1: the cache's 7 labelled slots
     settings = _strict_json(run / "train_config.json")
     assert settings["arch"] == "dflash2" and settings["kl_alpha"] == 1.0 and settings["dflash2_weighting"] == "exp-decay"
@@ -59,6 +54,8 @@ def test_every_method_trains_a_dflash2_drafter_from_the_dflash_cache(k7_cache, t
         "mask_token_id": exported["dflash_config"]["mask_token_id"], "target_layer_ids": None, "block_size": 8,
         "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": min(256, exported["vocab_size"] // 4), "selector_top_k": 7,
     }  # fmt: skip
+    # train_config.json records the shape the export has (the top-K unset: its default is capped by H).
+    assert (settings["conv_kernel_size"], settings["selector_rank"], settings["selector_top_k"]) == (2, exported["dflash_config"]["selector_rank"], None)
     drafter = load_drafter(run / "drafter")
     assert isinstance(drafter, DFlash2Drafter) and drafter.config.num_drafts == 7
     # The convolutions and the selector trained: no longer the identity / their init.
@@ -134,18 +131,23 @@ def test_two_rank_ddp_equals_single_process(k7_cache, tmp_path):
         torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4)
 
 
-def test_its_flags_are_refused_with_another_arch(k7_cache, tmp_path):
+def test_its_shape_flags_are_refused_with_another_arch(k7_cache, tmp_path):
+    """Its shape flags name a drafter another --arch cannot have: refused (pipeline/train/config.py);
+    its loss weights are recorded and never read there, as DSpark's are. Out of bounds for the
+    cache or the target, a shape flag is refused in one line naming it."""
     from click.testing import CliRunner
 
     from pipeline.cli import train_cli
-
-    with pytest.raises(ValueError, match=r"--selector-rank.*settings of --arch dflash2, not of --arch dflash"):
-        _train_config(k7_cache, tmp_path / "x", arch="dflash", selector_rank=8)
-    with pytest.raises(ValueError, match=r"--dflash2-weighting.*settings of --arch dflash2, not of --arch dspark"):
-        _train_config(k7_cache, tmp_path / "x", arch="dspark", dflash2_weighting="dpace")
-    result = CliRunner().invoke(train_cli, ["--cache", str(k7_cache), "--out", str(tmp_path / "y"), "--tv-alpha", "0.5"])
-    assert result.exit_code != 0 and "--tv-alpha" in result.output and "--arch dflash2" in result.output
     from pipeline.train.loop import train
+
+    with pytest.raises(ValueError, match=r"--selector-rank: settings of --arch dflash2, not of --arch dflash"):
+        _train_config(k7_cache, tmp_path / "x", arch="dflash", selector_rank=8)
+    with pytest.raises(ValueError, match=r"--conv-kernel-size and --conv-group-size: settings of --arch dflash2, not of --arch dspark"):
+        _train_config(k7_cache, tmp_path / "x", arch="dspark", conv_kernel_size=3, conv_group_size=8)
+    result = CliRunner().invoke(train_cli, ["--cache", str(k7_cache), "--out", str(tmp_path / "y"), "--selector-top-k", "4"])
+    assert result.exit_code != 0 and "--selector-top-k" in result.output and "--arch dflash2" in result.output
+    other = _train_config(k7_cache, tmp_path / "z", arch="dflash", tv_alpha=0.5)
+    assert other.families.dflash2.tv_alpha == 0.5 and other.family_options() is None  # recorded, not DFlash's
 
     with pytest.raises(ValueError, match=r"--selector-top-k 100000 is larger than the vocabulary"):
         train(_train_config(k7_cache, tmp_path / "big", selector_top_k=100_000))
