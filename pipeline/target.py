@@ -212,6 +212,31 @@ def load_tokenizer(target_dir: str | Path):
     return tokenizer
 
 
+# tokenizer_config.json as transformers 5 writes it holds two things 4.x readers (llama.cpp's
+# converter pins 4.57, and so do vLLM releases of that line) refuse: a class name only 5.x has, and
+# `extra_special_tokens` as a list (4.x reads that key as a dict of named tokens and fails on a list;
+# its list is `additional_special_tokens`, which 5.x still reads). PORTABLE_TOKENIZER_CLASSES maps
+# such a class to the one both majors load the same tokenizer.json with (in 5.x
+# PreTrainedTokenizerFast is TokenizersBackend); docs/serving.md, "llama.cpp".
+PORTABLE_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def save_tokenizer(tokenizer, out_dir: str | Path) -> None:
+    """tokenizer.save_pretrained(out_dir) with a tokenizer_config.json every transformers major
+    reads the same (see PORTABLE_TOKENIZER_CLASSES). Every target or tokenizer folder the project
+    writes goes through here."""
+    tokenizer.save_pretrained(str(out_dir))
+    config_path = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    portable = dict(config)
+    portable["tokenizer_class"] = PORTABLE_TOKENIZER_CLASSES.get(config.get("tokenizer_class"), config.get("tokenizer_class"))
+    if isinstance(config.get("extra_special_tokens"), list):
+        extra = portable.pop("extra_special_tokens")
+        portable["additional_special_tokens"] = [t for t in portable.get("additional_special_tokens", []) if t not in extra] + extra
+    if portable != config:
+        atomic_write_text(config_path, json.dumps(portable, indent=2, ensure_ascii=False) + "\n")
+
+
 def is_vision_model(model) -> bool:
     return getattr(model.config, "vision_config", None) is not None
 

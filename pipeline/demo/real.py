@@ -110,9 +110,13 @@ def _file_sha256(path: Path) -> str:
 def _conversion_stamp(gguf: Path) -> dict:
     import transformers
 
+    from pipeline.target import PORTABLE_TOKENIZER_CLASSES
+
     # A directory saved by transformers 4.x does not load right in 5.x and vice versa: the major
-    # version is part of what a conversion is valid for.
-    return {"gguf": gguf.name, "gguf_sha256": _file_sha256(gguf), "transformers_major": transformers.__version__.split(".")[0]}
+    # version is part of what a conversion is valid for; so is the tokenizer_class rewrite (a folder
+    # converted before it names a class 4.x readers refuse).
+    return {"gguf": gguf.name, "gguf_sha256": _file_sha256(gguf), "transformers_major": transformers.__version__.split(".")[0],
+            "portable_tokenizer_classes": PORTABLE_TOKENIZER_CLASSES}
 
 
 CONVERTED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja")
@@ -136,6 +140,8 @@ def convert_gguf(cache_dir: Path, *, log=print) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline.target import save_tokenizer
+
     gguf = gguf_file()
     target = Path(cache_dir) / TARGET_NAME
     stamp = _conversion_stamp(gguf)
@@ -153,7 +159,7 @@ def convert_gguf(cache_dir: Path, *, log=print) -> Path:
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         model.generation_config.save_pretrained(tmp)
         (tmp / CONVERTED_STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
 

@@ -16,6 +16,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from pipeline.target import save_tokenizer
+
 DEFAULT_WORDS = """
 the of and to in is was for on that with as by at from it be this are or an his which but not
 have has had they their he she we you her one all were been there when more can would who so
@@ -192,7 +194,7 @@ def _save_toy_model(model_class, config, tokenizer, out_dir: Path, *, seed: int,
         model.generation_config = generation_config
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     return out_dir
 
 
