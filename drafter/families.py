@@ -9,12 +9,13 @@ by a model in memory (`family_of`, its exact class).
 from __future__ import annotations
 
 from drafter.dflash import DFLASH
+from drafter.dflash2 import DFLASH2
 from drafter.dspark import DSPARK
 from drafter.family import DrafterFamily
 
 DEFAULT_FAMILY = DFLASH.name  # a run recorded before families existed trained this one
 
-FAMILIES: dict[str, DrafterFamily] = {family.name: family for family in (DFLASH, DSPARK)}
+FAMILIES: dict[str, DrafterFamily] = {family.name: family for family in (DFLASH, DSPARK, DFLASH2)}
 
 
 def register(family: DrafterFamily) -> DrafterFamily:

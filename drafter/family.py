@@ -79,6 +79,9 @@ class SupervisedSlots:
     prev_tokens: Tensor  # [M] long: the token before each label on the label's own track
     dist_ids: Tensor  # [M, k'] long: the target's distribution at the slot (the labels unless one-hot)
     dist_probs: Tensor  # [M, k'] float32
+    # Where each slot sits, for a loss that couples the slots of one block (DFlash2's D-PACE weights):
+    block_index: Tensor  # [M] long: its block among the micro-batch's blocks
+    label_column: Tensor  # [M] long: its label column c (0..num_labelled - 1), the slot's order in its block
     # The labelled rows of the micro-batch's N blocks, in slot order, for a head whose slot reads the
     # slots before it (DSpark's rnn Markov head); block_slot is each supervised slot's row among them.
     block_hidden: Tensor | None = None  # [N, L, H] (L = the layout's num_labelled)

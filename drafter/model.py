@@ -192,13 +192,17 @@ class ContextKVCache:
 class DFlashDrafter(nn.Module):
     """Qwen3-style block drafter; no embedding and no LM head (the target's are used, frozen)."""
 
+    # The decoder layer a family builds its stack from (a subclass of DecoderLayer with the same
+    # names, e.g. DFlash2's with convolutions around its sublayers: drafter/dflash2_model.py).
+    layer_class = DecoderLayer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(config.num_taps * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         # Training-time switch, not part of the checkpoint: recompute each layer in backward
         # instead of keeping its activations (the blocks x slots x hidden activations of a step).

@@ -12,10 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# drafter/hf_modeling.py and hf_modeling_dspark.py are the `modeling_dflash.py` / `modeling_dspark.py`
+# drafter/hf_modeling*.py are the `modeling_dflash.py` / `modeling_dspark.py` / `modeling_dflash2.py`
 # an export ships for HF's AutoModel; nothing in the package imports them, so they are the files of
 # drafter/ that may import transformers.
-EXPORTED_FILES = {ROOT / "drafter" / "hf_modeling.py", ROOT / "drafter" / "hf_modeling_dspark.py"}
+EXPORTED_FILES = {ROOT / "drafter" / name for name in ("hf_modeling.py", "hf_modeling_dspark.py", "hf_modeling_dflash2.py")}
 
 
 def _imported_modules(package: str) -> set[str]:

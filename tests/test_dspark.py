@@ -219,16 +219,22 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_every_method_trains_a_dspark_drafter_from_the_dflash_cache(k7_cache, tmp_path, method):
+def trained_from_the_k7_cache(k7_cache: Path, run: Path, **overrides) -> dict:
+    """Train 3 epochs of _train_config(**overrides) into `run`; check it learned (the mean loss of the
+    last third below the first third's); its last metrics record."""
     from pipeline.train.loop import train
 
-    run = tmp_path / method
-    train(_train_config(k7_cache, run, method=method, epochs=3))
+    train(_train_config(k7_cache, run, epochs=3, **overrides))
     losses = _losses(run)
     third = len(losses) // 3
     assert sum(losses[-third:]) / third < sum(losses[:third]) / third
-    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    return json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_trains_a_dspark_drafter_from_the_dflash_cache(k7_cache, tmp_path, method):
+    run = tmp_path / method
+    record = trained_from_the_k7_cache(k7_cache, run, method=method)
     assert len(record["slot_acc"]) == 7  # B = K by default: the cache's 7 predicted slots
     settings = json.loads((run / "train_config.json").read_text())
     assert settings["arch"] == "dspark" and settings["dspark_block"] == 7 and settings["markov_rank"] >= 1

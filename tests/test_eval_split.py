@@ -1,7 +1,7 @@
 """Exact greedy tau during training (`alrira-cache build --eval-prompts`, `alrira-train --eval-every`):
 the cache keeps the target's greedy responses and features of held-out prompts, checksummed; the
 trainer's tau on them equals `alrira-eval replay` of the exported drafter on the same prompts, for a
-DFlash and a DSpark drafter, with no target loaded."""
+DFlash, a DSpark and a DFlash2 drafter, with no target loaded."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_the_split_holds_replays_greedy_responses_and_is_kept_by_a_rebuild(split
     assert result.exit_code == 0 and f"{len(PROMPTS)} prompts, {record['num_tokens']} tokens (max new tokens {NEW_TOKENS})" in result.output
 
 
-@pytest.mark.parametrize("arch", ["dflash", "dspark"])
+@pytest.mark.parametrize("arch", ["dflash", "dspark", "dflash2"])
 def test_training_time_tau_equals_replay_of_the_exported_drafter(split_cache, toy_target, tmp_path, arch):
     from pipeline.eval.replay import run_replay
 

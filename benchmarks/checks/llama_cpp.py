@@ -89,6 +89,7 @@ CASES = (
          max_steps=2, note="DeepSpec's gated Markov head: vLLM and llama.cpp serve only vanilla"),
     Case(name="smollm2-dspark-export-head", target="smollm2", arch="dspark", probe=True, train_flags=("--export-head",),
          max_steps=2, note="the target's embed_tokens and lm_head in the export (DeepSpec's eval.py reads them)"),
+    Case(name="smollm2-dflash2", target="smollm2", arch="dflash2"),  # docs/dflash2.md, "Serving"
     Case(name="qwen3-dflash", target="qwen3"),
     Case(name="qwen3-dspark", target="qwen3", arch="dspark", train_flags=("--markov-rank", "32")),
 )  # fmt: skip

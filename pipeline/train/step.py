@@ -105,6 +105,7 @@ def forward_loss(
         prev_tokens=batch.prev_tokens.reshape(-1).index_select(0, supervised), dist_ids=dist_ids, dist_probs=dist_probs,
         block_hidden=hidden.reshape(-1, block_size, hidden.shape[-1])[:, block_size - num_slots :],  # [B * N, K, H], a view
         block_prev_tokens=batch.prev_tokens.reshape(-1, num_slots), block_slot=supervised,
+        block_index=supervised // num_slots, label_column=slot_index,
     )  # fmt: skip
     drafter = getattr(model, "module", model)  # the family's own heads (DDP wraps the drafter)
     loss_sum, correct = family_of(drafter).head_loss(
