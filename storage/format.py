@@ -1,4 +1,4 @@
-"""Cache format v2: the contract between stage 1 (cache build) and stage 2 (trainer).
+"""Cache format v3: the contract between stage 1 (cache build) and stage 2 (trainer).
 
 A cache is a directory:
 
