@@ -28,7 +28,7 @@ from storage.reader import BYTE_GROUPS
 # Assumed compressed / raw ratio divisors per encoded kind (docs/benchmarks.md, "Cache settings";
 # the e8m codecs: "Feature codecs", the lowest of SmolLM2-135M's and the toy target's activations).
 COMPRESSION = {"bf16": 1.33, "fp8": 1.1, "labels": 1.2, "tokens": 1.0,
-               "e8m2": 2.3, "e8m3": 2.05, "e8m4": 1.8, "e8m5": 1.6, "e8m6": 1.45}  # fmt: skip
+               "e8m2": 2.3, "e8m3": 2.0, "e8m4": 1.8, "e8m5": 1.6, "e8m6": 1.45}  # fmt: skip
 # Zarr metadata and offsets per shard (measured: ~3 KiB a toy shard); a tar's end blocks.
 INDEX_BYTES_PER_SHARD = {"zarr": 3 << 10, "wds": 1 << 10}
 # A tar member's header and padding (storage/formats/wds.py: one member per array per sequence).
