@@ -1,4 +1,4 @@
-"""Cache format v2 (reads v1): manifest, feature codecs, shard writers and the reader (see storage/format.py)."""
+"""Cache format v3 (reads v1, v2): manifest, feature codecs, shard writers and the reader (see storage/format.py)."""
 
 from storage.codecs import decode_features, encode_features
 from storage.format import FORMAT_NAME, FORMAT_VERSION

@@ -8,6 +8,11 @@ tensors); decoding is pure numpy so DataLoader workers need no torch ops.
 - "fp8":  e4m3fn with one float32 scale per row (per token): scale = amax(|row|) / 448, so the
           largest element of each row maps to the largest finite e4m3 value. All-zero rows get
           scale 1.0. Relative error per element is at most 2^-4 for values in e4m3's normal range.
+- "e8mM" (M = 2..6): each value rounded to M mantissa bits (to nearest, ties to even) and stored
+          as bf16 bits, whose low 7 - M mantissa bits are then zero. Relative error per element at
+          most 2^-(M+1) over bf16's whole range (no scale, nothing flushed: a row's massive
+          channels cost its small ones nothing); decoding is bf16's, so readers and the trainer
+          treat the bits as bf16. Values beyond the largest e8mM number saturate to it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from storage.format import FEATURE_CODECS
+from storage.format import FEATURE_CODECS, ROUNDED_CODECS
 
 FP8_E4M3_MAX = 448.0
 
@@ -43,12 +48,41 @@ FP8_E4M3FN_TABLE = _fp8_e4m3fn_table()  # [256] float32
 FP8_E4M3FN_TABLE.flags.writeable = False
 
 
+def is_bf16_bits(codec: str) -> bool:
+    """Whether `codec` stores bf16 bits (bf16 and the e8m codecs: decoded alike)."""
+    _check_codec(codec)
+    return codec == "bf16" or codec in ROUNDED_CODECS
+
+
+def round_mantissa(x: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+    """float32 `x` rounded to `mantissa_bits` (1..7) mantissa bits, to nearest with ties to even, on
+    the bit pattern (exact, any device): the carry of a rounding up moves into the exponent as it
+    should, subnormals included. |x| beyond the largest such number saturates to it."""
+    drop = 23 - mantissa_bits
+    largest = (2.0 - 2.0 ** -mantissa_bits) * 2.0**127  # exactly representable in float32
+    x = x.float().clamp(-largest, largest).contiguous()
+    bits = x.view(torch.int32)
+    sign, magnitude = bits & ~0x7FFFFFFF, bits & 0x7FFFFFFF
+    # Round half to even: add just under half an ulp, plus one more when the kept part is odd.
+    magnitude = magnitude + ((1 << (drop - 1)) - 1) + ((magnitude >> drop) & 1)
+    return (sign | ((magnitude >> drop) << drop)).view(torch.float32)
+
+
+def round_mantissa_reference(x: np.ndarray, mantissa_bits: int) -> np.ndarray:
+    """round_mantissa in plain numpy arithmetic (frexp, round half to even, ldexp) for normal
+    float32 values and zero: the check of the bit-pattern version (tests/test_codecs.py)."""
+    fraction, exponent = np.frexp(np.asarray(x, dtype=np.float64))  # x = fraction * 2**exponent, 0.5 <= |fraction| < 1
+    scale = 2.0 ** (mantissa_bits + 1)  # the implicit leading 1 plus mantissa_bits
+    return np.ldexp(np.round(fraction * scale) / scale, exponent).astype(np.float32)
+
+
 def encode_features(features: torch.Tensor, *, codec: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Encode float features [..., F] into (bits [..., F], scales [...] or None), refusing
     non-finite values; on the host (see encode_features_tensor for the device).
 
     bf16: bits uint16 (the bfloat16 bit pattern), scales None.
     fp8:  bits uint8 (e4m3fn bit pattern of x / scale), scales float32 [...] (one per row).
+    e8mM: bits uint16 (bf16 bits of x rounded to M mantissa bits), scales None.
     """
     _check_codec(codec)
     x = features.detach().to("cpu")
@@ -70,6 +104,9 @@ def encode_features_tensor(features: torch.Tensor, *, codec: str) -> tuple[torch
     x = features.detach()
     if codec == "bf16":
         return x.to(torch.bfloat16).contiguous().view(torch.uint16), None
+    if codec in ROUNDED_CODECS:
+        # The rounded value has at most 7 mantissa bits: its cast to bf16 is exact.
+        return round_mantissa(x, ROUNDED_CODECS[codec]).to(torch.bfloat16).view(torch.uint16), None
 
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)  # [..., 1]
@@ -83,9 +120,9 @@ def decode_features(bits: np.ndarray, scales: np.ndarray | None, *, codec: str) 
     """Decode stored feature bits [..., F] (and per-row scales [...] for fp8) to float32 [..., F]."""
     _check_codec(codec)
     bits = np.asarray(bits)
-    if codec == "bf16":
+    if is_bf16_bits(codec):
         if bits.dtype != np.uint16:
-            raise ValueError(f"bf16 feature bits must be uint16, got {bits.dtype}")
+            raise ValueError(f"{codec} feature bits must be uint16, got {bits.dtype}")
         # bf16 is the top half of a float32: shifting the bits up reconstructs the value exactly.
         return (bits.astype(np.uint32) << 16).view(np.float32)
 

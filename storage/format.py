@@ -1,4 +1,4 @@
-"""Cache format v2: the contract between stage 1 (cache build) and stage 2 (trainer).
+"""Cache format v3: the contract between stage 1 (cache build) and stage 2 (trainer).
 
 A cache is a directory:
 
@@ -18,7 +18,8 @@ F = n_taps * hidden_size:
     source_row          int64   []          row index in the corpus file
     input_ids           int32   [T]
     loss_mask           uint8   [T]         1 on assistant tokens incl. end-of-turn
-    features            uint16  [T, F]      bf16 bits            (codec "bf16")
+    features            uint16  [T, F]      bf16 bits            (codec "bf16"; "e8m2".."e8m6": bf16 bits
+                                                             with the mantissa rounded to 2..6 bits)
                         uint8   [T, F]      fp8-e4m3 bits        (codec "fp8")
     feature_scales      float32 [T]         per-token scale      (codec "fp8" only)
     corpus_topk_ids     int32   [T, k]      target top-k at t (predicting t+1)
@@ -38,8 +39,9 @@ P = min(ira_parents, A) and row i belongs to pool index `ira_parent_rows(A, ira_
 function of A alone, nothing stored). The rollout features may use their own codec
 (`rollout_feature_codec`, default: the corpus features' codec).
 
-Format versions: 2 added `ira_parents` and `rollout_feature_codec`; a cache using neither is laid
-out exactly as version 1 and says version 1, so older readers still open it.
+Format versions: 2 added `ira_parents` and `rollout_feature_codec`; 3 added the rounded-mantissa
+codecs "e8m2".."e8m6". A cache using none of them is laid out exactly as version 1 and says
+version 1 (version 2 without an e8m codec), so older readers still open it.
 
 Optional array groups: a cache may leave some out (its manifest's `settings.contents` lists the
 groups it holds; a manifest without the key holds all of them). source_row, input_ids, loss_mask,
@@ -53,8 +55,8 @@ features (+ feature_scales) and anchor_pos are always stored.
 from __future__ import annotations
 
 FORMAT_NAME = "alrira-cache"
-FORMAT_VERSION = 2  # the newest layout this code writes and reads
-READABLE_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the newest layout this code writes and reads
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 
 
 def is_readable_format_version(value) -> bool:
@@ -67,7 +69,12 @@ SHARD_DIR = "shards"
 CORPUS_DIR = "corpus"  # the tokenized corpus (pipeline/cache_build/corpus.py), kept for resumes
 
 STORAGE_FORMATS = ("zarr", "wds")
-FEATURE_CODECS = ("bf16", "fp8")
+# "e8mM": bf16 bits whose mantissa is rounded to M bits (8 exponent bits, as bf16): lossy at
+# 2^-(M+1) relative error with bf16's whole range, no scales, decoded exactly as bf16 (the low 7-M
+# mantissa bits are zero, which Blosc's byte shuffle + zstd store in almost nothing;
+# docs/cache-format.md, "Feature codecs").
+ROUNDED_CODECS = {f"e8m{m}": m for m in range(2, 7)}
+FEATURE_CODECS = ("bf16", "fp8", *ROUNDED_CODECS)
 
 # Arrays indexed by token (flat over a shard in Zarr, sliced by seq_offsets).
 TOKEN_ARRAYS = (
@@ -109,7 +116,7 @@ ARRAY_DTYPES = {
     "feature_scales": "float32",
     "rollout_feature_scales": "float32",
 }
-FEATURE_DTYPES = {"bf16": "uint16", "fp8": "uint8"}
+FEATURE_DTYPES = {"bf16": "uint16", "fp8": "uint8", **dict.fromkeys(ROUNDED_CODECS, "uint16")}
 
 
 # Optional array groups (fp8 scale arrays follow their feature array). Every other array is
@@ -191,6 +198,8 @@ def ira_parent_rows(num_anchors: int, ira_parents: int | None):
 
 def format_version_for(*, ira_parents: int | None, feature_codec: str, rollout_feature_codec: str | None) -> int:
     """The oldest format version that describes a cache with these settings (1: version 1's layout)."""
+    if feature_codec in ROUNDED_CODECS or rollout_feature_codec in ROUNDED_CODECS:
+        return 3  # older readers do not know the codec's name (its bits they would read as bf16)
     mixed = rollout_feature_codec is not None and rollout_feature_codec != feature_codec
     return 2 if ira_parents is not None or mixed else 1
 

@@ -40,7 +40,7 @@ from storage.location import Location, read_safetensors_header, resolve
 TARGET_HEAD_KEYS = ("embed_tokens.weight", "lm_head.weight")
 # CacheSettings keys written only when set (a cache without them reads as before they existed).
 OPTIONAL_SETTINGS = ("system_prompt", "vision", "ira_parents", "rollout_feature_codec", "profile")
-PROFILES = ("compact",)  # named setting combinations (`alrira-cache build --compact`)
+PROFILES = ("compact", "small")  # named setting combinations (`alrira-cache build --profile`)
 VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 TARGET_HEAD_HASH_KEY = "alrira_target_hash"  # safetensors metadata key of the head file
 
@@ -360,7 +360,7 @@ class Manifest:
             raise ValueError(f"format_version {self.format_version!r} is not supported (this code reads {READABLE_FORMAT_VERSIONS})")
         if self.format_version < self.settings.format_version:
             raise ValueError(
-                f"format_version {self.format_version} cannot hold these settings (ira_parents / rollout_feature_codec "
+                f"format_version {self.format_version} cannot hold these settings (ira_parents, rollout_feature_codec, e8m codecs "
                 f"need version {self.settings.format_version})"
             )
         _check_str("target_path", self.target_path)

@@ -13,6 +13,7 @@ import numpy as np
 
 from storage.format import (
     FP8_SCALE_ARRAYS,
+    ROUNDED_CODECS,
     SHARD_DIR,
     TARGET_HEAD_FILE,
     MANIFEST_FILE,
@@ -64,9 +65,10 @@ def _feature_nan(bits: np.ndarray) -> bool:
     return bool(((bits & 0x7F) == 0x7F).any())  # e4m3fn: S.1111.111 is NaN
 
 
-def record_value_problems(record: dict[str, np.ndarray], *, vocab_size: int) -> list[str]:
+def record_value_problems(record: dict[str, np.ndarray], *, vocab_size: int, codecs: dict[str, str] | None = None) -> list[str]:
     """Value-level problems of one encoded, schema-valid record (empty if none); only the array
-    groups the record holds are checked."""
+    groups the record holds are checked. `codecs`: each feature array's (Manifest.settings.codecs),
+    to check what an e8m codec leaves zero."""
     problems = []
     input_ids = record["input_ids"]
     T = len(input_ids)
@@ -98,6 +100,9 @@ def record_value_problems(record: dict[str, np.ndarray], *, vocab_size: int) -> 
             continue
         if _feature_nan(record[name]):
             problems.append(f"{name} contain NaN or infinite values")
+        mantissa_bits = ROUNDED_CODECS.get((codecs or {}).get(name))
+        if mantissa_bits is not None and (record[name] & ((1 << (7 - mantissa_bits)) - 1)).any():
+            problems.append(f"{name} have mantissa bits a {codecs[name]} codec leaves zero")
         if scale_name in record:
             scales = record[scale_name]
             if not (np.isfinite(scales).all() and (scales > 0).all()):
@@ -151,7 +156,7 @@ def _shard_problems(cache: Location, manifest: Manifest, record: ShardRecord) ->
                 continue
             num_tokens += seq_dims.num_tokens
             num_anchors += seq_dims.num_anchors
-            problems += [f"{where}: {p}" for p in record_value_problems(seq, vocab_size=manifest.vocab_size)]
+            problems += [f"{where}: {p}" for p in record_value_problems(seq, vocab_size=manifest.vocab_size, codecs=settings.codecs)]
         else:
             if shard.recorded_sizes() is None and (num_tokens, num_anchors) != (record.tokens, record.anchors):
                 problems.append(

@@ -81,7 +81,7 @@ def test_compact_keeps_everything_but_half_the_rollout_features_in_fp8(compact):
 
 def test_estimate_is_within_10_percent_of_the_build_and_info_prints_bytes_by_group(compact):
     lines = compact["estimate"].splitlines()
-    assert "--compact" in lines[0] and "rollout features fp8" in lines[0]
+    assert "--profile compact" in lines[0] and "rollout features fp8" in lines[0]
     projected_mib = float(lines[1].split("projected: ")[1].split(" MiB")[0])
     written = sum(s.bytes for s in load_manifest(compact["cache"]).shards)
     assert abs(projected_mib * (1 << 20) / written - 1) < 0.10, (projected_mib, written)
@@ -182,7 +182,7 @@ def test_flags_are_checked():
     base = dict(target="t", corpus="c", out="o")
     with pytest.raises(ValueError, match="--compact sets --rollout-feature-codec and --ira-parents"):
         CacheBuildConfig.from_flags(**base, compact=True, ira_parents=4)
-    with pytest.raises(ValueError, match="rollout features finer than the corpus's are refused"):
+    with pytest.raises(ValueError, match="fp8 corpus features take fp8 rollout features"):
         CacheBuildConfig.from_flags(**base, feature_codec="fp8", rollout_feature_codec="bf16")
     with pytest.raises(ValueError, match="--ira-parents must be an int >= 1"):
         CacheBuildConfig.from_flags(**base, ira_parents=0)

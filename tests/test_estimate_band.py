@@ -23,6 +23,7 @@ from tests.test_build_compute import _build, _config
         {},
         {"storage_format": "wds", "rollout_features": False},
         {"compact": True},
+        {"profile": "small"},
         {"rollouts": False, "anchors": 12},  # no rollouts: the top-k arrays weigh more
     ],
 )

@@ -17,8 +17,12 @@ from pipeline.cache_build.rollouts import TargetRunConfig
 from pipeline.config import from_flags, group, opt
 from pipeline.precision import auto_bf16
 from storage.format import FEATURE_CODECS, STORAGE_FORMATS, check_ira_parents
+from storage.manifest import PROFILES
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16")
+# --profile small: the codec of every feature array and the default IRA parents per sequence
+# (docs/cache-format.md, "Cache profiles"; the numbers: docs/benchmarks.md, "Feature codecs").
+SMALL_CODEC, SMALL_PARENTS = "e8m3", 16
 BACKENDS = ("hf", "vllm")
 
 
@@ -52,10 +56,14 @@ class StorageConfig:
     corpus_topk: bool = opt(
         "Store the target's top-k distributions along the corpus (needed by kd, erase, erase_hard).", default=True
     )
-    feature_codec: str = opt("Feature codec: bf16 (lossless bits) or fp8 (e4m3 + per-token scale).", default="bf16")
+    feature_codec: str = opt(
+        "Feature codec: bf16 (lossless bits), fp8 (e4m3 + per-token scale), or e8m2..e8m6 (bf16 bits with the "
+        "mantissa rounded to 2..6 bits: no scales, bf16's range; docs/cache-format.md, 'Feature codecs').",
+        default="bf16",
+    )
     rollout_feature_codec: str | None = opt(
-        "Codec of the rollout features alone (bf16 or fp8; default: --feature-codec's). fp8 here and bf16 corpus "
-        "features: only what IRA secondaries see of their parent's rollout is lossy (docs/cache-format.md).",
+        "Codec of the rollout features alone (a --feature-codec value; default: --feature-codec's). fp8 here and bf16 "
+        "corpus features: only what IRA secondaries see of their parent's rollout is lossy (docs/cache-format.md).",
         default=None,
     )
     ira_parents: int | None = opt(
@@ -70,19 +78,36 @@ class StorageConfig:
         "every method, alr_ira with the whole pool per step. Recorded in the manifest.",
         default=False,
     )
+    profile: str | None = opt(
+        "A named combination, recorded in the manifest (docs/cache-format.md, 'Cache profiles'): compact (= --compact) "
+        f"or small (--feature-codec e8m3 for every feature array, --ira-parents {SMALL_PARENTS} or --anchors / 2 if "
+        "fewer, unless given: ~15 KiB per corpus token at Qwen3-4B shapes; alr_ira at up to 2 x parents + 1 anchors "
+        "per step).",
+        default=None,
+    )
     storage_format: str = opt("Shard format: zarr or wds (WebDataset tar).", flag="format", default="zarr")
     shard_size: int = opt("Sequences per shard.", default=256)
 
     def __post_init__(self):
+        codecs = ", ".join(FEATURE_CODECS)
         if self.feature_codec not in FEATURE_CODECS:
-            raise ValueError(f"--feature-codec must be bf16 or fp8, got {self.feature_codec!r}")
+            raise ValueError(f"--feature-codec must be one of {codecs}, got {self.feature_codec!r}")
         if self.rollout_feature_codec is not None and self.rollout_feature_codec not in FEATURE_CODECS:
-            raise ValueError(f"--rollout-feature-codec must be bf16 or fp8, got {self.rollout_feature_codec!r}")
-        if self.feature_codec == "fp8" and self.rollout_feature_codec == "bf16":
-            raise ValueError("--rollout-feature-codec bf16 with --feature-codec fp8: rollout features finer than the corpus's are refused")
+            raise ValueError(f"--rollout-feature-codec must be one of {codecs}, got {self.rollout_feature_codec!r}")
+        if self.feature_codec == "fp8" and self.rollout_feature_codec not in (None, "fp8"):
+            # (the trainer puts a parent's rollout rows beside the corpus rows in the corpus's bits)
+            raise ValueError(f"--rollout-feature-codec {self.rollout_feature_codec} with --feature-codec fp8 is refused: fp8 corpus features take fp8 rollout features")
         check_ira_parents(self.ira_parents, name="--ira-parents")
         if self.compact and (self.rollout_feature_codec is not None or self.ira_parents is not None):
             raise ValueError("--compact sets --rollout-feature-codec and --ira-parents: give neither with it")
+        if self.profile is not None and self.profile not in PROFILES:
+            raise ValueError(f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+        if self.compact and self.profile not in (None, "compact"):
+            raise ValueError(f"--compact is --profile compact: give one of --compact and --profile {self.profile}")
+        if self.profile == "compact" and (self.rollout_feature_codec is not None or self.ira_parents is not None):
+            raise ValueError("--profile compact sets --rollout-feature-codec and --ira-parents: give neither with it")
+        if self.profile == "small" and (self.feature_codec != "bf16" or self.rollout_feature_codec is not None):
+            raise ValueError("--profile small sets --feature-codec and --rollout-feature-codec (e8m3): give neither with it")
         if self.storage_format not in STORAGE_FORMATS:
             raise ValueError(f"--format must be zarr or wds, got {self.storage_format!r}")
         if self.shard_size < 1:
@@ -214,8 +239,10 @@ class CacheBuildConfig:
         """The feature layout the cache is written with, --compact resolved: {"feature_codec",
         "rollout_feature_codec" (None: the features'), "ira_parents" (None: all), "profile"}."""
         storage = self.storage
-        if storage.compact:
+        if storage.compact or storage.profile == "compact":
             return {**compact_layout(self.run.anchors_per_sequence, feature_codec=storage.feature_codec), "profile": "compact"}
+        if storage.profile == "small":
+            return {**small_layout(self.run.anchors_per_sequence, ira_parents=storage.ira_parents), "profile": "small"}
         rollout_codec = storage.rollout_feature_codec
         if rollout_codec == storage.feature_codec:
             rollout_codec = None  # the same codec: a version-1 layout
@@ -247,6 +274,20 @@ def compact_layout(anchors_per_sequence: int, *, feature_codec: str) -> dict:
         "feature_codec": feature_codec,
         "rollout_feature_codec": "fp8" if feature_codec != "fp8" else None,
         "ira_parents": max(1, anchors_per_sequence // 2),
+    }
+
+
+def small_layout(anchors_per_sequence: int, *, ira_parents: int | None) -> dict:
+    """What --profile small selects (docs/cache-format.md, "Cache profiles"): every feature array
+    in e8m3 (bf16's range, 3 mantissa bits: the corpus features' fp8-sized lossy codec that
+    keeps small channels beside massive ones), rollout features for --ira-parents anchors (default
+    SMALL_PARENTS, or half the pool if that is fewer: alr_ira's parents at a draw of up to 2P + 1
+    anchors per step)."""
+    parents = ira_parents if ira_parents is not None else min(SMALL_PARENTS, max(1, anchors_per_sequence // 2))
+    return {
+        "feature_codec": SMALL_CODEC,
+        "rollout_feature_codec": None,
+        "ira_parents": parents if parents < anchors_per_sequence else None,  # every pool anchor: no --ira-parents
     }
 
 

@@ -23,11 +23,13 @@ from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.corpus import corpus_vision_inputs, ingest_corpus
 from pipeline.cache_build.rollouts import anchor_pool_size
 from storage.eval_split import split_file_bytes
-from storage.format import num_parents, record_array_names
+from storage.format import FEATURE_DTYPES, num_parents, record_array_names
 from storage.reader import BYTE_GROUPS
 
-# Assumed compressed / raw ratio divisors per encoded kind (docs/benchmarks.md, "Cache settings").
-COMPRESSION = {"bf16": 1.33, "fp8": 1.1, "labels": 1.2, "tokens": 1.0}
+# Assumed compressed / raw ratio divisors per encoded kind (docs/benchmarks.md, "Cache settings";
+# the e8m codecs: "Feature codecs", the lowest of SmolLM2-135M's and the toy target's activations).
+COMPRESSION = {"bf16": 1.33, "fp8": 1.1, "labels": 1.2, "tokens": 1.0,
+               "e8m2": 2.3, "e8m3": 2.0, "e8m4": 1.8, "e8m5": 1.6, "e8m6": 1.45}  # fmt: skip
 # Zarr metadata and offsets per shard (measured: ~3 KiB a toy shard); a tar's end blocks.
 INDEX_BYTES_PER_SHARD = {"zarr": 3 << 10, "wds": 1 << 10}
 EVAL_SPLIT_RECORD_BYTES = 2 << 10  # eval_split.json: its key, sha256 and counts
@@ -42,8 +44,8 @@ def raw_group_bytes(
     """Uncompressed bytes by BYTE_GROUPS group of sequences with these token, pool and parent counts."""
     T, A, P = int(lengths.sum()), int(pools.sum()), int(parents.sum())
     F, k, K = feature_dim, top_k, num_slots
-    width = {"bf16": 2, "fp8": 1}
-    scale = {"bf16": 0, "fp8": 4}  # a float32 scale per row
+    width = {codec: np.dtype(dtype).itemsize for codec, dtype in FEATURE_DTYPES.items()}  # bytes a stored value
+    scale = {codec: 4 if codec == "fp8" else 0 for codec in FEATURE_DTYPES}  # a float32 scale per row
     out = dict.fromkeys([*BYTE_GROUPS, "index"], 0)
     out["corpus_features"] = T * (F * width[codecs["features"]] + scale[codecs["features"]])
     out["corpus_tokens"] = T * (4 + 1) + A * 4 + len(lengths) * 8
@@ -189,7 +191,7 @@ def estimate_lines(estimate: dict) -> list[str]:
         rollout = f"{without}; features {e['codecs']['features']}"
     lines = [
         f"estimate: {e['sequences']:,} sequences, {e['tokens']:,} tokens, {e['anchors']:,} pool anchors, "
-        f"{rollout}{', --compact' if e['profile'] else ''}",
+        f"{rollout}{', --profile ' + e['profile'] if e['profile'] else ''}",
         f"projected: {e['bytes'] / mib:,.1f} MiB in {e['shards']} shard(s), at most {e['upper_bytes'] / mib:,.1f} MiB "
         f"({e['raw_bytes']:,} bytes of arrays uncompressed, exact, plus the format's most); {e['bytes_per_token'] / 1024:,.2f} KiB "
         f"per corpus token, {e['bytes_per_sequence'] / mib:,.2f} MiB per sequence (no target forward: the projection "

