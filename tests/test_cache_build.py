@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -165,38 +168,68 @@ def test_bad_rows_error_names_file_and_line_or_are_skipped(ray_address, toy_targ
     assert manifest.corpus_stats["rows"] == len(rows) + 2
 
 
+class _Phases:
+    """The phases of a kill test with their durations, for its failure messages: which phase
+    failed, how long each took (a loaded machine stretches them), and the logs of what ran."""
+
+    def __init__(self):
+        self.done: list[tuple[str, float]] = []
+        self.logs: dict[str, Callable[[], str]] = {}
+        self.started = time.monotonic()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.done.append((name, time.monotonic() - began))
+
+    def report(self, failed: str) -> str:
+        lines = [f"{failed}", "phases: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.done)
+                 + f" (total {time.monotonic() - self.started:.1f}s)"]  # fmt: skip
+        lines += [f"--- {name} (last 3000 characters) ---\n{text()[-3000:]}" for name, text in self.logs.items()]
+        return "\n".join(lines)
+
+
 def test_resume_after_kill_gives_identical_cache(ray_address, toy_target, toy_corpus, shard1_reference, tmp_path):
-    """Kill the whole build mid-way (driver and its worker actors), resume, compare to a clean run."""
+    """Kill the whole build mid-way (driver and its worker actors), resume, compare to a clean run.
+    A failure names its phase, every phase's duration and both builds' output (_Phases)."""
     reference = shard1_reference
     out = tmp_path / "killed"
     args = _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    killed_log = tmp_path / "killed-build.log"  # its lines, for the message should it end by itself
-    with open(killed_log, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
-            env=env, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:  # wait on the event (two shards published), not on a clock: the start may take minutes
-        two_listed = wait_for(lambda: _listed(out) >= 2, what="the build publishing 2 shards", ended=lambda: proc.poll() is not None)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert two_listed, (
-        f"the build ended (exit {proc.returncode}) with {_listed(out)} shard(s) listed, before it could be killed at 2: "
-        + killed_log.read_text()[-1500:]
-    )
+    phases = _Phases()
+    killed_log = tmp_path / "killed-build.log"
+    phases.logs["the killed build"] = killed_log.read_text
+    with phases.phase("start to 2 shards listed"):
+        with open(killed_log, "w") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "from ray_jobs.cli import cache_cli; cache_cli()", *args],
+                env=env, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:  # wait on the event (two shards published), not on a clock: the start may take minutes
+            two_listed = wait_for(lambda: _listed(out) >= 2, what="the build publishing 2 shards", ended=lambda: proc.poll() is not None)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert two_listed, phases.report(f"the build ended (exit {proc.returncode}) with {_listed(out)} shard(s) listed, before it could be killed at 2")
     killed = load_manifest(out)
-    assert len(killed.shards) < killed.num_shards_planned, "the build finished every shard before it could be killed"
+    assert len(killed.shards) < killed.num_shards_planned, phases.report("the build finished every shard before it could be killed")
 
-    result = CliRunner().invoke(cache_cli, _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1"))
-    assert result.exit_code == 0, result.output
+    with phases.phase("resume"):
+        result = CliRunner().invoke(cache_cli, _cli_args(toy_target, toy_corpus, out, ray_address, "--shard-size", "1"))
+    phases.logs["the resumed build"] = lambda: result.output + (f"\n{result.exception!r}" if result.exception else "")
+    assert result.exit_code == 0, phases.report(f"the resumed build failed (exit {result.exit_code})")
     resumed, clean = load_manifest(out), load_manifest(reference)
-    assert resumed.is_complete
-    assert [(s.name, s.checksum) for s in resumed.shards] == [(s.name, s.checksum) for s in clean.shards]
-    assert not [p for p in (out / SHARD_DIR).iterdir() if p.name.startswith(".tmp")]
-    result = CliRunner().invoke(cache_cli, ["verify", str(out)])
-    assert result.exit_code == 0, result.output
+    assert resumed.is_complete, phases.report(f"the resumed manifest lists {len(resumed.shards)} of {resumed.num_shards_planned} shards")
+    differ = [(a.name, a.checksum, b.checksum) for a, b in zip(resumed.shards, clean.shards) if (a.name, a.checksum) != (b.name, b.checksum)]
+    assert len(resumed.shards) == len(clean.shards) and not differ, phases.report(f"resumed shards differ from the clean build's: {differ[:3]}")
+    left = [p.name for p in (out / SHARD_DIR).iterdir() if p.name.startswith(".tmp")]
+    assert not left, phases.report(f"temp entries left in {out / SHARD_DIR}: {left}")
+    with phases.phase("verify"):
+        result = CliRunner().invoke(cache_cli, ["verify", str(out)])
+    assert result.exit_code == 0, phases.report(f"verify failed: {result.output}")
 
 
 def _build_and_interrupt(config: CacheBuildConfig, interrupt) -> tuple[int | None, list[Exception]]:

