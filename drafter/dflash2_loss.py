@@ -272,6 +272,6 @@ def _chunked_slot_terms(model, slots: SupervisedSlots, *, lm_head: Tensor, loss_
     parts = []
     for start in range(0, slots.hidden.shape[0], loss_chunk):
         part = slice(start, start + loss_chunk)
-        chunk = SupervisedSlots(**{name: value[part] for name, value in vars(slots).items()})
+        chunk = slots.select(part)
         parts.append(dflash2_slot_terms(model, chunk, draft_logits=head_matmul(chunk.hidden, lm_head.t())))
     return SlotTerms(**{name: torch.cat([getattr(p, name) for p in parts]) for name in ("kl", "tv", "selector", "correct")})

@@ -88,6 +88,14 @@ class SupervisedSlots:
     block_prev_tokens: Tensor | None = None  # [N, L] long
     block_slot: Tensor | None = None  # [M] long, into N * L
 
+    def select(self, part: slice) -> SupervisedSlots:
+        """The slots `part` of these (a loss taken chunk by chunk): every per-slot field sliced, the
+        blocks' rows kept whole (block_slot still indexes them)."""
+        per_block = ("block_hidden", "block_prev_tokens")
+        return SupervisedSlots(**{
+            name: value if name in per_block or value is None else value[part] for name, value in vars(self).items()
+        })  # fmt: skip
+
 
 @dataclass(kw_only=True)
 class Drafts:

@@ -33,7 +33,7 @@ def test_bad_flag_values_are_one_line_errors(tmp_path):
         cache_cli, ["build", "--target", str(tmp_path), "--corpus", "x.jsonl", "--out", str(tmp_path / "c"), "--feature-codec", "int4"]
     )
     assert result.exit_code == 2
-    assert "--feature-codec must be bf16 or fp8, got 'int4'" in result.output
+    assert "--feature-codec must be one of bf16, fp8, e8m2, e8m3, e8m4, e8m5, e8m6, got 'int4'" in result.output
     result = runner.invoke(cache_cli, ["build", "--target", str(tmp_path), "--corpus", "x.jsonl", "--out", "o", "--layers", "1,x"])
     assert result.exit_code == 2 and "comma-separated integers" in result.output
     result = runner.invoke(train_cli, ["--cache", str(tmp_path), "--out", "o", "--method", "eagle"])

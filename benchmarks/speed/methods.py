@@ -1,10 +1,11 @@
 """Methods benchmark: tau of dflash, kd, erase, alr and alr_ira on the demo world, over seeds, at T = 0 and T = 1.
 
-    .venv/bin/python -m benchmarks.speed.methods [--out results/methods] [--seeds 0,1,2] [--world-seed same|N] [--archs dflash,dspark]
+    .venv/bin/python -m benchmarks.speed.methods [--out results/methods] [--seeds 0,1,2] [--world-seed same|N] [--archs dflash,dspark,dflash2]
 
-`--archs dflash,dspark` trains each method as a DFlash and as a DSpark drafter from the same cache
-(DSpark rows are named `dspark:METHOD`; B = the cache's K, so both draft K tokens per round) and
-reports the DSpark confidence head's calibration per slot (docs/dspark.md).
+`--archs dflash,dspark,dflash2` trains each method as a drafter of each family from the same cache
+(rows named `FAMILY:METHOD`, DFlash's plain `METHOD`; every family drafts the cache's K tokens per
+round), reports the DSpark confidence head's calibration per slot (docs/dspark.md) and, by
+`families_section`, the families side by side with their training time per step.
 
 A replicate is one (world seed, drafter seed) pair. By default each drafter seed gets its own world
 (`--world-seed same`: world seed = drafter seed), so the spread covers both the world (chains,
@@ -216,6 +217,33 @@ def dspark_section(full: dict, without_head: dict) -> str:
                      + calibration_table(full, methods=dspark, temperature=t))  # fmt: skip
     return "\n\n".join(parts)
 
+
+
+def families_section(report: dict) -> str:
+    """docs/results.md's drafter-family tables from one run's methods.json (--archs of several
+    families, the same caches): per method, each family's tau (mean ± SD) at each temperature, and
+    each family's training seconds per step (mean over methods and replicates)."""
+    table, temperatures = report["table"], report["temperatures"]
+    archs = list(dict.fromkeys(m.rpartition(":")[0] or "dflash" for m in table))
+    methods = list(dict.fromkeys(m.rpartition(":")[2] for m in table))
+    row = lambda arch, method: method if arch == "dflash" else f"{arch}:{method}"  # noqa: E731
+    parts = []
+    for t in temperatures:
+        key = f"T{t:g}"
+        lines = [f"T = {t:g}: tau (mean ± SD over {len(report['replicates'])} replicates)", "",
+                 "| method | " + " | ".join(archs) + " |", "|---|" + "---|" * len(archs)]  # fmt: skip
+        for method in methods:
+            cells = [f"{table[row(a, method)][key]['tau_mean']:.3f} ± {table[row(a, method)][key]['tau_sd']:.3f}" for a in archs]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    per_step = {
+        a: statistics.fmean(r["methods"][row(a, m)]["train_s"] / r["methods"][row(a, m)]["train_steps"]
+                            for r in report["replicates"] for m in methods)
+        for a in archs
+    }  # fmt: skip
+    parts.append("Training seconds per step (mean over methods and replicates)\n\n| " + " | ".join(archs) + " |\n|"
+                 + "---|" * len(archs) + "\n| " + " | ".join(f"{per_step[a]:.3f}" for a in archs) + " |")  # fmt: skip
+    return "\n\n".join(parts)
 
 if __name__ == "__main__":
     main()
