@@ -436,14 +436,13 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
                 if isinstance(node, ast.Attribute) and node.attr in collectives and getattr(node.value, "id", "") == "dist":
                     assert (path.name, function.name) == ("step.py", "all_reduce_on"), (path.name, function.name)
 
-    calls, original = [], loop.all_reduce_on
+    calls, original = [], step.all_reduce_on
 
     def recording(t, *, device, world_size):
         calls.append((t.device, torch.device(device)))
         return original(t, device=device, world_size=world_size)
 
-    monkeypatch.setattr(loop, "all_reduce_on", recording)  # the loop's calls (weight total, token count)
-    monkeypatch.setattr(step, "all_reduce_on", recording)  # StepStats.all_reduced's
+    monkeypatch.setattr(step, "all_reduce_on", recording)  # the step's calls (weight total, statistics, token count)
     trained_on = []
     real_setup = loop.setup
     monkeypatch.setattr(loop, "setup", lambda plan: trained_on.append(s := real_setup(plan)) or s)
