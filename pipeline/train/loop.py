@@ -66,7 +66,9 @@ def run_training(plan: TrainPlan) -> dict:
     config, main = plan.config, plan.ranks.rank == 0
     history, started, logs, finished = [], time.time(), None, False
     try:
-        logs = RunLogs.start(plan) if main else None  # first: what marks --out as a run, for the other ranks' checks
+        # First: --out claimed and marked as a run (for the other ranks' checks); after every refusal (the
+        # plan's, the weights' loading in setup), so a refused run leaves nothing in --out.
+        logs = RunLogs.start(plan) if main else None
         bar = tqdm(total=plan.last_step, initial=plan.start_step, unit="step", desc=config.objective.method,
                    disable=not main or not config.progress)  # fmt: skip
         window, window_start = [], time.time()

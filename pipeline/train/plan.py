@@ -5,8 +5,8 @@ drafter family up and resolves its options and shape for the cache (a `--drafter
 checked from its config.json), binds the objective, resolves `auto` (precision, attention kernel),
 the data order (the epochs' steps, a stream's plan) and the resume decision (the checkpoint a
 `--resume` continues, checked against this run). Every refusal happens here, before `setup`
-(pipeline/train/setup.py) loads weights or claims --out; each check runs once and each location is
-resolved from its flag once.
+(pipeline/train/setup.py) loads weights and before --out is claimed (pipeline/train/run_dir.py);
+each check runs once and each location is resolved from its flag once.
 """
 
 from __future__ import annotations

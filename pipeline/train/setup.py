@@ -1,7 +1,8 @@
 """What a run works with, built from its plan (pipeline/train/plan.py) before the first step
 (`setup` -> `TrainState`): the drafter (fresh, from --drafter-init, or one family's on another's
 backbone) with a resumed checkpoint's weights, the optimizer, the frozen target head in the compute
-dtype, the run folder's claim, and the batches. Nothing here decides or refuses: the plan did.
+dtype, and the batches. Nothing here decides or refuses (the plan did), and nothing is written to
+--out (pipeline/train/run_dir.py claims it once this is built).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from drafter.checkpoint import load_drafter
-from pipeline.train.checkpoints import claim_run
 from pipeline.train.data import make_batches
 from pipeline.train.plan import DrafterPlan, TrainPlan
 
@@ -66,9 +66,6 @@ def setup(plan: TrainPlan) -> TrainState:
         drafter.load_state_dict(plan.resume["model"])
         optimizer.load_state_dict(plan.resume["optimizer"])
         torch.set_rng_state(plan.resume["rng"])
-    if ranks.rank == 0:  # after every refusal (the plan's, the weights' loading): a refused run leaves nothing in --out
-        checkpoint = plan.config.checkpoint
-        claim_run(plan.run, inputs=plan.inputs, resume=checkpoint.resume, overwrite=checkpoint.overwrite, log=ranks.log)
     return TrainState(
         drafter=drafter,
         model=torch.nn.parallel.DistributedDataParallel(drafter) if ranks.world_size > 1 else drafter,
