@@ -64,6 +64,7 @@ def run_training(plan: TrainPlan) -> dict:
     """Build the run from its plan and step it to the end (the module docstring)."""
     s = setup(plan)  # the map loader's workers run from here on: every exit below stops them (finally)
     config, main = plan.config, plan.ranks.rank == 0
+    export_dtype = getattr(torch, config.checkpoint.save_dtype)  # the export's weights, as the split scores them
     history, started, logs, finished = [], time.time(), None, False
     try:
         # First: --out claimed and marked as a run (for the other ranks' checks); after every refusal (the
@@ -78,10 +79,8 @@ def run_training(plan: TrainPlan) -> dict:
             if evaluated or is_logged(step, log_every=config.log_every, last_step=plan.last_step):
                 record = step_record(plan, window, seconds=time.time() - window_start)
                 if evaluated and main:  # the split is rank 0's; nothing collective in it
-                    record["eval"] = evaluate_split(
-                        s.drafter, plan.eval_split, embed_tokens=s.head["embed_tokens.weight"], lm_head=s.head["lm_head.weight"],
-                        device=plan.ranks.device, weights_dtype=getattr(torch, config.checkpoint.save_dtype),
-                    )  # fmt: skip
+                    record["eval"] = evaluate_split(s.drafter, plan.eval_split, head=s.head, device=plan.ranks.device,
+                                                    weights_dtype=export_dtype)  # fmt: skip
                 window, window_start = [], time.time()
                 history.append(record)
                 if logs is not None:
@@ -102,11 +101,11 @@ def run_training(plan: TrainPlan) -> dict:
             logs.discard()
     summary = {"run": str(plan.run), "method": config.objective.method, "steps": plan.last_step, "elapsed_s": time.time() - started}
     if logs is not None:
-        family = plan.drafter.family
-        calibration = calibrate_split(plan, s.drafter) if family.has_confidence(s.drafter.config) else None  # None without a split
-        summary = logs.finish(summary, history, drafter=s.drafter, num_slots=plan.num_slots,
-                              dtype=getattr(torch, config.checkpoint.save_dtype),
-                              head=plan.head if family.exports_head(plan.drafter.options) else None, calibration=calibration)  # fmt: skip
+        family, calibration = plan.drafter.family, None
+        if family.has_confidence(s.drafter.config):  # fitted on the split (None without one)
+            calibration = calibrate_split(s.drafter, plan.eval_split, head=s.head, device=plan.ranks.device, weights_dtype=export_dtype)
+        summary = logs.finish(summary, history, drafter=s.drafter, num_slots=plan.num_slots, dtype=export_dtype,
+                              head=s.head if family.exports_head(plan.drafter.options) else None, calibration=calibration)  # fmt: skip
     if plan.ranks.world_size > 1:
         dist.barrier()
     return summary

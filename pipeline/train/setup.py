@@ -15,6 +15,7 @@ import torch
 from drafter.checkpoint import load_drafter
 from pipeline.train.data import make_batches
 from pipeline.train.plan import DrafterPlan, TrainPlan
+from storage.manifest import read_target_head
 
 
 def adamw(params, *, lr: float, device: torch.device) -> torch.optim.AdamW:
@@ -54,13 +55,13 @@ class TrainState:
     lm_head: torch.Tensor  # frozen [V, H]
     autocast: contextlib.AbstractContextManager
     batches: object  # iterator over this rank's micro-batches, from the plan's start step on
-    head: dict | None = None  # the target's embed_tokens / lm_head as stored (CPU), for the split's float32 drafting
+    head: dict  # the target's embed_tokens / lm_head as the cache stores them (CPU): the split's float32 drafting, the export
 
 
 def setup(plan: TrainPlan) -> TrainState:
-    ranks, dtype, head = plan.ranks, plan.compute_dtype, plan.head
-    loader = make_batches(plan)  # its workers start when it is first iterated, below
+    ranks, dtype = plan.ranks, plan.compute_dtype
     drafter = build_drafter(plan.drafter).to(ranks.device)
+    head = read_target_head(plan.cache, target_hash=plan.manifest.settings.target_hash)  # refused if written for another target
     optimizer = adamw(drafter.parameters(), lr=plan.config.optim.lr, device=ranks.device)
     if plan.resume is not None:
         drafter.load_state_dict(plan.resume["model"])
@@ -73,6 +74,6 @@ def setup(plan: TrainPlan) -> TrainState:
         embed_tokens=head["embed_tokens.weight"].to(ranks.device, dtype),
         lm_head=head["lm_head.weight"].to(ranks.device, dtype),
         autocast=torch.autocast(ranks.device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext(),
-        batches=iter(loader),
-        head=head if plan.eval_split is not None else None,
+        batches=iter(make_batches(plan)),  # the map loader's workers start here
+        head=head,
     )
