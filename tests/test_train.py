@@ -455,8 +455,9 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
 def test_bf16_features_travel_as_bits_and_decode_exactly(cache):
     """The loader hands the training device bf16 bits (uint16, half the bytes of float32); they
     decode to exactly the reader's float32 features."""
-    from pipeline.train.batching import CacheTrainDataset, collate, decode_feature_bits
+    from pipeline.train.batching import CacheTrainDataset, collate
     from pipeline.train.labels import ObjectiveConfig
+    from pipeline.train.step import decode_feature_bits
     from storage.reader import open_cache
 
     reader = open_cache(cache)
@@ -477,8 +478,9 @@ def test_fp8_features_travel_as_bits_and_scales_and_decode_exactly(tmp_path, sto
     """fp8 caches: the loader hands the device uint8 bits and one float32 scale per context row
     (the IRA parents' rollout rows included); decoded there, they equal the float32 context the
     same example gets from the reader's decoded record."""
-    from pipeline.train.batching import CacheTrainDataset, collate, decode_feature_bits, example_from_record
+    from pipeline.train.batching import CacheTrainDataset, collate, example_from_record
     from pipeline.train.labels import ObjectiveConfig
+    from pipeline.train.step import decode_feature_bits
     from storage.reader import open_cache
     from test_storage import K, build_cache
 

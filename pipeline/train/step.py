@@ -1,6 +1,7 @@
 """One training step: `train_step` (one optimizer step over this rank's micro-batches), its math
-(the loss of a micro-batch, `forward_loss`, and its sums, `StepStats`), the one collective every
-rank runs (`all_reduce_on`), the LR schedule (`lr_at`), and a logged step's metrics (`step_record`).
+(the stored feature bits decoded on the device, `decode_feature_bits`; the loss of a micro-batch,
+`forward_loss`, and its sums, `StepStats`), the one collective every rank runs (`all_reduce_on`),
+the LR schedule (`lr_at`), and a logged step's metrics (`step_record`).
 
 The step loss is one weighted mean over every supervised slot of the global batch,
 sum(w * l) / (sum(w) + 1e-6), so the weight total is all-reduced BEFORE the backward passes and
@@ -21,9 +22,10 @@ import torch.nn.functional as F
 from drafter.families import family_of
 from drafter.family import SupervisedSlots
 from drafter.masks import flex_block_mask, visibility_mask
-from pipeline.train.batching import ReadFailure, TrainBatch, decode_feature_bits
+from pipeline.train.batching import ReadFailure, TrainBatch
 from pipeline.train.plan import TrainPlan
 from pipeline.train.setup import TrainState
+from storage.codecs import FP8_E4M3FN_TABLE
 
 
 def lr_at(step: int, *, total_steps: int, peak_lr: float, warmup_frac: float) -> float:
@@ -56,6 +58,20 @@ class StepStats:
         flat = all_reduce_on(flat, device=device, world_size=world_size)
         num_slots = self.slot_count.numel()
         return StepStats(loss_sum=flat[0], weight_sum=flat[1], slot_correct=flat[2 : 2 + num_slots], slot_count=flat[2 + num_slots :])
+
+
+def decode_feature_bits(features: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored feature bits -> float32 on their device, exactly as storage.codecs.decode_features:
+    bf16 bits (uint16) are the top half of a float32; fp8-e4m3fn bits (uint8) [..., F] are looked up
+    in the 256-entry table and times their row's scale [...]. Float features pass."""
+    if features.dtype == torch.uint16:
+        return (features.to(torch.int32) << 16).view(torch.float32)
+    if features.dtype == torch.uint8:
+        if scales is None:
+            raise ValueError("fp8 feature bits need their per-row scales")
+        table = torch.tensor(FP8_E4M3FN_TABLE, device=features.device)  # [256] float32 (a copy: the array is read-only)
+        return table[features.long()] * scales.to(features.device, torch.float32)[..., None]
+    return features
 
 
 def forward_loss(
