@@ -295,10 +295,10 @@ def test_resume_ignores_settings_the_method_never_reads_and_checks_the_resolved_
 
 def _setup(config):
     """The run's plan and the state built from it (pipeline/train/plan.py, setup.py), as the loop holds them."""
-    from pipeline.train.plan import plan_training
+    from pipeline.train.plan import open_run, plan_training
     from pipeline.train.setup import setup
 
-    plan = plan_training(config)
+    plan = plan_training(config, open_run(config))
     return plan, setup(plan)
 
 
@@ -311,10 +311,11 @@ def _stats_on(plan, s, batch, **overrides):
 
 
 def test_attention_flag_resolves_per_device_and_refuses_flex_without_cuda(cache, tmp_path):
-    from pipeline.train.plan import plan_training
+    from pipeline.train.plan import open_run, plan_training
 
-    assert plan_training(_config(cache, tmp_path / "auto")).attention == ("flex" if torch.cuda.is_available() else "sdpa")
-    assert plan_training(_config(cache, tmp_path / "sdpa", attention="sdpa")).attention == "sdpa"
+    auto, sdpa = _config(cache, tmp_path / "auto"), _config(cache, tmp_path / "sdpa", attention="sdpa")
+    assert plan_training(auto, open_run(auto)).attention == ("flex" if torch.cuda.is_available() else "sdpa")
+    assert plan_training(sdpa, open_run(sdpa)).attention == "sdpa"
     with pytest.raises(ValueError, match="--attention must be auto, flex or sdpa"):
         _config(cache, tmp_path / "x", attention="dense")
     if not torch.cuda.is_available():

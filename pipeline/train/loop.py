@@ -56,7 +56,7 @@ def train(config: TrainConfig) -> dict:
     places = open_run(config)  # before the lock: never a lock file in a cache or a stranger's folder
     locked = int(os.environ.get("RANK", "0")) == 0 and places.run.is_local
     with output_lock(places.run.local_path, command="alrira-train") if locked else contextlib.nullcontext():
-        plan = plan_training(config, places=places)
+        plan = plan_training(config, places)
         return run_training(plan)
 
 

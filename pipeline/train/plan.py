@@ -172,19 +172,18 @@ class RunPlaces:
 
 def open_run(config: TrainConfig) -> RunPlaces:
     """--cache opened (its manifest read and checked) and --out checked to be a run directory that is
-    not the cache (pipeline/train/preflight.py), each location resolved from its flag once; what a
-    run checks before it takes --out's lock (never a lock file in a cache or a stranger's folder)."""
+    not the cache (`check_run_dir`), each location resolved from its flag once; what a run checks
+    before it takes --out's lock (never a lock file in a cache or a stranger's folder)."""
     run, cache = resolve(config.out), resolve(config.cache)
     reader = open_cache(cache)
     check_run_dir(run, cache=cache)
     return RunPlaces(run=run, cache=cache, reader=reader)
 
 
-def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks: Ranks | None = None) -> TrainPlan:
+def plan_training(config: TrainConfig, places: RunPlaces, *, ranks: Ranks | None = None) -> TrainPlan:
     """Resolve `config` for this cache and machine (module docstring); every refusal is one line.
-    `places`: open_run's, when the caller opened the run first."""
+    `places`: `open_run(config)`, which the caller runs first (before it takes --out's lock)."""
     ranks = ranks or distributed_ranks()
-    places = places or open_run(config)
     run, cache, reader = places.run, places.cache, places.reader
     manifest, optim = reader.manifest, config.optim
     check_cache_complete(manifest, cache=cache, allow_partial=config.allow_partial, log=ranks.log)
