@@ -31,15 +31,15 @@ def _prompt_drafts(drafter, split: EvalSplit, *, head: dict, device: torch.devic
     scored = as_exported(drafter, weights_dtype)
     embed_tokens, lm_head = head["embed_tokens.weight"], head["lm_head.weight"]  # [V, H] each
     embed = nn.Embedding.from_pretrained(embed_tokens.detach().to(device, torch.float32))
-    head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device)
-    head.weight.data.copy_(lm_head.detach().float())
+    logits_layer = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device)
+    logits_layer.weight.data.copy_(lm_head.detach().float())
     for i in range(split.num_prompts):
         tokens, prompt_length, features = split.sequence(i)
         response = tokens[prompt_length:]
         if len(response) < 2:
             continue
         yield response, block_round_drafts(
-            scored, embed_tokens=embed, lm_head=head, mask_token_id=scored.config.mask_token_id,
+            scored, embed_tokens=embed, lm_head=logits_layer, mask_token_id=scored.config.mask_token_id,
             features=torch.from_numpy(features).to(device), sequence=tokens, anchors=list(range(prompt_length, len(tokens) - 1)),
             chunk=CHUNK,
         )  # fmt: skip  # a round's anchor is a committed response token

@@ -1,8 +1,10 @@
 """What a run works with, built from its plan (pipeline/train/plan.py) before the first step
 (`setup` -> `TrainState`): the drafter (fresh, from --drafter-init, or one family's on another's
-backbone) with a resumed checkpoint's weights, the optimizer, the frozen target head in the compute
-dtype, and the batches. Nothing here decides or refuses (the plan did), and nothing is written to
---out (pipeline/train/run_dir.py claims it once this is built).
+backbone) with a resumed checkpoint's weights, the frozen target head (read from the cache, and in
+the compute dtype), the optimizer, and the batches. Nothing here decides (the plan did) or refuses
+but what the weights' own loading refuses (a damaged --drafter-init, a target head written for
+another target), and nothing is written to --out (pipeline/train/run_dir.py claims it once this is
+built).
 """
 
 from __future__ import annotations
