@@ -11,6 +11,7 @@ Every file is written atomically (storage/atomic.py), so a reader never sees a h
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -114,6 +115,17 @@ def save_drafter(model, out_dir: str | os.PathLike, *, dtype: torch.dtype = torc
 def _stored_dtype(name: str, dtype: torch.dtype, *, family) -> torch.dtype:
     """A weight's dtype in the export and once loaded: float32 for the family's `float32_tensors`."""
     return torch.float32 if family.float32_tensors and name.startswith(family.float32_tensors) else dtype
+
+
+def as_exported(model, dtype: torch.dtype):
+    """`model` as its export at `dtype` (`save_drafter`) loads back in float32: every weight rounded
+    to its stored dtype and back (the model itself when `dtype` is float32: that changes nothing)."""
+    if dtype == torch.float32:
+        return model
+    exported, family = copy.deepcopy(model), family_of(model)
+    for name, tensor in exported.state_dict().items():
+        tensor.copy_(tensor.to(_stored_dtype(name, dtype, family=family)).float())
+    return exported
 
 
 def _exported_code(source: str, *, files: tuple[tuple[str, str], ...]) -> str:

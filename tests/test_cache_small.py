@@ -12,8 +12,9 @@ import torch
 
 from pipeline.cache_build.config import CacheBuildConfig
 from pipeline.cache_build.estimate import estimate_build, estimate_lines
-from pipeline.train.batching import CacheTrainDataset, decode_feature_bits
+from pipeline.train.batching import CacheTrainDataset
 from pipeline.train.labels import ObjectiveConfig
+from pipeline.train.step import decode_feature_bits
 from storage.codecs import decode_features
 from storage.format import MANIFEST_FILE, ira_parent_rows
 from storage.manifest import load_manifest

@@ -64,11 +64,11 @@ def test_every_method_trains_a_dflash2_drafter_from_the_dflash_cache(k7_cache, t
 
 def test_the_envelope_is_speculators_for_every_method_and_dpace_replaces_it(k7_cache, tmp_path):
     from pipeline.train.loop import train
-    from pipeline.train.plan import plan_training
+    from pipeline.train.plan import open_run, plan_training
     from pipeline.train.setup import setup
 
     def ratios(config) -> torch.Tensor:
-        weights = next(setup(plan_training(config)).batches).slot_weights  # [B, N, K]
+        weights = next(setup(plan_training(config, open_run(config))).batches).slot_weights  # [B, N, K]
         both = (weights[..., 0] > 0) & (weights[..., 1] > 0)
         return weights[..., 1][both] / weights[..., 0][both]
 

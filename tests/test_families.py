@@ -104,7 +104,7 @@ def test_a_family_registered_in_a_test_trains_evaluates_and_exports(toy_family, 
     from pipeline.eval.evaluate import EvalConfig, run_eval
     from pipeline.eval.replay import run_replay
     from pipeline.train import TrainConfig, train
-    from pipeline.train.plan import plan_training
+    from pipeline.train.plan import open_run, plan_training
     from pipeline.train.setup import setup
     from tests.conftest import write_jsonl
 
@@ -114,7 +114,7 @@ def test_a_family_registered_in_a_test_trains_evaluates_and_exports(toy_family, 
     )  # fmt: skip
     # Its layout reaches the labels: every block's envelope is exp(-c / 0.5) (alr_ira's other factors
     # are 0 or 1), not the method's gamma of 2.
-    weights = next(setup(plan_training(config)).batches).slot_weights  # [B, N, K]
+    weights = next(setup(plan_training(config, open_run(config))).batches).slot_weights  # [B, N, K]
     both = (weights[..., 0] > 0) & (weights[..., 1] > 0)
     ratios = weights[..., 1][both] / weights[..., 0][both]
     assert ratios.numel() and torch.allclose(ratios, torch.full_like(ratios, torch.e ** (-1 / TOY_GAMMA)), rtol=1e-5)

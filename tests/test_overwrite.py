@@ -1,5 +1,5 @@
 """`--overwrite` replaces what the tool wrote, nothing else (pipeline/outputs.py, claim_run in
-pipeline/train/checkpoints.py; docs/failure-modes.md "Outputs"): a user's file inside a folder the
+pipeline/train/run_dir.py; docs/failure-modes.md "Outputs"): a user's file inside a folder the
 command writes (RUN/drafter/, RUN/checkpoints/, a folder where an evaluation writes a file) is named
 in a one-line refusal and left in place. The run is laid out by the real writers (save_drafter,
 save_checkpoint), so every name they write must count as the run's own."""
@@ -16,7 +16,8 @@ from drafter.checkpoint import save_drafter
 from drafter.config import DFlashConfig
 from drafter.model import DFlashDrafter
 from pipeline.outputs import RECORD_FILE, claim_output, owns
-from pipeline.train.checkpoints import claim_run, save_checkpoint
+from pipeline.train.checkpoints import save_checkpoint
+from pipeline.train.run_dir import claim_run
 from storage.location import resolve
 
 

@@ -295,10 +295,10 @@ def test_resume_ignores_settings_the_method_never_reads_and_checks_the_resolved_
 
 def _setup(config):
     """The run's plan and the state built from it (pipeline/train/plan.py, setup.py), as the loop holds them."""
-    from pipeline.train.plan import plan_training
+    from pipeline.train.plan import open_run, plan_training
     from pipeline.train.setup import setup
 
-    plan = plan_training(config)
+    plan = plan_training(config, open_run(config))
     return plan, setup(plan)
 
 
@@ -311,10 +311,11 @@ def _stats_on(plan, s, batch, **overrides):
 
 
 def test_attention_flag_resolves_per_device_and_refuses_flex_without_cuda(cache, tmp_path):
-    from pipeline.train.plan import plan_training
+    from pipeline.train.plan import open_run, plan_training
 
-    assert plan_training(_config(cache, tmp_path / "auto")).attention == ("flex" if torch.cuda.is_available() else "sdpa")
-    assert plan_training(_config(cache, tmp_path / "sdpa", attention="sdpa")).attention == "sdpa"
+    auto, sdpa = _config(cache, tmp_path / "auto"), _config(cache, tmp_path / "sdpa", attention="sdpa")
+    assert plan_training(auto, open_run(auto)).attention == ("flex" if torch.cuda.is_available() else "sdpa")
+    assert plan_training(sdpa, open_run(sdpa)).attention == "sdpa"
     with pytest.raises(ValueError, match="--attention must be auto, flex or sdpa"):
         _config(cache, tmp_path / "x", attention="dense")
     if not torch.cuda.is_available():
@@ -436,14 +437,13 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
                 if isinstance(node, ast.Attribute) and node.attr in collectives and getattr(node.value, "id", "") == "dist":
                     assert (path.name, function.name) == ("step.py", "all_reduce_on"), (path.name, function.name)
 
-    calls, original = [], loop.all_reduce_on
+    calls, original = [], step.all_reduce_on
 
     def recording(t, *, device, world_size):
         calls.append((t.device, torch.device(device)))
         return original(t, device=device, world_size=world_size)
 
-    monkeypatch.setattr(loop, "all_reduce_on", recording)  # the loop's calls (weight total, token count)
-    monkeypatch.setattr(step, "all_reduce_on", recording)  # StepStats.all_reduced's
+    monkeypatch.setattr(step, "all_reduce_on", recording)  # the step's calls (weight total, statistics, token count)
     trained_on = []
     real_setup = loop.setup
     monkeypatch.setattr(loop, "setup", lambda plan: trained_on.append(s := real_setup(plan)) or s)
@@ -456,8 +456,9 @@ def test_every_collective_of_a_real_run_gets_a_tensor_on_the_training_device(cac
 def test_bf16_features_travel_as_bits_and_decode_exactly(cache):
     """The loader hands the training device bf16 bits (uint16, half the bytes of float32); they
     decode to exactly the reader's float32 features."""
-    from pipeline.train.batching import CacheTrainDataset, collate, decode_feature_bits
+    from pipeline.train.batching import CacheTrainDataset, collate
     from pipeline.train.labels import ObjectiveConfig
+    from pipeline.train.step import decode_feature_bits
     from storage.reader import open_cache
 
     reader = open_cache(cache)
@@ -478,8 +479,9 @@ def test_fp8_features_travel_as_bits_and_scales_and_decode_exactly(tmp_path, sto
     """fp8 caches: the loader hands the device uint8 bits and one float32 scale per context row
     (the IRA parents' rollout rows included); decoded there, they equal the float32 context the
     same example gets from the reader's decoded record."""
-    from pipeline.train.batching import CacheTrainDataset, collate, decode_feature_bits, example_from_record
+    from pipeline.train.batching import CacheTrainDataset, collate, example_from_record
     from pipeline.train.labels import ObjectiveConfig
+    from pipeline.train.step import decode_feature_bits
     from storage.reader import open_cache
     from test_storage import K, build_cache
 

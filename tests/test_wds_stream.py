@@ -19,7 +19,7 @@ from drafter.checkpoint import load_drafter
 from pipeline.train.batching import CacheTrainDataset, collate
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import train
-from pipeline.train.plan import plan_training
+from pipeline.train.plan import open_run, plan_training
 from pipeline.train.setup import setup
 from storage.format import SHARD_DIR, TARGET_HEAD_FILE, shard_name
 from storage.manifest import ShardRecord, save_manifest
@@ -102,7 +102,7 @@ def _losses(run: Path) -> list[float]:
 
 def _set_up(config):
     """The run's plan and the state built from it (pipeline/train/plan.py, setup.py), as the loop holds them."""
-    plan = plan_training(config)
+    plan = plan_training(config, open_run(config))
     return plan, setup(plan)
 
 
@@ -124,8 +124,9 @@ def test_every_sequence_is_seen_once_per_epoch(caches, tmp_path, num_workers):
 
 
 def test_stream_refuses_a_zarr_cache_in_one_line(caches, tmp_path):
+    config = _config(caches["zarr-bf16"], tmp_path / "run")
     with pytest.raises(ValueError) as error:
-        plan_training(_config(caches["zarr-bf16"], tmp_path / "run"))
+        plan_training(config, open_run(config))
     assert str(error.value).startswith("--loader stream needs a wds cache;") and "\n" not in str(error.value)
     with pytest.raises(ValueError, match="--loader must be map or stream"):
         _config(caches["zarr-bf16"], tmp_path / "run", loader="iterable")
@@ -259,12 +260,12 @@ def _free_port() -> int:
 PROBE = """
 import json, os, sys
 from pipeline.train import TrainConfig, train
-from pipeline.train.plan import plan_training
+from pipeline.train.plan import open_run, plan_training
 from pipeline.train.setup import setup
 
 config = TrainConfig.from_flags(**json.loads(sys.argv[1]))
 if len(sys.argv) > 2:  # record each rank's batches first
-    plan = plan_training(config)
+    plan = plan_training(config, open_run(config))
     seen = [list(batch.indices) for batch in setup(plan).batches]
     with open(os.path.join(sys.argv[2], f"rank{plan.ranks.rank}.json"), "w") as f:
         json.dump({"epoch_ends": list(plan.epoch_ends), "steps": seen}, f)

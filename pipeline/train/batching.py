@@ -69,7 +69,7 @@ class CacheTrainDataset(torch.utils.data.Dataset):
         # afterwards for the drawn parents alone (docs/design.md, "A training step").
         self.arrays = objective.cache_arrays - {"rollout_features"}
         # Features travel as their stored bits (bf16: uint16, half of float32; fp8: uint8 plus a
-        # float32 scale per row) and are decoded on the training device (decode_feature_bits).
+        # float32 scale per row) and are decoded on the training device (pipeline/train/step.py, decode_feature_bits).
         self.fp8 = reader.rollout_feature_codec == "fp8"  # the parents' rows come with scales
         self.ira_parents = reader.ira_parents  # the trainer's plan checked they serve the method (check_ira_parents_serve)
 
@@ -183,7 +183,7 @@ def example_from_record(
 class TrainBatch:
     """A padded micro-batch of B sequences, N blocks each (after padding), C context tokens."""
 
-    context_features: Tensor  # [B, C, F] float32, or bf16 (uint16) / fp8 (uint8) bits: decode_feature_bits, on the device
+    context_features: Tensor  # [B, C, F] float32, or bf16 (uint16) / fp8 (uint8) bits: step.py's decode_feature_bits, on the device
     context_positions: Tensor  # [B, C]
     context_owner: Tensor  # [B, C]
     context_valid: Tensor  # [B, C] bool
@@ -310,20 +310,6 @@ def collate(examples: list[SequenceExample | ReadFailure]) -> TrainBatch | ReadF
         dist_ids=dist_ids if separate_dist else None,
         dist_probs=dist_probs if separate_dist else None,
     )
-
-
-def decode_feature_bits(features: Tensor, scales: Tensor | None = None) -> Tensor:
-    """Stored feature bits -> float32 on their device, exactly as storage.codecs.decode_features:
-    bf16 bits (uint16) are the top half of a float32; fp8-e4m3fn bits (uint8) [..., F] are looked up
-    in the 256-entry table and times their row's scale [...]. Float features pass."""
-    if features.dtype == torch.uint16:
-        return (features.to(torch.int32) << 16).view(torch.float32)
-    if features.dtype == torch.uint8:
-        if scales is None:
-            raise ValueError("fp8 feature bits need their per-row scales")
-        table = torch.tensor(FP8_E4M3FN_TABLE, device=features.device)  # [256] float32 (a copy: the array is read-only)
-        return table[features.long()] * scales.to(features.device, torch.float32)[..., None]
-    return features
 
 
 def steps_per_epoch(num_sequences: int, *, batch_size: int) -> int:

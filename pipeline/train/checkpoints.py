@@ -15,23 +15,12 @@ from __future__ import annotations
 
 import json
 import pickle
-import re
 import tempfile
 from pathlib import Path
 
 import torch
 
-from drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, exported_file_names
 from drafter.families import DEFAULT_FAMILY, FAMILIES, families
-from pipeline.outputs import (
-    LOCK_FILE,
-    differences,
-    read_location_record,
-    refuse_foreign,
-    refuse_foreign_inside,
-    remove_names,
-    write_location_record,
-)
 from storage.atomic import atomic_write_dir, atomic_write_text
 from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.location import Location, is_url
@@ -255,52 +244,3 @@ def check_data_position(state: dict, expected: dict, *, run: Location) -> None:
             f"{run}: the checkpoint at step {state['step']} stopped at data position {stored}, resuming would "
             f"continue from {expected} (did the cache change?); use a new --out"
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# --out: whose run it is (pipeline/outputs.py)
-
-TRAIN_COMMAND = "alrira-train"
-RUN_NAMES = re.compile(
-    r"^\.?(train_config\.json|provenance\.json|summary\.json|metrics\.jsonl|checkpoints|drafter|tensorboard)(\..*\.tmp|\.tmp.*)?$"
-    r"|^events\.out\.tfevents\..+$"
-)  # what a run writes at its top level (and the temp names of storage.atomic's writes of them)
-
-
-_DRAFTER_FILES = "|".join(re.escape(name) for name in (CONFIG_FILE, WEIGHTS_FILE, *sorted(exported_file_names())))
-RUN_PATHS = re.compile(
-    rf"^drafter/\.?({_DRAFTER_FILES})(\..*\.tmp)?$"
-    r"|^checkpoints/\.?latest(\..*\.tmp)?$"
-    r"|^checkpoints/\.?step-\d{8}(\.tmp-[0-9a-f]{8}|\.old-[0-9a-f]{8})?/(state\.pt)?$"
-    r"|^tensorboard/events\.out\.tfevents\.[^/]+$"
-)  # what a run writes below its top level (drafter/checkpoint.py, save_checkpoint, tensorboard), temp names included
-
-
-def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log=print) -> None:
-    """Check --out before a run writes to it (rank 0), with pipeline/outputs.py's checks and record:
-    names a run does not write are refused; an earlier run is refused unless --resume (then it must
-    come from the same cache) or --overwrite (then the run's own names are removed, nothing else).
-    The run records `inputs` (.alrira-output.json)."""
-    names = run.names()
-    refuse_foreign(run, names, command=TRAIN_COMMAND, own=RUN_NAMES.match)
-    earlier = "train_config.json" in names or "checkpoints" in names
-    record = read_location_record(run)
-    if earlier and not (resume or overwrite):
-        saved = json.loads(run.read_bytes("train_config.json")) if "train_config.json" in names else {}
-        raise ValueError(
-            f"--out {run}: holds an earlier training run (method {saved.get('method')!r}, --cache {saved.get('cache')}); "
-            "pass --resume to continue it, --overwrite to replace it, or use another --out"
-        )
-    if earlier and resume and record is not None:
-        changed = differences(record["inputs"], inputs)
-        if changed:
-            raise ValueError(f"--out {run}: --resume of a run trained from another cache ({'; '.join(changed)}); use a new --out")
-    if earlier and overwrite:
-        if not run.is_local:
-            raise ValueError(f"--out {run}: --overwrite removes a run only on a local disk; use a new prefix")
-        replaced = [n for n in names if n != LOCK_FILE]
-        refuse_foreign_inside(run.local_path, replaced, command=TRAIN_COMMAND, own_path=RUN_PATHS.match)
-        log(f"--out {run}: --overwrite: removing the earlier run ({', '.join(replaced)})")
-        remove_names(run.local_path, replaced)
-    run.make_dirs()
-    write_location_record(run, {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False})

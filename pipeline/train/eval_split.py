@@ -10,53 +10,43 @@ float32 as replay computes, whatever precision it trains in.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 from torch import nn
 
-from drafter.families import family_of
 from drafter.calibration import fit_sts, survival
+from drafter.checkpoint import as_exported
 from drafter.drafting import block_round_drafts, match_lengths, position_acceptance, replay_rounds, replay_walk
 from storage.eval_split import EvalSplit, describe_split
 
 CHUNK = 32  # blocks per drafter forward, as replay drafts them
 
 
-def as_exported(drafter, weights_dtype: torch.dtype):
-    """The drafter as its export loads in replay: every weight rounded to `weights_dtype` and back to
-    float32, but those its family exports in float32 (the training drafter itself when that changes nothing)."""
-    if weights_dtype == torch.float32:
-        return drafter
-    exported, kept = copy.deepcopy(drafter), family_of(drafter).float32_tensors
-    for name, tensor in exported.state_dict().items():
-        if not (kept and name.startswith(kept)):
-            tensor.copy_(tensor.to(weights_dtype).float())
-    return exported
-
-
-def _prompt_drafts(scored, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor, device: torch.device):
+def _prompt_drafts(drafter, split: EvalSplit, *, head: dict, device: torch.device, weights_dtype: torch.dtype):
     """(response, Drafts of a round at every committed response token) of each split prompt with a
-    response of two tokens or more, drafted by `scored` in float32 with the target's head."""
+    response of two tokens or more, drafted in float32 with the target's `head` (its embed_tokens /
+    lm_head as the cache stores them) by `drafter` as its export at `weights_dtype` loads
+    (drafter/checkpoint.py, `as_exported`)."""
+    scored = as_exported(drafter, weights_dtype)
+    embed_tokens, lm_head = head["embed_tokens.weight"], head["lm_head.weight"]  # [V, H] each
     embed = nn.Embedding.from_pretrained(embed_tokens.detach().to(device, torch.float32))
-    head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device)
-    head.weight.data.copy_(lm_head.detach().float())
+    logits_layer = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device)
+    logits_layer.weight.data.copy_(lm_head.detach().float())
     for i in range(split.num_prompts):
         tokens, prompt_length, features = split.sequence(i)
         response = tokens[prompt_length:]
         if len(response) < 2:
             continue
         yield response, block_round_drafts(
-            scored, embed_tokens=embed, lm_head=head, mask_token_id=scored.config.mask_token_id,
+            scored, embed_tokens=embed, lm_head=logits_layer, mask_token_id=scored.config.mask_token_id,
             features=torch.from_numpy(features).to(device), sequence=tokens, anchors=list(range(prompt_length, len(tokens) - 1)),
             chunk=CHUNK,
         )  # fmt: skip  # a round's anchor is a committed response token
 
 
 @torch.no_grad()
-def evaluate_split(drafter, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor, device: torch.device,
-                   weights_dtype: torch.dtype = torch.float32) -> dict:  # fmt: skip
+def evaluate_split(drafter, split: EvalSplit, *, head: dict, device: torch.device, weights_dtype: torch.dtype = torch.float32) -> dict:
     """tau of `drafter`, its weights as the export holds them (`weights_dtype`), on every prompt of
     the split, pooled over all rounds and as the mean per request, with the share of rounds accepting
     >= i drafts per position i; float32, as replay."""
@@ -66,8 +56,7 @@ def evaluate_split(drafter, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_
     num_drafts = drafter.config.num_drafts
     accepted_all, per_request = [], []
     try:
-        for response, drafts in _prompt_drafts(as_exported(drafter, weights_dtype), split, embed_tokens=embed_tokens, lm_head=lm_head,
-                                               device=device):  # fmt: skip
+        for response, drafts in _prompt_drafts(drafter, split, head=head, device=device, weights_dtype=weights_dtype):
             accepted = replay_rounds(match_lengths(drafts.tokens, response=response), num_tokens=len(response))
             accepted_all += accepted
             per_request.append((sum(accepted) + len(accepted)) / len(accepted))
@@ -87,23 +76,22 @@ def evaluate_split(drafter, split: EvalSplit, *, embed_tokens: torch.Tensor, lm_
 
 
 @torch.no_grad()
-def calibrate_split(plan, drafter) -> dict | None:
-    """The confidence prediction of a run's drafter (as exported) calibrated on its cache's split
-    (drafter/calibration.py, Sequential Temperature Scaling): each round of the greedy walk whose
-    whole block lies inside the response gives the head's logits and the exact prefix acceptance
-    (slots 0..k all equal to the greedy tokens, verify-all, no target). None without a split or a
-    round; else the temperatures and the survival's ECE per slot before and after, with their means."""
-    split = plan.eval_split
+def calibrate_split(drafter, split: EvalSplit | None, *, head: dict, device: torch.device,
+                    weights_dtype: torch.dtype = torch.float32) -> dict | None:  # fmt: skip
+    """The confidence prediction of a run's drafter (as exported, `weights_dtype`) calibrated on its
+    cache's split (drafter/calibration.py, Sequential Temperature Scaling): each round of the greedy
+    walk whose whole block lies inside the response gives the head's logits and the exact prefix
+    acceptance (slots 0..k all equal to the greedy tokens, verify-all, no target). None without a
+    split or a round; else the temperatures and the survival's ECE per slot before and after, with
+    their means."""
     if split is None:
         return None
     num_drafts = drafter.config.num_drafts
     was_training = drafter.training
     drafter.eval()
-    scored = as_exported(drafter, getattr(torch, plan.config.checkpoint.save_dtype))
     logits, accepted = [], []
     try:
-        for response, drafts in _prompt_drafts(scored, split, embed_tokens=plan.head["embed_tokens.weight"],
-                                               lm_head=plan.head["lm_head.weight"], device=plan.ranks.device):  # fmt: skip
+        for response, drafts in _prompt_drafts(drafter, split, head=head, device=device, weights_dtype=weights_dtype):
             matches = match_lengths(drafts.tokens, response=response)
             for j, _ in replay_walk(matches, num_tokens=len(response)):
                 if len(response) - 1 - j >= num_drafts:  # every slot's draft has a response token to match

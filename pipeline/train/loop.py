@@ -8,8 +8,8 @@ Data parallel under torchrun (gloo on CPU, nccl on GPU):
 
 The run reads top to bottom: `plan_training` resolves and checks everything once into a frozen plan
 (pipeline/train/plan.py), `setup` builds the drafter, optimizer and batches from it
-(pipeline/train/setup.py), each step is `train_step` (its math in pipeline/train/step.py, its data
-from pipeline/train/data.py), rank 0 logs, checkpoints (pipeline/train/checkpoints.py) and exports
+(pipeline/train/setup.py), each step is `train_step` (pipeline/train/step.py, its data from
+pipeline/train/data.py), rank 0 logs, checkpoints (pipeline/train/checkpoints.py) and exports
 (pipeline/train/run_dir.py).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,53 +26,15 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from pipeline.outputs import output_lock
-from pipeline.train.batching import ReadFailure, TrainBatch
 from pipeline.train.checkpoints import save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import release_loader
 from pipeline.train.eval_split import calibrate_split, evaluate_split
 from pipeline.train.run_dir import RunLogs
 from pipeline.train.plan import TrainPlan, open_run, plan_training
-from pipeline.train.setup import TrainState, setup
-from pipeline.train.step import StepStats, all_reduce_on, forward_loss, lr_at
+from pipeline.train.setup import setup
+from pipeline.train.step import step_record, train_step
 from storage.location import is_url
-
-
-@dataclass(kw_only=True)
-class StepResult:
-    """One step's figures, left on the device; only a logged step reads them (`step_record`)."""
-
-    step: int  # 0-based
-    lr: float
-    totals: StepStats  # this rank's sums, detached
-    grad_norm: torch.Tensor  # [] the clipped gradients' norm before clipping
-    num_tokens: int  # this rank's corpus tokens
-
-
-def train_step(plan: TrainPlan, s: TrainState, step: int) -> StepResult:
-    """One optimizer step over this rank's micro-batches. Nothing here waits on the device: the
-    supervised slots' indices come with the batch and the metrics stay where they are."""
-    optim, ranks = plan.config.optim, plan.ranks
-    micro_batches = [_next_batch(s, device=ranks.device) for _ in range(optim.grad_accum)]
-    weight_total = all_reduce_on(sum(b.slot_weights.sum() for b in micro_batches).double(), device=ranks.device, world_size=ranks.world_size)
-    lr = lr_at(step, total_steps=plan.total_steps, peak_lr=optim.lr, warmup_frac=optim.warmup_frac)
-    for param_group in s.optimizer.param_groups:
-        param_group["lr"] = lr
-    totals = None
-    for i, batch in enumerate(micro_batches):
-        sync = ranks.world_size == 1 or i == len(micro_batches) - 1
-        with contextlib.nullcontext() if sync else s.model.no_sync():
-            stats = forward_loss(
-                s.model, batch, embed_tokens=s.embed_tokens, lm_head=s.lm_head, block_size=plan.block_size,
-                loss_chunk=optim.loss_chunk, autocast=s.autocast, attention=plan.attention, options=plan.drafter.options,
-            )  # fmt: skip
-            # DDP averages gradients over ranks; scaling by world_size makes that the global mean.
-            (stats.loss_sum * (ranks.world_size / (weight_total.float() + 1e-6))).backward()
-        totals = stats.detached() if totals is None else totals + stats.detached()
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), optim.grad_clip)
-    s.optimizer.step()
-    s.optimizer.zero_grad(set_to_none=True)
-    return StepResult(step=step, lr=lr, totals=totals, grad_norm=grad_norm.detach(), num_tokens=sum(b.num_tokens for b in micro_batches))
 
 
 def is_logged(step: int, *, log_every: int, last_step: int) -> bool:
@@ -85,37 +47,6 @@ def is_evaluated(step: int, *, eval_every: int, last_step: int) -> bool:
     return (eval_every > 0 and (step + 1) % eval_every == 0) or step + 1 == last_step
 
 
-def step_record(plan: TrainPlan, window: list[StepResult], *, seconds: float) -> dict:
-    """The metrics record of the last step of `window` (the steps since the previous logged one),
-    summed over ranks, with the window's corpus tokens/s. Every rank calls it on the same steps
-    (one collective); its one copy to the host is the only sync of the step."""
-    last, ranks = window[-1], plan.ranks
-    totals = last.totals.all_reduced(device=ranks.device, world_size=ranks.world_size)
-    num_tokens = torch.tensor([float(sum(r.num_tokens for r in window))], dtype=torch.float64, device=ranks.device)
-    num_tokens = all_reduce_on(num_tokens, device=ranks.device, world_size=ranks.world_size)
-    loss = totals.loss_sum / (totals.weight_sum + 1e-6)
-    flat = torch.cat([loss[None], last.grad_norm.double()[None], num_tokens, totals.slot_correct, totals.slot_count])
-    loss, grad_norm, tokens, *counts = flat.tolist()  # the host sync
-    correct, count = counts[: plan.num_slots], counts[plan.num_slots :]
-    return {
-        "step": last.step + 1,
-        "epoch": plan.epoch_of(last.step),
-        "loss": loss,
-        "lr": last.lr,
-        "grad_norm": grad_norm,
-        "slot_acc": [round(c / max(n, 1.0), 5) for c, n in zip(correct, count)],
-        "supervised_slots": int(sum(count)),
-        "tokens_per_s": tokens / max(seconds, 1e-9),
-    }
-
-
-def _next_batch(s: TrainState, *, device: torch.device) -> TrainBatch:
-    batch = next(s.batches)
-    if isinstance(batch, ReadFailure):
-        raise ValueError(batch.message)
-    return batch.to(device)
-
-
 def train(config: TrainConfig) -> dict:
     """Train a drafter into --out. A local --cache is recorded resolved (train_config.json is read
     from other directories: `alrira-eval cost`); rank 0 holds --out's lock (pipeline/outputs.py)
@@ -124,8 +55,8 @@ def train(config: TrainConfig) -> dict:
         config = replace(config, cache=str(Path(config.cache).resolve()))
     places = open_run(config)  # before the lock: never a lock file in a cache or a stranger's folder
     locked = int(os.environ.get("RANK", "0")) == 0 and places.run.is_local
-    with output_lock(config.out, command="alrira-train") if locked else contextlib.nullcontext():
-        plan = plan_training(config, places=places)
+    with output_lock(places.run.local_path, command="alrira-train") if locked else contextlib.nullcontext():
+        plan = plan_training(config, places)
         return run_training(plan)
 
 
@@ -133,9 +64,12 @@ def run_training(plan: TrainPlan) -> dict:
     """Build the run from its plan and step it to the end (the module docstring)."""
     s = setup(plan)  # the map loader's workers run from here on: every exit below stops them (finally)
     config, main = plan.config, plan.ranks.rank == 0
+    export_dtype = getattr(torch, config.checkpoint.save_dtype)  # the export's weights, as the split scores them
     history, started, logs, finished = [], time.time(), None, False
     try:
-        logs = RunLogs.start(plan) if main else None  # first: what marks --out as a run, for the other ranks' checks
+        # First: --out claimed and marked as a run (for the other ranks' checks); after every refusal (the
+        # plan's, the weights' loading in setup), so a refused run leaves nothing in --out.
+        logs = RunLogs.start(plan) if main else None
         bar = tqdm(total=plan.last_step, initial=plan.start_step, unit="step", desc=config.objective.method,
                    disable=not main or not config.progress)  # fmt: skip
         window, window_start = [], time.time()
@@ -145,10 +79,8 @@ def run_training(plan: TrainPlan) -> dict:
             if evaluated or is_logged(step, log_every=config.log_every, last_step=plan.last_step):
                 record = step_record(plan, window, seconds=time.time() - window_start)
                 if evaluated and main:  # the split is rank 0's; nothing collective in it
-                    record["eval"] = evaluate_split(
-                        s.drafter, plan.eval_split, embed_tokens=s.head["embed_tokens.weight"], lm_head=s.head["lm_head.weight"],
-                        device=plan.ranks.device, weights_dtype=getattr(torch, config.checkpoint.save_dtype),
-                    )  # fmt: skip
+                    record["eval"] = evaluate_split(s.drafter, plan.eval_split, head=s.head, device=plan.ranks.device,
+                                                    weights_dtype=export_dtype)  # fmt: skip
                 window, window_start = [], time.time()
                 history.append(record)
                 if logs is not None:
@@ -169,11 +101,11 @@ def run_training(plan: TrainPlan) -> dict:
             logs.discard()
     summary = {"run": str(plan.run), "method": config.objective.method, "steps": plan.last_step, "elapsed_s": time.time() - started}
     if logs is not None:
-        family = plan.drafter.family
-        calibration = calibrate_split(plan, s.drafter) if family.has_confidence(s.drafter.config) else None  # None without a split
-        summary = logs.finish(summary, history, drafter=s.drafter, num_slots=plan.num_slots,
-                              dtype=getattr(torch, config.checkpoint.save_dtype),
-                              head=plan.head if family.exports_head(plan.drafter.options) else None, calibration=calibration)  # fmt: skip
+        family, calibration = plan.drafter.family, None
+        if family.has_confidence(s.drafter.config):  # fitted on the split (None without one)
+            calibration = calibrate_split(s.drafter, plan.eval_split, head=s.head, device=plan.ranks.device, weights_dtype=export_dtype)
+        summary = logs.finish(summary, history, drafter=s.drafter, num_slots=plan.num_slots, dtype=export_dtype,
+                              head=s.head if family.exports_head(plan.drafter.options) else None, calibration=calibration)  # fmt: skip
     if plan.ranks.world_size > 1:
         dist.barrier()
     return summary

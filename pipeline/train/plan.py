@@ -1,12 +1,13 @@
 """Plan, then run: everything a training run resolves before it builds anything, once, into one
 frozen `TrainPlan` (docs/design.md, "A training step"). `plan_training` opens the cache and reads
-what it fixes (K, the mask token, the taps, the target head's hash, its evaluation split), looks the
+what it fixes (K, the mask token, the taps, the target's hash, its evaluation split), looks the
 drafter family up and resolves its options and shape for the cache (a `--drafter-init` read and
 checked from its config.json), binds the objective, resolves `auto` (precision, attention kernel),
 the data order (the epochs' steps, a stream's plan) and the resume decision (the checkpoint a
-`--resume` continues, checked against this run). Every refusal happens here, before `setup`
-(pipeline/train/setup.py) loads weights or claims --out; each check runs once and each location is
-resolved from its flag once.
+`--resume` continues, checked against this run). Every refusal happens here, but those of the
+weights `setup` (pipeline/train/setup.py) loads (a damaged --drafter-init, a target head written
+for another target), and all before --out is claimed (pipeline/train/run_dir.py); each check runs
+once and each location is resolved from its flag once.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from storage.eval_split import (
     split_identity,
 )
 from storage.location import Location, resolve
-from storage.manifest import Manifest, read_target_head
+from storage.manifest import Manifest
 from storage.reader import CacheReader, available_arrays, open_cache
 
 
@@ -106,7 +107,6 @@ class TrainPlan:
     last_step: int  # the run stops after this step count (--max-steps)
     resume: dict | None  # the checkpoint --resume continues (its state), None: the run starts at step 0
     eval_split: EvalSplit | None  # rank 0's: the cache's evaluation split (--eval-every), if it has one
-    head: dict  # the target's embed_tokens / lm_head as the cache stores them (CPU), checked to be its target's
 
     @property
     def manifest(self) -> Manifest:
@@ -172,19 +172,18 @@ class RunPlaces:
 
 def open_run(config: TrainConfig) -> RunPlaces:
     """--cache opened (its manifest read and checked) and --out checked to be a run directory that is
-    not the cache (pipeline/train/preflight.py), each location resolved from its flag once; what a
-    run checks before it takes --out's lock (never a lock file in a cache or a stranger's folder)."""
+    not the cache (`check_run_dir`), each location resolved from its flag once; what a run checks
+    before it takes --out's lock (never a lock file in a cache or a stranger's folder)."""
     run, cache = resolve(config.out), resolve(config.cache)
     reader = open_cache(cache)
     check_run_dir(run, cache=cache)
     return RunPlaces(run=run, cache=cache, reader=reader)
 
 
-def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks: Ranks | None = None) -> TrainPlan:
+def plan_training(config: TrainConfig, places: RunPlaces, *, ranks: Ranks | None = None) -> TrainPlan:
     """Resolve `config` for this cache and machine (module docstring); every refusal is one line.
-    `places`: open_run's, when the caller opened the run first."""
+    `places`: `open_run(config)`, which the caller runs first (before it takes --out's lock)."""
     ranks = ranks or distributed_ranks()
-    places = places or open_run(config)
     run, cache, reader = places.run, places.cache, places.reader
     manifest, optim = reader.manifest, config.optim
     check_cache_complete(manifest, cache=cache, allow_partial=config.allow_partial, log=ranks.log)
@@ -211,12 +210,11 @@ def plan_training(config: TrainConfig, *, places: RunPlaces | None = None, ranks
     plan = TrainPlan(
         config=config, ranks=ranks, run=run, cache=cache, reader=reader, drafter=drafter, objective=objective, settings=run_settings,
         compute_dtype=compute_dtype, attention=resolve_attention(optim.attention, device=ranks.device), stream=stream,
-        epoch_ends=epoch_ends, last_step=last_step, resume=None, eval_split=None, head={},
+        epoch_ends=epoch_ends, last_step=last_step, resume=None, eval_split=None,
     )  # fmt: skip
     split, identity = load_eval_split(plan)
     # The split a run's evaluation points measure is part of the run (train_config.json, provenance).
-    return replace(plan, settings=run_settings | {"eval_split": identity}, resume=resume_state(plan), eval_split=split,
-                   head=read_target_head(cache, target_hash=settings.target_hash))  # fmt: skip
+    return replace(plan, settings=run_settings | {"eval_split": identity}, resume=resume_state(plan), eval_split=split)
 
 
 def plan_drafter(config: TrainConfig, manifest: Manifest) -> DrafterPlan:

@@ -1,8 +1,9 @@
 """What a run leaves in --out besides its checkpoints (pipeline/train/checkpoints.py), rank 0's:
-train_config.json and provenance.json first (`RunLogs.start`), metrics.jsonl and tensorboard events
-as it steps (`RunLogs`), then the exported drafter (`save_drafter_to`) and summary.json with the
-history's figures (`RunLogs.finish`, `summarize_history`; `format_summary` prints them). A local run
-writes in place; a run on an object store stages files locally and uploads each whole.
+--out claimed (`claim_run`, with pipeline/outputs.py's pieces), train_config.json and
+provenance.json first (`RunLogs.start`), metrics.jsonl and tensorboard events as it steps
+(`RunLogs`), then the exported drafter (`save_drafter_to`) and summary.json with the history's
+figures (`RunLogs.finish`, `summarize_history`; `format_summary` prints them). A local run writes in
+place; a run on an object store stages files locally and uploads each whole.
 """
 
 from __future__ import annotations
@@ -10,18 +11,76 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 
 import torch
 
-from drafter.checkpoint import CONFIG_FILE, save_drafter
+from drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, exported_file_names, save_drafter
+from pipeline.outputs import (
+    LOCK_FILE,
+    differences,
+    read_location_record,
+    refuse_foreign,
+    refuse_foreign_inside,
+    remove_names,
+    write_location_record,
+)
 from pipeline.provenance import append_provenance
 from storage.atomic import atomic_write_text, remove_path_tolerant
 from storage.errors import DISK_FULL_ERRNOS
 from storage.location import Location, resolve
 
 PROVENANCE_FILE = "provenance.json"
+
+
+# --out: whose run it is (pipeline/outputs.py)
+
+TRAIN_COMMAND = "alrira-train"
+RUN_NAMES = re.compile(
+    r"^\.?(train_config\.json|provenance\.json|summary\.json|metrics\.jsonl|checkpoints|drafter|tensorboard)(\..*\.tmp|\.tmp.*)?$"
+    r"|^events\.out\.tfevents\..+$"
+)  # what a run writes at its top level (and the temp names of storage.atomic's writes of them)
+
+
+_DRAFTER_FILES = "|".join(re.escape(name) for name in (CONFIG_FILE, WEIGHTS_FILE, *sorted(exported_file_names())))
+RUN_PATHS = re.compile(
+    rf"^drafter/\.?({_DRAFTER_FILES})(\..*\.tmp)?$"
+    r"|^checkpoints/\.?latest(\..*\.tmp)?$"
+    r"|^checkpoints/\.?step-\d{8}(\.tmp-[0-9a-f]{8}|\.old-[0-9a-f]{8})?/(state\.pt)?$"
+    r"|^tensorboard/events\.out\.tfevents\.[^/]+$"
+)  # what a run writes below its top level (drafter/checkpoint.py, save_checkpoint, tensorboard), temp names included
+
+
+def claim_run(run: Location, *, inputs: dict, resume: bool, overwrite: bool, log=print) -> None:
+    """Check --out before a run writes to it (rank 0), with pipeline/outputs.py's checks and record:
+    names a run does not write are refused; an earlier run is refused unless --resume (then it must
+    come from the same cache) or --overwrite (then the run's own names are removed, nothing else).
+    The run records `inputs` (.alrira-output.json)."""
+    names = run.names()
+    refuse_foreign(run, names, command=TRAIN_COMMAND, own=RUN_NAMES.match)
+    earlier = "train_config.json" in names or "checkpoints" in names
+    record = read_location_record(run)
+    if earlier and not (resume or overwrite):
+        saved = json.loads(run.read_bytes("train_config.json")) if "train_config.json" in names else {}
+        raise ValueError(
+            f"--out {run}: holds an earlier training run (method {saved.get('method')!r}, --cache {saved.get('cache')}); "
+            "pass --resume to continue it, --overwrite to replace it, or use another --out"
+        )
+    if earlier and resume and record is not None:
+        changed = differences(record["inputs"], inputs)
+        if changed:
+            raise ValueError(f"--out {run}: --resume of a run trained from another cache ({'; '.join(changed)}); use a new --out")
+    if earlier and overwrite:
+        if not run.is_local:
+            raise ValueError(f"--out {run}: --overwrite removes a run only on a local disk; use a new prefix")
+        replaced = [n for n in names if n != LOCK_FILE]
+        refuse_foreign_inside(run.local_path, replaced, command=TRAIN_COMMAND, own_path=RUN_PATHS.match)
+        log(f"--out {run}: --overwrite: removing the earlier run ({', '.join(replaced)})")
+        remove_names(run.local_path, replaced)
+    run.make_dirs()
+    write_location_record(run, {"command": TRAIN_COMMAND, "inputs": inputs, "complete": False})
 
 
 class RunLogs:
@@ -37,12 +96,17 @@ class RunLogs:
 
     @classmethod
     def start(cls, plan) -> RunLogs:
-        """The run's records before its first step (pipeline/train/plan.py's `TrainPlan`):
-        train_config.json (what marks --out as a run), provenance.json, then the logs."""
-        run = plan.run
-        run.make_dirs()
+        """The run's records before its first step (pipeline/train/plan.py's `TrainPlan`): --out
+        claimed (`claim_run`), train_config.json (what marks --out as a run), provenance.json, then
+        the logs."""
+        run, checkpoint = plan.run, plan.config.checkpoint
+        claim_run(run, inputs=plan.inputs, resume=checkpoint.resume, overwrite=checkpoint.overwrite, log=plan.ranks.log)
         atomic_write_text(run.join("train_config.json"), json.dumps(plan.settings, indent=2))
-        record_provenance(run, {**plan.settings, "attention_kernel": plan.attention, "start_step": plan.start_step})
+        # provenance.json: one entry per invocation of this run (a resume adds one) with the exact command, package
+        # versions, source revision and the resolved settings, `auto` resolved (pipeline/provenance.py).
+        if not plan.start_step and run.is_file(PROVENANCE_FILE):  # a new run starts the file afresh
+            run.remove(PROVENANCE_FILE)
+        append_provenance(run, PROVENANCE_FILE, {**plan.settings, "attention_kernel": plan.attention, "start_step": plan.start_step})
         return cls.open(run, start_step=plan.start_step)
 
     @classmethod
@@ -110,15 +174,6 @@ class RunLogs:
         if not self.run.is_local:
             with contextlib.suppress(OSError):
                 remove_path_tolerant(self.staging)
-
-
-def record_provenance(run: Location, settings: dict) -> None:
-    """RUN/provenance.json: one entry per invocation of this run (a resume adds one) with the exact
-    command, package versions, source revision and the resolved settings, `auto` resolved (precision,
-    attention kernel, loader workers) (pipeline/provenance.py). A new run starts the file afresh."""
-    if not settings["start_step"] and run.is_file(PROVENANCE_FILE):
-        run.remove(PROVENANCE_FILE)
-    append_provenance(run, PROVENANCE_FILE, settings)
 
 
 def _step_of(line: str) -> float:

@@ -1,7 +1,10 @@
 """What a run works with, built from its plan (pipeline/train/plan.py) before the first step
 (`setup` -> `TrainState`): the drafter (fresh, from --drafter-init, or one family's on another's
-backbone) with a resumed checkpoint's weights, the optimizer, the frozen target head in the compute
-dtype, the run folder's claim, and the batches. Nothing here decides or refuses: the plan did.
+backbone) with a resumed checkpoint's weights, the frozen target head (read from the cache, and in
+the compute dtype), the optimizer, and the batches. Nothing here decides (the plan did) or refuses
+but what the weights' own loading refuses (a damaged --drafter-init, a target head written for
+another target), and nothing is written to --out (pipeline/train/run_dir.py claims it once this is
+built).
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from drafter.checkpoint import load_drafter
-from pipeline.train.checkpoints import claim_run
 from pipeline.train.data import make_batches
 from pipeline.train.plan import DrafterPlan, TrainPlan
+from storage.manifest import read_target_head
 
 
 def adamw(params, *, lr: float, device: torch.device) -> torch.optim.AdamW:
@@ -54,21 +57,18 @@ class TrainState:
     lm_head: torch.Tensor  # frozen [V, H]
     autocast: contextlib.AbstractContextManager
     batches: object  # iterator over this rank's micro-batches, from the plan's start step on
-    head: dict | None = None  # the target's embed_tokens / lm_head as stored (CPU), for the split's float32 drafting
+    head: dict  # the target's embed_tokens / lm_head as the cache stores them (CPU): the split's float32 drafting, the export
 
 
 def setup(plan: TrainPlan) -> TrainState:
-    ranks, dtype, head = plan.ranks, plan.compute_dtype, plan.head
-    loader = make_batches(plan)  # its workers start when it is first iterated, below
+    ranks, dtype = plan.ranks, plan.compute_dtype
     drafter = build_drafter(plan.drafter).to(ranks.device)
+    head = read_target_head(plan.cache, target_hash=plan.manifest.settings.target_hash)  # refused if written for another target
     optimizer = adamw(drafter.parameters(), lr=plan.config.optim.lr, device=ranks.device)
     if plan.resume is not None:
         drafter.load_state_dict(plan.resume["model"])
         optimizer.load_state_dict(plan.resume["optimizer"])
         torch.set_rng_state(plan.resume["rng"])
-    if ranks.rank == 0:  # after every refusal (the plan's, the weights' loading): a refused run leaves nothing in --out
-        checkpoint = plan.config.checkpoint
-        claim_run(plan.run, inputs=plan.inputs, resume=checkpoint.resume, overwrite=checkpoint.overwrite, log=ranks.log)
     return TrainState(
         drafter=drafter,
         model=torch.nn.parallel.DistributedDataParallel(drafter) if ranks.world_size > 1 else drafter,
@@ -76,6 +76,6 @@ def setup(plan: TrainPlan) -> TrainState:
         embed_tokens=head["embed_tokens.weight"].to(ranks.device, dtype),
         lm_head=head["lm_head.weight"].to(ranks.device, dtype),
         autocast=torch.autocast(ranks.device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext(),
-        batches=iter(loader),
-        head=head if plan.eval_split is not None else None,
+        batches=iter(make_batches(plan)),  # the map loader's workers start here
+        head=head,
     )
