@@ -42,7 +42,6 @@ def expected_calibration_error(probs: Tensor, targets: Tensor, *, num_bins: int 
     if probs.numel() == 0:
         return float("nan")
     bins = (probs * num_bins).long().clamp_(0, num_bins - 1)
-    count = torch.zeros(num_bins, dtype=torch.float64).scatter_add_(0, bins, torch.ones_like(probs))
     predicted = torch.zeros(num_bins, dtype=torch.float64).scatter_add_(0, bins, probs)
     observed = torch.zeros(num_bins, dtype=torch.float64).scatter_add_(0, bins, targets)
     return float(((predicted - observed).abs()).sum() / probs.numel())
