@@ -1,6 +1,6 @@
 """A real engine on this CPU checks every drafter export: llama.cpp (docs/serving.md, "llama.cpp").
 
-    .venv/bin/python -m benchmarks.checks.llama_cpp [--out results/llama_cpp] [--small] [--tools-dir DIR] [--cases a,b]
+    .venv/bin/python -m benchmarks.checks.llama_cpp [--out results/llama_cpp] [--small] [--tools-dir DIR] [--cases a,b] [--thresholds 0.1,0.2]
 
 1. Builds llama.cpp's CPU `llama-server` once from the pinned llama-cpp-python sdist into a tools
    folder outside the repository (llama_cpp_tools.py; --tools-dir, $ALRIRA_LLAMA_CPP, else
@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="Threads of llama-server, the trainer and the target workers.")
     parser.add_argument("--jobs", type=int, default=2, help="Parallel jobs of the llama.cpp build.")
     parser.add_argument("--max-steps", type=int, default=None, help="Cap every training at N steps (a quick look; acceptance stays low).")
+    parser.add_argument("--thresholds", default=None, help="Comma-separated confidence thresholds in (0, 1) of the cases that decode at thresholds (default: 0.2,0.4,0.6; --small 0.4).")
     parser.add_argument("--build-only", action="store_true", help="Build the tools (once) and exit.")
     args = parser.parse_args(argv)
     sizes = SIZES["small" if args.small else "full"]
@@ -339,6 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_steps < 1:
             parser.error(f"--max-steps must be >= 1, got {args.max_steps}")
         sizes = replace(sizes, max_steps=args.max_steps)
+    if args.thresholds is not None:
+        try:
+            thresholds = tuple(float(t) for t in args.thresholds.split(",") if t.strip())
+        except ValueError:
+            parser.error(f"--thresholds takes comma-separated numbers, got {args.thresholds!r}")
+        if not thresholds or not all(0 < t < 1 for t in thresholds):
+            parser.error(f"--thresholds must be numbers in (0, 1), got {args.thresholds!r}")
+        sizes = replace(sizes, thresholds=thresholds)
     from pipeline.demo import real
 
     tools = ensure_tools(Path(args.tools_dir) if args.tools_dir else default_tools_dir(), jobs=args.jobs)
