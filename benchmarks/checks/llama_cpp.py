@@ -56,9 +56,9 @@ class Sizes:
 
 SIZES = {
     "full": Sizes(),
-    # tests/test_llama_cpp.py: two drafters on SmolLM2, one threshold, a few minutes.
+    # tests/test_llama_cpp.py: two drafters on SmolLM2 (the DSpark one also as a bf16 GGUF), one threshold, a few minutes.
     "small": Sizes(corpus_prompts=16, eval_prompts=3, regen_max_new_tokens=40, max_new_tokens=24, anchors=16, epochs=8,
-                   thresholds=(0.4,), cases=("smollm2-dflash", "smollm2-dspark")),  # fmt: skip
+                   thresholds=(0.4,), cases=("smollm2-dflash", "smollm2-dspark", "smollm2-dspark-bf16")),  # fmt: skip
 }
 
 
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/llama_cpp", help="Output folder (kept: a rerun reuses what it holds).")
     parser.add_argument("--tools-dir", default=None, help="llama.cpp tools folder (default: $ALRIRA_LLAMA_CPP, else ~/.cache/alrira/llama-cpp).")
-    parser.add_argument("--small", action="store_true", help="The test's variant: two SmolLM2 drafters, three prompts.")
+    parser.add_argument("--small", action="store_true", help="The test's variant: two SmolLM2 drafters (and a bf16 GGUF of one), three prompts.")
     parser.add_argument("--cases", default=None, help="Comma-separated case names, run in this order (default: every case).")
     parser.add_argument("--threads", type=int, default=1, help="Threads of llama-server, the trainer and the target workers.")
     parser.add_argument("--jobs", type=int, default=2, help="Parallel jobs of the llama.cpp build.")
