@@ -85,6 +85,8 @@ CASES = (
     Case(name="smollm2-dspark-b4", target="smollm2", arch="dspark", train_flags=("--dspark-block", "4")),
     Case(name="smollm2-dspark-2layers", target="smollm2", arch="dspark", train_flags=("--draft-layers", "2")),
     Case(name="smollm2-dspark-bf16", target="smollm2", arch="dspark", drafter_of="smollm2-dspark", outtype="bf16"),
+    Case(name="smollm2-dspark-noconf-pmin", target="smollm2", arch="dspark", drafter_of="smollm2-dspark-noconf", thresholds=True,
+         probe=True, note="a confidence threshold without a confidence head: llama-server drops the drafter, alrira-eval refuses"),
     Case(name="smollm2-dspark-gated", target="smollm2", arch="dspark", probe=True, train_flags=("--markov-head-type", "gated"),
          max_steps=2, note="DeepSpec's gated Markov head: vLLM and llama.cpp serve only vanilla"),
     Case(name="smollm2-dspark-export-head", target="smollm2", arch="dspark", probe=True, train_flags=("--export-head",),
