@@ -36,12 +36,14 @@ def test_llama_cpp_serves_drafters_losslessly_with_alrira_evals_counts(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "llama_cpp.json").read_text())
     ran = {(r["case"], r["threshold"]): r for r in report["results"]}
-    assert set(ran) == {("smollm2-dflash", 0.0), ("smollm2-dspark", 0.0), ("smollm2-dspark", 0.4)}
+    assert set(ran) == {("smollm2-dflash", 0.0), ("smollm2-dspark", 0.0), ("smollm2-dspark", 0.4), ("smollm2-dspark-bf16", 0.0)}
     for key, r in ran.items():
         assert r["status"] == "ran", (key, r)
         # Lossless: llama.cpp with the drafter writes what llama.cpp alone writes, token for token,
         # and that is the HF target's greedy output (so both engines decode the same sequence).
         assert r["lossless"] and r["engines_agree"], (key, r)
+        if key[0] == "smollm2-dspark-bf16":
+            continue  # drafted in bf16 against alrira-eval's fp32: a near-tie draft may differ, so only lossless
         # The same rounds, accepted drafts per round and drafts verified, as alrira-eval counts them.
         assert r["equal_rounds"], (key, r["first_difference"])
         assert r["llama"] == r["alrira"], key

@@ -1,6 +1,6 @@
 """A real engine on this CPU checks every drafter export: llama.cpp (docs/serving.md, "llama.cpp").
 
-    .venv/bin/python -m benchmarks.checks.llama_cpp [--out results/llama_cpp] [--small] [--tools-dir DIR] [--cases a,b]
+    .venv/bin/python -m benchmarks.checks.llama_cpp [--out results/llama_cpp] [--small] [--tools-dir DIR] [--cases a,b] [--thresholds 0.1,0.2]
 
 1. Builds llama.cpp's CPU `llama-server` once from the pinned llama-cpp-python sdist into a tools
    folder outside the repository (llama_cpp_tools.py; --tools-dir, $ALRIRA_LLAMA_CPP, else
@@ -56,9 +56,9 @@ class Sizes:
 
 SIZES = {
     "full": Sizes(),
-    # tests/test_llama_cpp.py: two drafters on SmolLM2, one threshold, a few minutes.
+    # tests/test_llama_cpp.py: two drafters on SmolLM2 (the DSpark one also as a bf16 GGUF), one threshold, a few minutes.
     "small": Sizes(corpus_prompts=16, eval_prompts=3, regen_max_new_tokens=40, max_new_tokens=24, anchors=16, epochs=8,
-                   thresholds=(0.4,), cases=("smollm2-dflash", "smollm2-dspark")),  # fmt: skip
+                   thresholds=(0.4,), cases=("smollm2-dflash", "smollm2-dspark", "smollm2-dspark-bf16")),  # fmt: skip
 }
 
 
@@ -85,6 +85,8 @@ CASES = (
     Case(name="smollm2-dspark-b4", target="smollm2", arch="dspark", train_flags=("--dspark-block", "4")),
     Case(name="smollm2-dspark-2layers", target="smollm2", arch="dspark", train_flags=("--draft-layers", "2")),
     Case(name="smollm2-dspark-bf16", target="smollm2", arch="dspark", drafter_of="smollm2-dspark", outtype="bf16"),
+    Case(name="smollm2-dspark-noconf-pmin", target="smollm2", arch="dspark", drafter_of="smollm2-dspark-noconf", thresholds=True,
+         probe=True, note="a confidence threshold without a confidence head: llama-server drops the drafter, alrira-eval refuses"),
     Case(name="smollm2-dspark-gated", target="smollm2", arch="dspark", probe=True, train_flags=("--markov-head-type", "gated"),
          max_steps=2, note="DeepSpec's gated Markov head: vLLM and llama.cpp serve only vanilla"),
     Case(name="smollm2-dspark-export-head", target="smollm2", arch="dspark", probe=True, train_flags=("--export-head",),
@@ -321,11 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/llama_cpp", help="Output folder (kept: a rerun reuses what it holds).")
     parser.add_argument("--tools-dir", default=None, help="llama.cpp tools folder (default: $ALRIRA_LLAMA_CPP, else ~/.cache/alrira/llama-cpp).")
-    parser.add_argument("--small", action="store_true", help="The test's variant: two SmolLM2 drafters, three prompts.")
+    parser.add_argument("--small", action="store_true", help="The test's variant: two SmolLM2 drafters (and a bf16 GGUF of one), three prompts.")
     parser.add_argument("--cases", default=None, help="Comma-separated case names, run in this order (default: every case).")
     parser.add_argument("--threads", type=int, default=1, help="Threads of llama-server, the trainer and the target workers.")
     parser.add_argument("--jobs", type=int, default=2, help="Parallel jobs of the llama.cpp build.")
     parser.add_argument("--max-steps", type=int, default=None, help="Cap every training at N steps (a quick look; acceptance stays low).")
+    parser.add_argument("--thresholds", default=None, help="Comma-separated confidence thresholds in (0, 1) of the cases that decode at thresholds (default: 0.2,0.4,0.6; --small 0.4).")
     parser.add_argument("--build-only", action="store_true", help="Build the tools (once) and exit.")
     args = parser.parse_args(argv)
     sizes = SIZES["small" if args.small else "full"]
@@ -339,6 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_steps < 1:
             parser.error(f"--max-steps must be >= 1, got {args.max_steps}")
         sizes = replace(sizes, max_steps=args.max_steps)
+    if args.thresholds is not None:
+        try:
+            thresholds = tuple(float(t) for t in args.thresholds.split(",") if t.strip())
+        except ValueError:
+            parser.error(f"--thresholds takes comma-separated numbers, got {args.thresholds!r}")
+        if not thresholds or not all(0 < t < 1 for t in thresholds):
+            parser.error(f"--thresholds must be numbers in (0, 1), got {args.thresholds!r}")
+        sizes = replace(sizes, thresholds=thresholds)
     from pipeline.demo import real
 
     tools = ensure_tools(Path(args.tools_dir) if args.tools_dir else default_tools_dir(), jobs=args.jobs)

@@ -156,6 +156,7 @@ def _free_port() -> int:
 # (tools/server/server-context.cpp, `get_n_draft_max` and the `accepted %2zu/%2zu draft tokens` line).
 STEP_LINE = re.compile(r"task (\d+) \| max possible draft: (-?\d+)")
 ACCEPT_LINE = re.compile(r"task (\d+) \| accepted +(\d+)/ *(\d+) draft tokens")
+SPEC_FAILED = "failed to initialize speculative decoding context"  # tools/server/server-context.cpp, load_model
 
 
 @dataclass(kw_only=True)
@@ -186,6 +187,14 @@ class Server:
         self.log_file = open(self.log_path, "w")
         env = dict(os.environ, LLAMA_TRACE="1")
         self.process = subprocess.Popen(self.command, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + 600  # a cap against a hang, not a speed bound: loading takes seconds
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -193,10 +202,17 @@ class Server:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
                     if response.status == 200:
-                        return self
+                        break
             except OSError:
                 time.sleep(0.2)
-        raise ValueError(f"llama-server not ready after 600 s (log: {self.log_path})")
+        else:
+            raise ValueError(f"llama-server not ready after 600 s (log: {self.log_path})")
+        # A drafter llama-server cannot draft with (a positive --spec-draft-p-min on a DSpark drafter
+        # without a confidence head) is an error line, and the server then serves the target alone.
+        self.log_file.flush()
+        dropped = [line for line in self.log_path.read_text(errors="replace").splitlines() if SPEC_FAILED in line]
+        if "-md" in self.command and dropped:
+            raise ValueError(f"llama-server serves without the drafter: {dropped[-1].split(SPEC_FAILED, 1)[1].lstrip(': ')}")
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
