@@ -126,3 +126,23 @@ def main(spec_path: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+
+
+def serving_section(*, name: str, title: str, method: str, pair, cpu_refusal: str, description: str) -> None:
+    """The command line of a gpu_check.sh serving section (harness/gpu_dspark.py, gpu_dflash2.py):
+    `--work DIR [--paper-out DIR] [--cpu-smoke]`; `pair(work, paper_out)` gives (target, drafter,
+    prompts) under WORK/NAME, check_served checks them, and WORK/NAME.json holds the figures."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--work", required=True, help=f"directory for the pair, the evaluation and {name}.json")
+    parser.add_argument("--paper-out", help=f"the paper section's output, whose {title} arm is served when present")
+    parser.add_argument("--cpu-smoke", action="store_true", help="on CPU: alrira-eval's side, and vLLM's refusal in one line")
+    args = parser.parse_args()
+    work = Path(args.work)
+    section = work / name  # its files apart from the sections' JSON (gpu_check.sh collects WORK/*.json)
+    section.mkdir(parents=True, exist_ok=True)
+    target, drafter, prompts_file = pair(section, Path(args.paper_out) if args.paper_out else None)
+    result = check_served(section, title=title, method=method, target=target, drafter=drafter, prompts_file=prompts_file,
+                          cpu_smoke=args.cpu_smoke, cpu_refusal=cpu_refusal)  # fmt: skip
+    (work / f"{name}.json").write_text(json.dumps(result, indent=1))

