@@ -240,6 +240,9 @@ PARTIAL_SHARD_PREFIX = ".tmp-"
 # a shard writer holding another id (a worker orphaned by a killed driver, a second concurrent
 # build) must not publish into it.
 BUILD_OWNER_FILE = ".build-owner"
+# Held (flock) while a local claim is written and while a local shard is checked against the claim
+# and renamed into place, so that the two never interleave (storage.ownership.owner_lock).
+BUILD_OWNER_LOCK_FILE = ".build-owner.lock"
 BUILD_PROVENANCE_FILE = "build_provenance.json"  # what produced the cache, one entry per build (pipeline/provenance.py)
 # The lock a running command holds on its local --out (pid and host; pipeline/outputs.py): a build
 # holds it on the cache directory while it runs, so a second build on the same --out refuses.

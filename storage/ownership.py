@@ -5,6 +5,13 @@ writers publish only while that claim holds. A writer that outlives its killed d
 orphaned actors asynchronously) or a second build started on the same directory therefore cannot
 overwrite the shards of the build that claimed it last (docs/design.md, "A cache build").
 
+Locally the check and the publish are one step: a writer checks the claim and renames its shard
+into place holding `.build-owner.lock`, and a new claim is written holding it too (owner_lock). A
+writer that passed its check before the claim has renamed its shard before the claim returns; one
+that checks after refuses. (Without the lock a writer of a killed build, starved between its check
+and its rename, renamed its shard after the resumed build had claimed the directory and onto the
+shard that build's own worker was publishing.)
+
 A build deletes only what a build writes: `check_out_dir` refuses a non-empty directory that holds
 neither a manifest nor a claim, and `remove_cache_files` (for --overwrite, and for a build that
 fails before it published a shard) removes the cache's own names and never an unknown file.
@@ -16,15 +23,19 @@ one PUT, and is read again before a shard starts and before the manifest is writ
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from storage.eval_split import EVAL_SPLIT_FILE, EVAL_SPLIT_RECORD
 from storage.format import (
     BUILD_PROVENANCE_FILE,
     BUILD_OWNER_FILE,
+    BUILD_OWNER_LOCK_FILE,
     CORPUS_DIR,
     MANIFEST_FILE,
     OUTPUT_LOCK_FILE,
@@ -46,6 +57,9 @@ TEMP_NAME = re.compile(
 )
 
 
+OWNER_LOCK_WAIT_S = 120.0  # how long a claim or a publish waits for the other to let go of the lock
+
+
 class CacheOwnershipLost(ValueError):
     """A shard writer's build no longer owns the cache directory (another build claimed it):
     a user error (two builds on one --out), reported in one line like every bad input."""
@@ -63,8 +77,39 @@ def claim_cache(location: Location) -> str:
         location.write_bytes(BUILD_OWNER_FILE, (owner + "\n").encode())
         return owner
     location.local_path.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(location.local_path / BUILD_OWNER_FILE, owner + "\n")
+    with owner_lock(location):  # no writer is between its check and its rename meanwhile
+        atomic_write_text(location.local_path / BUILD_OWNER_FILE, owner + "\n")
     return owner
+
+
+@contextlib.contextmanager
+def owner_lock(location: Location, *, timeout: float = OWNER_LOCK_WAIT_S) -> Iterator[None]:
+    """Hold `.build-owner.lock` in the local cache directory `location` (an exclusive flock, which
+    the kernel drops when its holder dies, SIGKILL included): claim_cache writes the claim under
+    it, a shard writer checks the claim and renames its shard under it. A store has no such lock
+    (nullcontext; docs/failure-modes.md). Waits at most `timeout` seconds, then a one-line
+    ValueError naming the file."""
+    if not location.is_local:
+        yield
+        return
+    path = location.local_path / BUILD_OWNER_LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ValueError(
+                        f"{path}: held for over {timeout:.0f}s by another process (a shard writer or a build's claim); "
+                        "is a stopped build's worker still alive?"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def check_owner(location: Location, owner: str) -> None:
@@ -126,7 +171,7 @@ def remove_cache_files(
             removed.append(relative)
 
     for name in (MANIFEST_FILE, TARGET_HEAD_FILE, EVAL_SPLIT_RECORD, EVAL_SPLIT_FILE, BUILD_PROVENANCE_FILE,
-                 *([BUILD_OWNER_FILE] if claim else [])):  # fmt: skip
+                 *([BUILD_OWNER_FILE, BUILD_OWNER_LOCK_FILE] if claim else [])):  # fmt: skip
         remove(name)
     removed += remove_write_leftovers(location)
     for name in location.names(SHARD_DIR):

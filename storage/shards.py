@@ -18,6 +18,8 @@ cache's contents (storage.format.ARRAY_GROUPS), validated by storage.records.che
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import uuid
 from collections.abc import Iterable
@@ -43,7 +45,7 @@ from storage.formats import open_shard, read_shard_records, shard_format
 from storage.formats.protocol import BodySettings, ShardBody, ShardSize
 from storage.location import Location, remove_path, remove_path_tolerant, resolve
 from storage.manifest import ShardRecord, check_compute
-from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner
+from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner, owner_lock
 from storage.layout import shard_layout
 from storage.records import RecordDims, check_record
 
@@ -207,11 +209,13 @@ class ShardWriter:
         self.writes.close()  # every piece is written (an error of one was raised by finish)
         if self.location.is_local:
             fsync_tree(self.tmp)
-            self._check_owner()  # the shard took a while: still ours?
             final = self.shard_dir / self.name
-            remove_path(final)
-            move_into_place(self.tmp, final, sync=False)  # fsynced above, before the owner check
-            fsync_path(self.shard_dir)
+            claimed = owner_lock(self.location) if self.owner is not None else contextlib.nullcontext()
+            with claimed:  # check and rename as one step: no new claim in between (storage.ownership)
+                self._check_owner()  # the shard took a while: still ours?
+                remove_path(final)
+                move_into_place(self.tmp, final, sync=False)  # fsynced above, before the owner check
+                fsync_path(self.shard_dir)
         else:
             self._check_owner()
             self.body.commit()

@@ -330,6 +330,54 @@ def test_a_writer_of_a_superseded_build_cannot_publish(tmp_path, storage_format,
 
 
 @pytest.mark.parametrize("storage_format", FORMATS)
+def test_a_claim_waits_for_a_writer_between_its_check_and_its_rename(tmp_path, storage_format, monkeypatch):
+    """A writer of a killed build, starved after its owner check, must not rename its shard after a
+    new build has claimed the directory (it did, onto the shard the new build's own worker was
+    publishing: the kill test's failure under load). The claim waits for the rename; a writer of
+    the old claim that checks afterwards is refused; the new owner's shard replaces the old one."""
+    import threading
+
+    import storage.shards as shards
+
+    records, _ = make_shard_records(0, first_row=0, num=2, codec="bf16")
+    other, _ = make_shard_records(5, first_row=20, num=2, codec="bf16")
+    old_owner = claim_cache(resolve(tmp_path))
+    inside, go_on = threading.Event(), threading.Event()
+    real_move = shards.move_into_place
+
+    def starved_move(src, dst, **kwargs):  # the writer stalls after its check, before its rename
+        inside.set()
+        assert go_on.wait(60)
+        real_move(src, dst, **kwargs)
+
+    monkeypatch.setattr(shards, "move_into_place", starved_move)
+    results = {}
+
+    def write_old():
+        results["old"] = write_shard(tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16", owner=old_owner)
+
+    writer = threading.Thread(target=write_old)
+    writer.start()
+    assert inside.wait(60)
+    claimer = threading.Thread(target=lambda: results.setdefault("new_owner", claim_cache(resolve(tmp_path))))
+    claimer.start()
+    claimer.join(0.5)
+    assert claimer.is_alive(), "the claim was written while a writer was between its check and its rename"
+    go_on.set()
+    writer.join(60)
+    claimer.join(60)
+    assert not writer.is_alive() and not claimer.is_alive()
+    monkeypatch.setattr(shards, "move_into_place", real_move)
+    shard_dir = tmp_path / SHARD_DIR
+    assert sorted(os.listdir(shard_dir)) == [results["old"].name]  # renamed before the claim returned
+    with pytest.raises(CacheOwnershipLost):
+        write_shard(tmp_path, shard_index=0, records=other, storage_format=storage_format, feature_codec="bf16", owner=old_owner)
+    published = write_shard(tmp_path, shard_index=0, records=other, storage_format=storage_format, feature_codec="bf16", owner=results["new_owner"])
+    assert sorted(os.listdir(shard_dir)) == [published.name]
+    assert shard_checksum(shard_dir / published.name) == published.checksum != results["old"].checksum
+
+
+@pytest.mark.parametrize("storage_format", FORMATS)
 def test_atomic_publish_replace_and_cleanup(tmp_path, storage_format):
     records, _ = make_shard_records(0, first_row=0, num=2, codec="bf16")
     write_shard(tmp_path, shard_index=0, records=records, storage_format=storage_format, feature_codec="bf16")
