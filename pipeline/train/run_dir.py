@@ -8,10 +8,10 @@ place; a run on an object store stages files locally and uploads each whole.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from pipeline.outputs import (
     write_location_record,
 )
 from pipeline.provenance import append_provenance
-from storage.atomic import atomic_write_text, remove_path_tolerant
+from storage.atomic import atomic_write_text
 from storage.errors import DISK_FULL_ERRNOS
 from storage.location import Location, resolve
 
@@ -171,9 +171,8 @@ class RunLogs:
             self.metrics.close()
         if self.writer is not None:
             self.writer.close()  # idempotent; its thread writes into the staging directory
-        if not self.run.is_local:
-            with contextlib.suppress(OSError):
-                remove_path_tolerant(self.staging)
+        if not self.run.is_local:  # the staging directory is this run's own: its writer thread is closed above
+            shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def _step_of(line: str) -> float:
