@@ -34,8 +34,8 @@ This module is the one home of protecting an --out; the commands call these and 
   build that claimed it last. They live in storage/ownership.py because the shard writers check
   the claim (`check_owner`) without pipeline; the build calls them from here.
 
-The record is written with storage/atomic.py's `atomic_write_text`; the lock is created, never
-replaced, by `create_exclusive_text` below (a temp file hard-linked to the name).
+Every file written here goes through storage/atomic.py (the record with `atomic_write_text`, the
+lock with `create_exclusive_text`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.atomic import atomic_write_text
+from storage.atomic import atomic_write_text, create_exclusive_text, move_into_place
 from storage.errors import DISK_FULL_ERRNOS, first_line
 from storage.format import OUTPUT_LOCK_FILE
 from storage.location import Location, resolve
@@ -64,7 +64,6 @@ from storage.ownership import claim_cache
 
 __all__ = [
     "LOCK_FILE", "RECORD_FILE", "Output", "cannot_write", "check_cache_out", "check_out_path", "claim_cache", "claim_output",
-    "create_exclusive_text",
     "differences", "file_checksums", "foreign_inside", "is_bookkeeping", "log_line", "not_a_regular_file", "os_error_line", "output_lock", "owns",
     "prepare_output", "read_record", "read_regular_file", "refuse_foreign", "refuse_foreign_inside", "remove_names", "sha256_of",
     "unproven", "write_record",
@@ -191,36 +190,6 @@ def _holderless(path: Path, holder: dict) -> bool:
     return False
 
 
-def create_exclusive_text(path: str | os.PathLike, text: str) -> None:
-    """Create the local file `path` holding `text`, or raise FileExistsError when the name is
-    taken. The text is written to a temp name first and hard-linked into place (a link fails if
-    the name exists), so the file is never seen empty or partial: a lock whose holder is unreadable
-    would refuse every later process. Where the filesystem has no hard links: an exclusive create,
-    removed again if writing the text fails."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.new-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(text)
-        try:
-            os.link(tmp, path)
-            return
-        except FileExistsError:
-            raise
-        except OSError as error:
-            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                raise
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-
 @contextlib.contextmanager
 def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") -> Iterator[Path]:
     """Hold OUT/.alrira-lock while the block runs; ValueError naming the holder when another live
@@ -239,8 +208,9 @@ def output_lock(out: str | os.PathLike, *, command: str, flag: str = "--out") ->
     for _ in range(3):
         try:
             if stale:
-                path.unlink(missing_ok=True)  # the dead holder's lock
-                for stale_lock in out.glob(f"{LOCK_FILE}.stale-*"):  # set aside by older versions
+                with contextlib.suppress(FileNotFoundError):
+                    move_into_place(path, out / f"{LOCK_FILE}.stale-{uuid.uuid4().hex[:8]}", sync=False)
+                for stale_lock in out.glob(f"{LOCK_FILE}.stale-*"):
                     stale_lock.unlink(missing_ok=True)
             create_exclusive_text(path, json.dumps(me) + "\n")  # never seen empty (an empty lock refused every rerun)
         except FileExistsError:

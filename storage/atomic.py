@@ -2,8 +2,7 @@
 
 Every file the project writes that another process may read goes through here: the manifest, the
 target head, shards, the tokenized corpus, the trainer's checkpoints, a drafter export, an
-output's record (docs/design.md, "The cache contract"; an output's lock is created exclusively,
-never replaced: pipeline/outputs.py). The pattern is a temp name in the
+output's lock and record (docs/design.md, "The cache contract"). The pattern is a temp name in the
 same directory, fsync, os.replace, fsync of the directory, so a crash at any point leaves no
 half-written file under the final name. This is the one place that renames a temp name into place:
 
@@ -12,6 +11,8 @@ half-written file under the final name. This is the one place that renames a tem
 - `atomic_write_dir(path, write)`: the same for a directory;
 - `move_into_place(tmp, final)`: a temp file or directory the caller finished itself, renamed over
   `final` (a download's partial file, a shard's temp directory);
+- `create_exclusive_text(path, text)`: a new file, never seen empty, FileExistsError if the name
+  is taken (a lock).
 
 `sync=False` (atomic_write, move_into_place) keeps the rename and skips the fsyncs, for scratch
 files that a crash makes moot anyway (a download cache, a vLLM worker's hand-off file).
@@ -24,6 +25,7 @@ store its files are atomic one by one, not together (docs/design.md, "Caches on 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import tempfile
 import uuid
@@ -39,6 +41,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_dir",
     "atomic_write_text",
+    "create_exclusive_text",
     "fsync_path",
     "fsync_tree",
     "move_into_place",
@@ -101,6 +104,35 @@ def move_into_place(tmp: str | os.PathLike, final: str | os.PathLike, *, sync: b
     os.replace(tmp, final)
     if sync:
         fsync_path(Path(final).parent)
+
+
+def create_exclusive_text(path: str | os.PathLike, text: str) -> None:
+    """Create the local file `path` holding `text`, or raise FileExistsError when the name is
+    taken. The text is written to a temp name first and hard-linked into place (a link fails if
+    the name exists), so the file is never seen empty or partial: a lock whose holder is unreadable
+    would refuse every later process. Where the filesystem has no hard links: an exclusive create,
+    removed again if writing the text fails."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.new-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(text)
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError as error:
+            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -61,6 +61,10 @@ class EvalSplit:
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.tokens[start:end].tolist(), int(self.prompt_lengths[i]), self.features[start:end]
 
+    def __iter__(self):
+        """Each prompt's `sequence`, in order."""
+        return (self.sequence(i) for i in range(self.num_prompts))
+
 
 def write_eval_split(cache: Location, *, sequences: list[list[int]], prompt_lengths: list[int], prompt_ids: list[int],
                      features: list[np.ndarray], key: dict, held_out: dict | None = None) -> dict:  # fmt: skip

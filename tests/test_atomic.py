@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.outputs import RECORD_FILE, create_exclusive_text, is_bookkeeping, read_record, write_record
-from storage.atomic import atomic_write, atomic_write_text, move_into_place
+from pipeline.outputs import RECORD_FILE, is_bookkeeping, read_record, write_record
+from storage.atomic import atomic_write, atomic_write_text, create_exclusive_text, move_into_place
 from storage.location import resolve
 
 

@@ -33,8 +33,7 @@ def _prompt_drafts(drafter, split: EvalSplit, *, head: dict, device: torch.devic
     embed = nn.Embedding.from_pretrained(embed_tokens.detach().to(device, torch.float32))
     logits_layer = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device=device)
     logits_layer.weight.data.copy_(lm_head.detach().float())
-    for i in range(split.num_prompts):
-        tokens, prompt_length, features = split.sequence(i)
+    for tokens, prompt_length, features in split:
         response = tokens[prompt_length:]
         if len(response) < 2:
             continue
