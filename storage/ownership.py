@@ -24,6 +24,7 @@ one PUT, and is read again before a shard starts and before the manifest is writ
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -58,6 +59,7 @@ TEMP_NAME = re.compile(
 
 
 OWNER_LOCK_WAIT_S = 120.0  # how long a claim or a publish waits for the other to let go of the lock
+NO_LOCKS_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # flock refused by the filesystem (some FUSE mounts)
 
 
 class CacheOwnershipLost(ValueError):
@@ -86,9 +88,10 @@ def claim_cache(location: Location) -> str:
 def owner_lock(location: Location, *, timeout: float = OWNER_LOCK_WAIT_S) -> Iterator[None]:
     """Hold `.build-owner.lock` in the local cache directory `location` (an exclusive flock, which
     the kernel drops when its holder dies, SIGKILL included): claim_cache writes the claim under
-    it, a shard writer checks the claim and renames its shard under it. A store has no such lock
-    (nullcontext; docs/failure-modes.md). Waits at most `timeout` seconds, then a one-line
-    ValueError naming the file."""
+    it, a shard writer checks the claim and renames its shard under it. A store has no such lock,
+    nor a filesystem that refuses flock: both go on unlocked, as before the lock existed
+    (docs/failure-modes.md). Waits at most `timeout` seconds, then a one-line ValueError naming
+    the file."""
     if not location.is_local:
         yield
         return
@@ -100,7 +103,11 @@ def owner_lock(location: Location, *, timeout: float = OWNER_LOCK_WAIT_S) -> Ite
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except OSError as error:
+                if error.errno in NO_LOCKS_ERRNOS:  # a filesystem without locks: unlocked, as on a store
+                    break
+                if not isinstance(error, BlockingIOError):
+                    raise
                 if time.monotonic() > deadline:
                     raise ValueError(
                         f"{path}: held for over {timeout:.0f}s by another process (a shard writer or a build's claim); "

@@ -377,6 +377,35 @@ def test_a_claim_waits_for_a_writer_between_its_check_and_its_rename(tmp_path, s
     assert shard_checksum(shard_dir / published.name) == published.checksum != results["old"].checksum
 
 
+def test_a_filesystem_without_locks_publishes_unlocked(tmp_path, monkeypatch):
+    """A filesystem that refuses flock (ENOLCK, as some FUSE mounts) claims and publishes as it did
+    before the owner lock existed; a lock another process holds is waited for, then named."""
+    import errno
+    import fcntl
+
+    import storage.ownership as ownership
+
+    records, _ = make_shard_records(0, first_row=0, num=2, codec="bf16")
+    real_flock = fcntl.flock
+
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(ownership.fcntl, "flock", refused)
+    owner = claim_cache(resolve(tmp_path))
+    published = write_shard(tmp_path, shard_index=0, records=records, storage_format="zarr", feature_codec="bf16", owner=owner)
+    assert shard_checksum(tmp_path / SHARD_DIR / published.name) == published.checksum
+    monkeypatch.setattr(ownership.fcntl, "flock", real_flock)
+    holder = os.open(tmp_path / ".build-owner.lock", os.O_RDWR)
+    try:
+        real_flock(holder, fcntl.LOCK_EX)  # another open file description: excludes this process's own too
+        with pytest.raises(ValueError, match=r"\.build-owner\.lock: held for over 0s by another process"):
+            with ownership.owner_lock(resolve(tmp_path), timeout=0.2):
+                pass
+    finally:
+        os.close(holder)
+
+
 @pytest.mark.parametrize("storage_format", FORMATS)
 def test_atomic_publish_replace_and_cleanup(tmp_path, storage_format):
     records, _ = make_shard_records(0, first_row=0, num=2, codec="bf16")
