@@ -87,6 +87,16 @@ def test_methods_summarises_replicates(tmp_path):
     markdown = (out / "methods.md").read_text()
     assert "| dflash |" in markdown and "| alr |" in markdown
 
+    # The families' training steps side by side, on that cache (benchmarks/speed/family_step.py).
+    output = run_benchmark(
+        "speed.family_step", "--quick", "--cache", str(out / "world-0" / "cache"), "--steps", "3", "--warmup", "1",
+        "--out", str(tmp_path / "family-step"),
+    )  # fmt: skip
+    assert [row[0] for row in table_rows(output, "family")] == ["dflash", "dspark", "dflash2"]
+    report = json.loads((tmp_path / "family-step" / "family_step.json").read_text())
+    assert {arch: len(s) for arch, s in report["seconds"].items()} == {"dflash": 3, "dspark": 3, "dflash2": 3}
+    assert all(seconds > 0 for seconds in report["median_s_per_step"].values())
+
 
 def test_rollout_backends_agree():
     pytest.importorskip("vllm")
