@@ -231,6 +231,8 @@ def stop_earlier_workers(out, *, stage: str = "cache", log=print) -> int:
             handles.append(ray.get_actor(entry["name"], namespace=ACTOR_NAMESPACE))
         except ValueError:  # gone meanwhile
             continue
+        except AssertionError:  # its job already cleaned up by Ray (its class is gone: Ray's ensure_str(None)); being reaped
+            continue  # such an orphan cannot publish once this build has claimed --out (storage.ownership.owner_lock)
     if handles:
         log(f"stopping {len(handles)} worker(s) of an earlier {'build' if stage == 'cache' else stage} on {out}")
         kill_and_wait(handles)

@@ -399,8 +399,9 @@ def test_a_filesystem_without_locks_publishes_unlocked(tmp_path, monkeypatch):
     holder = os.open(tmp_path / ".build-owner.lock", os.O_RDWR)
     try:
         real_flock(holder, fcntl.LOCK_EX)  # another open file description: excludes this process's own too
+        wait_s = 0.2
         with pytest.raises(ValueError, match=r"\.build-owner\.lock: held for over 0s by another process"):
-            with ownership.owner_lock(resolve(tmp_path), timeout=0.2):
+            with ownership.owner_lock(resolve(tmp_path), timeout=wait_s):
                 pass
     finally:
         os.close(holder)
