@@ -241,7 +241,8 @@ def families_section(report: dict) -> str:
                             for r in report["replicates"] for m in methods)
         for a in archs
     }  # fmt: skip
-    parts.append("Training seconds per step (mean over methods and replicates)\n\n| " + " | ".join(archs) + " |\n|"
+    parts.append("Training seconds per step as the runs took them (mean over methods and replicates; wall time "
+                 "under the machine's load of the moment)\n\n| " + " | ".join(archs) + " |\n|"
                  + "---|" * len(archs) + "\n| " + " | ".join(f"{per_step[a]:.3f}" for a in archs) + " |")  # fmt: skip
     return "\n\n".join(parts)
 
