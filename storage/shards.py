@@ -19,7 +19,6 @@ cache's contents (storage.format.ARRAY_GROUPS), validated by storage.records.che
 from __future__ import annotations
 
 import contextlib
-
 import os
 import uuid
 from collections.abc import Iterable

@@ -8,6 +8,7 @@ those two sections' comparison with alrira-eval on the same prompts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -124,16 +125,10 @@ def main(spec_path: Path) -> None:
     (spec_path.parent / "serve_out.json").write_text(json.dumps({"tokens": tokens, "drafts": drafts, "accepted": accepted}))
 
 
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
-
-
 def serving_section(*, name: str, title: str, method: str, pair, cpu_refusal: str, description: str) -> None:
     """The command line of a gpu_check.sh serving section (harness/gpu_dspark.py, gpu_dflash2.py):
     `--work DIR [--paper-out DIR] [--cpu-smoke]`; `pair(work, paper_out)` gives (target, drafter,
     prompts) under WORK/NAME, check_served checks them, and WORK/NAME.json holds the figures."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--work", required=True, help=f"directory for the pair, the evaluation and {name}.json")
     parser.add_argument("--paper-out", help=f"the paper section's output, whose {title} arm is served when present")
@@ -146,3 +141,8 @@ def serving_section(*, name: str, title: str, method: str, pair, cpu_refusal: st
     result = check_served(section, title=title, method=method, target=target, drafter=drafter, prompts_file=prompts_file,
                           cpu_smoke=args.cpu_smoke, cpu_refusal=cpu_refusal)  # fmt: skip
     (work / f"{name}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
+
