@@ -158,3 +158,18 @@ def test_the_codec_benchmark_measures_what_it_reports(caches, tmp_path):
     small = next(r for r in report["shaped"] if r["setting"].startswith("--profile small"))
     full = next(r for r in report["shaped"] if r["setting"].startswith("full"))
     assert small["kib_per_token"] < full["kib_per_token"] / 2
+
+
+def test_real_cache_agreement_finds_the_same_computation_and_the_codecs_error(caches):
+    """benchmarks/speed/real_cache.py's check of a profile against the lossless cache: every array
+    the codec leaves alone agrees exactly, the features differ by e8m3's error and by nothing else."""
+    from benchmarks.speed.real_cache import agreement
+
+    found = agreement(caches["full"], caches["small"])
+    assert found["sequences"] == len(open_cache(caches["full"]))
+    assert set(found["equal_share"]) >= {"input_ids", "anchor_pos", "rollout_tokens", "corpus_topk_probs"}
+    assert all(share == 1.0 for share in found["equal_share"].values()), found["equal_share"]
+    for name in ("features", "rollout_features"):
+        assert 2.0**-8 < found["feature_relative_error"][name] < 2.0**-4, found
+    same = agreement(caches["full"], caches["full"])
+    assert same["feature_relative_error"] == {"features": 0.0, "rollout_features": 0.0}

@@ -12,8 +12,12 @@ process (the CLI's own flag parsing, no Ray): the same target, corpus and taps (
 five taps, as Qwen3-4B's DFlash heads read), each with its FLAGS on top. With `--train`, trains
 every `--methods` x `--archs` drafter from every cache with one recipe and writes the final losses
 side by side (OUT/losses.json, OUT/losses.md): the real model's check that a lossy feature codec
-trains to the loss of the lossless cache. Every phase is skipped when its output exists, so a run
-resumes.
+trains to the loss of the lossless cache. `--built NAME=PATH` takes a cache built before as it is
+(the first of them is then the baseline). Before training, every cache is checked against the
+baseline record by record (OUT/agreement.json): the arrays no feature codec touches (tokens,
+anchors, rollouts, top-k) should be the same computation of the same target, and each feature
+array's relative error against the baseline's is the codec's. Every phase is skipped when its
+output exists, so a run resumes.
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pipeline.cache_build.driver import build_cache, run_shards_here
 from pipeline.demo import real
 from pipeline.demo.run import _build_config, train_method
 from pipeline.train.config import TrainConfig
+from storage.format import ARRAY_DTYPES
+from storage.reader import open_cache
 
 BUILD_FLAGS = ("--draft-layers", "5", "--anchors", "24", "--target-dtype", "float32", "--cpus-per-worker", "1")
 
@@ -78,6 +85,54 @@ def build(out: Path, *, target: Path, corpus: Path, name: str, flags: list[str])
     return cache
 
 
+def agreement(baseline: Path, other: Path) -> dict:
+    """`other` against `baseline`, record by record (the same corpus rows in the same order): per
+    array the codec does not touch, the share of equal elements and the largest absolute
+    difference; per feature array, the relative L2 error of `other`'s decoded features against the
+    baseline's over the rows both keep (rollout features: the parents `other` stores)."""
+    base, cand = open_cache(baseline), open_cache(other)
+    try:
+        if len(base) != len(cand):
+            raise ValueError(f"{other}: {len(cand)} sequences, the baseline {baseline} has {len(base)}")
+        equal: dict[str, list[int]] = {}
+        largest: dict[str, float] = {}
+        error: dict[str, list[float]] = {}  # [sum of squared differences, sum of squares]
+        for index in range(len(base)):
+            b, c = base[index], cand[index]
+            if int(b["source_row"]) != int(c["source_row"]):
+                raise ValueError(f"{other}: record {index} is corpus row {int(c['source_row'])}, the baseline's {int(b['source_row'])}")
+            for name in sorted(set(b) & set(c) & set(ARRAY_DTYPES)):
+                same = b[name].shape == c[name].shape
+                counts = equal.setdefault(name, [0, 0])
+                counts[0] += int(np.count_nonzero(b[name] == c[name])) if same else 0
+                counts[1] += b[name].size
+                if same and b[name].size:
+                    diff = np.abs(b[name].astype(np.float64) - c[name].astype(np.float64)).max()
+                    largest[name] = max(largest.get(name, 0.0), float(diff))
+            rows = {"features": slice(None)}
+            if "rollout_features" in b and "rollout_features" in c:
+                rows["rollout_features"] = cand.parent_rows(len(c["anchor_pos"]))
+            for name, keep in rows.items():
+                if name == "rollout_features":
+                    wanted = base.parent_rows(len(b["anchor_pos"]))
+                    position = {int(r): i for i, r in enumerate(wanted)}
+                    ref = b[name][[position[int(r)] for r in keep]]
+                else:
+                    ref = b[name][keep]
+                sums = error.setdefault(name, [0.0, 0.0])
+                sums[0] += float(((c[name].astype(np.float64) - ref) ** 2).sum())
+                sums[1] += float((ref.astype(np.float64) ** 2).sum())
+    finally:
+        base.close()
+        cand.close()
+    return {
+        "sequences": len(base),
+        "equal_share": {name: n / total if total else 1.0 for name, (n, total) in equal.items()},
+        "max_abs_diff": largest,
+        "feature_relative_error": {name: (num / den) ** 0.5 if den else 0.0 for name, (num, den) in error.items()},
+    }
+
+
 def train_config(*, cache: Path, out: Path, method: str, arch: str, seed: int, epochs: int) -> TrainConfig:
     """One recipe for every cache (benchmarks/paper.py's arms: 1 draft layer, batch 8, 8 anchors per
     step, the paper's lr, gamma 2); only the cache, method, arch and seed differ."""
@@ -118,6 +173,15 @@ def loss_table(losses: dict, *, baseline: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_built(spec: str) -> tuple[str, Path]:
+    name, _, path = spec.partition("=")
+    if not name.strip() or "/" in name or not path.strip():
+        raise argparse.ArgumentTypeError(f"--built {spec!r}: NAME=PATH, NAME a plain name")
+    if not (Path(path) / "manifest.json").is_file():
+        raise argparse.ArgumentTypeError(f"--built {spec!r}: no cache at {path} (no manifest.json)")
+    return name.strip(), Path(path)
+
+
 def parse_cache(spec: str) -> tuple[str, list[str]]:
     name, _, flags = spec.partition(":")
     if not name.strip() or "/" in name:
@@ -128,8 +192,10 @@ def parse_cache(spec: str) -> tuple[str, list[str]]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="Output folder (resumable).")
-    parser.add_argument("--cache", dest="caches", action="append", type=parse_cache, required=True,
+    parser.add_argument("--cache", dest="caches", action="append", type=parse_cache, default=[],
                         help="NAME: build flags on top of the shared ones; repeat. The first is the baseline.")  # fmt: skip
+    parser.add_argument("--built", action="append", type=parse_built, default=[],
+                        help="NAME=PATH: a cache built before, used as it is; repeat. The first is the baseline.")  # fmt: skip
     parser.add_argument("--model-dir", default=str(real.DEFAULT_CACHE_DIR), help="Where the GGUF is converted (once).")
     parser.add_argument("--train", action="store_true", help="Train every drafter from every cache and compare losses.")
     parser.add_argument("--methods", default="dflash,kd,erase,alr,alr_ira")
@@ -138,10 +204,23 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    names = [name for name, _ in [*args.built, *args.caches]]
+    if not names:
+        parser.error("give at least one --cache or --built")
+    if len(set(names)) != len(names):
+        parser.error(f"cache names must differ: {', '.join(names)}")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    target, corpus = prepare_corpus(out, model_dir=Path(args.model_dir))
-    caches = {name: build(out, target=target, corpus=corpus, name=name, flags=flags) for name, flags in args.caches}
+    out.mkdir(parents=True, exist_ok=True)
+    caches = dict(args.built)
+    if args.caches:
+        target, corpus = prepare_corpus(out, model_dir=Path(args.model_dir))
+        caches |= {name: build(out, target=target, corpus=corpus, name=name, flags=flags) for name, flags in args.caches}
+    baseline = names[0]
+    report = {name: agreement(caches[baseline], path) for name, path in caches.items() if name != baseline}
+    (out / "agreement.json").write_text(json.dumps({"baseline": baseline, "caches": report}, indent=2) + "\n")
+    for name, found in report.items():
+        log(f"{name} vs {baseline}: equal share {found['equal_share']}, feature relative error {found['feature_relative_error']}")
     if not args.train:
         return
     losses = train_all(
@@ -149,7 +228,7 @@ def main(argv=None) -> None:
         seeds=[int(s) for s in args.seeds.split(",")], epochs=args.epochs,
     )  # fmt: skip
     (out / "losses.json").write_text(json.dumps(losses, indent=2) + "\n")
-    table = loss_table(losses, baseline=args.caches[0][0])
+    table = loss_table(losses, baseline=baseline)
     (out / "losses.md").write_text(table)
     print(table)
 
