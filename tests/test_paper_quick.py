@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.speed import paper
 from tests.waits import run_to_end
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +43,8 @@ def test_paper_quick(tmp_path):
     # Greedy replay scored the head and every arm; real decoding of alr_ira was lossless, replay
     # reproduced its rounds on every prompt, and vLLM's dflash serving of it equals greedy HF.
     evals = report["evals"]
-    assert {k.rsplit("-s", 1)[0] for k in evals} == {"head", "dflash", "erase", "alr", "alr_ira", "ref_window", "dspark_alr_ira"}
+    assert {k.rsplit("-s", 1)[0] for k in evals} == {"head", "dflash", "erase", "alr", "alr_ira", "ref_window", "dspark_alr_ira",
+                                                      "dflash2_alr_ira"}
     assert all(e["mode"] == "greedy_replay" and e["tau"] >= 1.0 for e in evals.values())
     assert set(report["decoded"]) == {"alr_ira-s0-T0"} and report["decoded"]["alr_ira-s0-T0"]["lossless_mismatches"] == 0
     assert report["quick_checks"] == {"lossless_evals": 1, "lossless_mismatches": 0, "replay_equal": 2, "vllm_prompts": 2}
@@ -57,3 +59,16 @@ def test_paper_quick(tmp_path):
         assert (out / "analyses" / name).stat().st_size > 0, name
     section = (out / "real_model.md").read_text()
     assert section.startswith("<!-- real-model:start") and "### Main table" in section and "greedy agreement" in section
+    # The drafter families side by side: alr_ira of each family's drafter, replayed, with its training time.
+    families = section.split("### Drafter families", 1)[1].split("\n\n")[1].splitlines()
+    alr_ira = next(row for row in families if row.startswith("| alr_ira |")).split("|")[2:-1]
+    want = [evals[f"{p}alr_ira-s0-T0"]["tau"] for p in ("", "dspark_", "dflash2_")]
+    assert [float(cell) for cell in alr_ira[:3]] == pytest.approx(want, abs=5e-4)
+    assert all(float(cell) > 0 for cell in alr_ira[3:])
+    # --profile families' own section replaces its markers' span in a page and nothing else.
+    page = tmp_path / "results.md"
+    page.write_text(f"intro\n\n{section}\n{paper.FAMILIES_SECTION_START}\nold\n{paper.FAMILIES_SECTION_END}\n\noutro\n")
+    paper.write_section(page, paper.section_of(report | {"profile": "families"}, command="c"))
+    text = page.read_text()
+    assert text.startswith(f"intro\n\n{section}") and text.endswith("outro\n") and "\nold\n" not in text
+    assert "| alr_ira |" + "|".join(alr_ira) + "|" in text.split(paper.FAMILIES_SECTION_START, 1)[1]

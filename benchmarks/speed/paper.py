@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.speed.paper [--out results/paper] [--quick] [--docs docs/results.md]
     python3 -m benchmarks.speed.paper --profile gpu --out $OUT/paper       (one H200: harness/gpu_check.sh's paper section)
     .venv/bin/python -m benchmarks.speed.paper --render OUT/paper/paper.json --docs docs/results.md   (its section, here)
+    .venv/bin/python -m benchmarks.speed.paper --profile families --out results/families   (DFlash, DSpark, DFlash2)
 
 Runs pipeline/demo/experiment.py (install, GGUF conversion, off-policy corpus by regeneration at
 T = 1, the two greedy references, the initial head, every arm, evaluation on MT-Bench first turns,
@@ -32,6 +33,12 @@ SECTION_END = "<!-- real-model:end -->"
 # The GPU run's section (--profile gpu, rendered here from its paper.json with --render).
 GPU_SECTION_START = "<!-- real-model-gpu:start (benchmarks/speed/paper.py --render writes this section) -->"
 GPU_SECTION_END = "<!-- real-model-gpu:end -->"
+# The drafter families run's section (--profile families).
+FAMILIES_SECTION_START = "<!-- real-model-families:start (benchmarks/speed/paper.py --profile families writes this section) -->"
+FAMILIES_SECTION_END = "<!-- real-model-families:end -->"
+SECTIONS = ((GPU_SECTION_START, GPU_SECTION_END), (FAMILIES_SECTION_START, FAMILIES_SECTION_END), (SECTION_START, SECTION_END))
+# Each family's arm names: its prefix and the method (pipeline/demo/experiment.py ARMS).
+FAMILIES = (("DFlash", ""), ("DSpark", "dspark_"), ("DFlash2", "dflash2_"))
 
 # The paper's numbers (its text tables: Qwen3-4B; the ablations: Qwen3-VL-8B on ALLaVA), T = 0 MAT.
 PAPER = {
@@ -118,6 +125,49 @@ def arm_table(report: dict, arms: list[str], *, paper: dict) -> list[str]:
         cells = [mean_sd_cell(arm_taus(report, arm, t)) for t in temps] + ([CPU_RUN_T0.get(arm, "-")] if cpu else [])
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {paper.get(arm, '-')} |")
     return lines
+
+
+def families_lines(report: dict) -> list[str]:
+    """MAT at T = 0 (greedy replay) of each family's drafter per method, seed 0 (the seed every
+    family trained), with its training seconds; [] when the run trained no other family."""
+    from pipeline.demo.experiment import FAMILY_METHODS
+
+    evals, train_s = report["evals"], report.get("train_s", {})
+    if not any(f"{prefix}{m}-s0-T0" in evals for _, prefix in FAMILIES[1:] for m in FAMILY_METHODS):
+        return []
+    names = [name for name, _ in FAMILIES]
+    lines = ["| method | " + " | ".join(f"{n} MAT T = 0" for n in names) + " | " + " | ".join(f"{n} training s" for n in names) + " |",
+             "|" + "---|" * (2 * len(names) + 1)]  # fmt: skip
+    for method in FAMILY_METHODS:
+        taus = [(evals.get(f"{prefix}{method}-s0-T0") or {}).get("tau") for _, prefix in FAMILIES]
+        seconds = [train_s.get(f"{prefix}{method}-s0") for _, prefix in FAMILIES]
+        lines.append(f"| {method} | " + " | ".join("-" if t is None else f"{t:.3f}" for t in taus) + " | "
+                     + " | ".join("-" if t is None else f"{t:.0f}" for t in seconds) + " |")  # fmt: skip
+    head = (evals.get(f"head-s{report['sizes']['seed']}-T0") or {}).get("tau")
+    if head is not None:
+        lines += ["", f"The DFlash head every drafter starts from: MAT {head:.3f}."]
+    return lines
+
+
+def families_section(report: dict, *, command: str) -> str:
+    """The --profile families run's section: the full run's corpus, head and recipe, the families table."""
+    s = report["sizes"]
+    lines = [
+        FAMILIES_SECTION_START, "", "## Drafter families on the real target (benchmarks/speed/paper.py --profile families)", "",
+        "The real-target setup of the section above (corpus, initial DFlash head, one recipe) with three drafter families: "
+        "DFlash, DSpark and DFlash2, each trained with dflash, erase, alr and alr_ira from the same off-policy cache, "
+        "seed 0. Every drafter's backbone starts from the DFlash head; DSpark's Markov and confidence heads and DFlash2's "
+        "convolutions and candidate selector start fresh. MAT at T = 0 by greedy replay on "
+        f"{s['eval_per_category'] * s['eval_categories']} MT-Bench first turns, {s['eval_max_new_tokens']} new tokens, "
+        f"geometric mean over {s['eval_categories']} categories.", "",
+        f"Command: `{command}` ({report['wall_s'] / 60:.0f} min wall; phases "
+        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in report["phase_s"].items()) + f"). Every number below comes from "
+        f"`{report['out']}` (paper.json, evals/*/summary.json). Corpus greedy agreement "
+        f"{report['corpus_greedy_agreement']:.3f}; arms: {s['epochs']} epochs, batch {s['batch_size']}, "
+        f"{s['anchors_per_step']} of {s['anchors']} cached anchors per sequence and step, lr {s['lr']}.", "",
+        *families_lines(report), "", FAMILIES_SECTION_END,
+    ]  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def cost_lines(report: dict) -> list[str]:
@@ -228,6 +278,9 @@ def render_section(report: dict, *, command: str) -> str:
         lines += [f"### {title}", "", *rows, "", holds(report, key), ""]
         if key == "main":
             lines += decode_lines(report)
+            families = families_lines(report)
+            if families:
+                lines += ["### Drafter families (seed 0, T = 0)", "", *families, ""]
     if any(_mean(report, a) is not None for a in ("erase_1ep", "alr_r4_1ep", "alr_ira_1ep")):
         lines += ["### One epoch vs the best erase schedule (time / C, C = erase three epochs)", "", *cost_lines(report), "",
                   holds(report, "one_epoch"), ""]  # fmt: skip
@@ -240,10 +293,15 @@ def render_section(report: dict, *, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section_of(report: dict, *, command: str) -> str:
+    """The docs section of a run: the families run's own, else the real-model (or GPU) section."""
+    return (families_section if report.get("profile") == "families" else render_section)(report, command=command)
+
+
 def write_section(path: Path, section: str) -> None:
     """Replace the marked section of `path` (or append it): the rest of the page is left as it is."""
     text = path.read_text() if path.is_file() else ""
-    start, end = (GPU_SECTION_START, GPU_SECTION_END) if section.startswith(GPU_SECTION_START) else (SECTION_START, SECTION_END)
+    start, end = next((start, end) for start, end in SECTIONS if section.startswith(start))
     if start in text and end in text:
         head, rest = text.split(start, 1)
         text = head + section.rstrip("\n") + rest.split(end, 1)[1]
@@ -305,9 +363,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/paper")
     parser.add_argument("--quick", action="store_true", help="CI smoke run: a few rows, a few steps, two prompts, lossless + vLLM checks.")
-    parser.add_argument("--profile", default=None, choices=("full", "quick", "gpu", "gpu-smoke"),
+    parser.add_argument("--profile", default=None, choices=("full", "quick", "gpu", "gpu-smoke", "families"),
                         help="full (2 CPU cores, ~2 h; the default), quick (= --quick), gpu (one CUDA device, ~8 min on an H200), "
-                             "gpu-smoke (the gpu profile's code at toy sizes on CPU). Only full writes --docs.")
+                             "gpu-smoke (the gpu profile's code at toy sizes on CPU), families (the full run's setup for "
+                             "DFlash, DSpark and DFlash2, seed 0, ~45 min). Only full and families write --docs.")
     parser.add_argument("--render", default=None, metavar="PAPER_JSON",
                         help="Write the section of a finished run's paper.json (e.g. the GPU run's, fetched back) into --docs; runs nothing.")
     parser.add_argument("--cache-dir", default=None, help="Where the converted target is kept (default ~/.cache/alrira).")
@@ -315,7 +374,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.render:
         report = json.loads(Path(args.render).read_text())
-        section = render_section(report, command=report.get("command", "python -m benchmarks.speed.paper"))
+        section = section_of(report, command=report.get("command", "python -m benchmarks.speed.paper"))
         write_section(Path(args.docs), section)
         return print(section)
     profile = "quick" if args.quick else (args.profile or "full")
@@ -334,13 +393,13 @@ def main() -> None:
         raise SystemExit(f"paper.py --profile {profile}: {error}") from None
     report["command"] = f"python -m benchmarks.speed.paper --profile {profile} --out {args.out}"
     report["device"] = torch.cuda.get_device_name() if profile == "gpu" else "cpu"
-    section = render_section(report, command=report["command"])
+    section = section_of(report, command=report["command"])
     if profile == "quick":
         report["quick_checks"] = quick_checks(report)
     elif profile in ("gpu", "gpu-smoke"):
         report["decode_checks"] = decode_checks(report, strict=profile == "gpu-smoke")
     (out / "paper.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    if profile == "full":
+    if profile in ("full", "families"):
         write_section(Path(args.docs), section)
     else:
         (out / "real_model.md").write_text(section)

@@ -64,7 +64,7 @@ class Arm:
     cache: str = "offpolicy"  # which corpus's cache: offpolicy, truncate, window
     epochs: int | None = None  # None: the recipe's
     rollout_depth: int = 14
-    arch: str = "dflash"  # dspark: a DSpark drafter whose backbone starts from the DFlash head (docs/dspark.md)
+    arch: str = "dflash"  # dspark, dflash2: that family's drafter, its backbone from the DFlash head
 
 
 # The target's dtype for regeneration and stage 1: the fastest where it runs (bf16 on CUDA and on a
@@ -87,11 +87,15 @@ ARMS = (
     Arm(name="erase_1ep", method="erase", epochs=1),
     Arm(name="alr_r4_1ep", method="alr", rollout_depth=4, epochs=1),
     Arm(name="alr_ira_1ep", method="alr_ira", epochs=1),
-    Arm(name="dspark_alr_ira", method="alr_ira", arch="dspark"),
-    Arm(name="dspark_dflash", method="dflash", arch="dspark"),
-)
+    # The other drafter families (docs/design.md, "Drafter families"), four methods each; the
+    # backbone starts from the DFlash head, the family's own parts fresh (docs/dspark.md, docs/dflash2.md).
+    *(Arm(name=f"{arch}_{method}", method=method, arch=arch) for arch in ("dspark", "dflash2")
+      for method in ("dflash", "erase", "alr", "alr_ira")),
+)  # fmt: skip
 MAIN_ARMS = ("dflash", "kd", "erase", "alr", "alr_ira")  # trained with every seed
-QUICK_ARMS = ("dflash", "erase", "alr", "alr_ira", "ref_window", "dspark_alr_ira")
+FAMILY_METHODS = ("dflash", "erase", "alr", "alr_ira")  # the families table's rows (benchmarks/speed/paper.py)
+FAMILY_ARMS = ("dflash", "erase", "alr", "alr_ira", *(a.name for a in ARMS if a.arch != "dflash"))
+QUICK_ARMS = ("dflash", "erase", "alr", "alr_ira", "ref_window", "dspark_alr_ira", "dflash2_alr_ira")
 
 
 @dataclass(kw_only=True)
@@ -172,7 +176,15 @@ def _gpu_smoke_sizes() -> PaperSizes:
     )  # fmt: skip
 
 
-PROFILES = {"full": PaperSizes, "quick": _quick_sizes, "gpu": _gpu_sizes, "gpu-smoke": _gpu_smoke_sizes}
+def _families_sizes() -> PaperSizes:
+    """The full run's corpus, head, recipe and evaluation, for the drafter families alone: DFlash,
+    DSpark and DFlash2 with dflash, erase, alr and alr_ira, seed 0, MAT at T = 0 by replay (about
+    45 minutes on 2 CPU cores: no reference corpora, one seed, one decoded arm)."""
+    return PaperSizes(arms=FAMILY_ARMS, seeds=(0,), temperatures=(0.0,), decode_arms=("alr_ira",))
+
+
+PROFILES = {"full": PaperSizes, "quick": _quick_sizes, "gpu": _gpu_sizes, "gpu-smoke": _gpu_smoke_sizes,
+            "families": _families_sizes}  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -571,7 +583,8 @@ def run_analyses(paths: Paths, sizes: PaperSizes, *, runs: list[tuple[Arm, int]]
 @click.option("--out", default="real_out", show_default=True, type=click.Path(file_okay=False), help="Output directory (resumable).")
 @click.option("--quick", is_flag=True, help="A few rows, a few steps, two prompts: the CI smoke run (--profile quick).")
 @click.option("--profile", type=click.Choice(list(PROFILES)), default="full", show_default=True,
-              help="full (CPU, ~2 h), quick, gpu (one H200, ~8 min), gpu-smoke (the gpu profile's code at toy sizes on CPU).")
+              help="full (CPU, ~2 h), quick, gpu (one H200, ~8 min), gpu-smoke (the gpu profile's code at toy sizes on CPU), "
+                   "families (DFlash, DSpark, DFlash2 at the full run's setup, seed 0, ~45 min).")
 @click.option("--cache-dir", default=str(real.DEFAULT_CACHE_DIR), show_default=True, help="Where the converted target is kept.")
 def main(out: str, quick: bool, profile: str, cache_dir: str):
     import torch
