@@ -6,7 +6,8 @@ orphaned actors asynchronously) or a second build started on the same directory 
 overwrite the shards of the build that claimed it last (docs/design.md, "A cache build").
 
 Locally the check and the publish are one step: a writer checks the claim and renames its shard
-into place holding `.build-owner.lock`, and a new claim is written holding it too (owner_lock). A
+into place holding `.build-owner.lock`, the driver checks it and writes the manifest holding it
+(owned), and a new claim is written holding it too (owner_lock). A
 writer that passed its check before the claim has renamed its shard before the claim returns; one
 that checks after refuses. (Without the lock a writer of a killed build, starved between its check
 and its rename, renamed its shard after the resumed build had claimed the directory and onto the
@@ -117,6 +118,16 @@ def owner_lock(location: Location, *, timeout: float = OWNER_LOCK_WAIT_S) -> Ite
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def owned(location: Location, owner: str) -> Iterator[None]:
+    """The block runs while `owner` still holds `location`: its claim checked holding owner_lock,
+    so a new claim waits for the block's write (the build's manifest) to end. For short writes
+    only: a claim waits at most OWNER_LOCK_WAIT_S. Raises CacheOwnershipLost as check_owner."""
+    with owner_lock(location):
+        check_owner(location, owner)
+        yield
 
 
 def check_owner(location: Location, owner: str) -> None:

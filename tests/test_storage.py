@@ -34,7 +34,7 @@ from storage.manifest import (
 )
 from storage.reader import available_arrays, cache_stats, open_cache
 from storage.location import resolve
-from storage.ownership import CacheOwnershipLost, claim_cache
+from storage.ownership import CacheOwnershipLost, check_owner, claim_cache, owned
 from storage.checksums import shard_checksum
 from storage.layout import REBUILD_HINT
 from storage.formats.wds import WdsShard
@@ -327,6 +327,38 @@ def test_a_writer_of_a_superseded_build_cannot_publish(tmp_path, storage_format,
     shard_dir = tmp_path / SHARD_DIR
     assert sorted(os.listdir(shard_dir)) == [published.name]
     assert shard_checksum(shard_dir / published.name) == published.checksum
+
+
+def test_a_claim_waits_for_a_manifest_write_under_the_old_claim(tmp_path):
+    """The driver's twin of the writer's race: a driver of a killed build, starved between its
+    owner check and its manifest write, must not write after a new build has claimed the
+    directory. `owned` holds the lock over both; the claim waits; afterwards the old owner is refused."""
+    import threading
+
+    location = resolve(tmp_path)
+    old_owner = claim_cache(location)
+    inside, go_on, results = threading.Event(), threading.Event(), {}
+
+    def write_under_old_claim():
+        with owned(location, old_owner):
+            inside.set()
+            assert go_on.wait(60)
+            (tmp_path / "written").write_text("old")
+
+    writer = threading.Thread(target=write_under_old_claim)
+    writer.start()
+    assert inside.wait(60)
+    claimer = threading.Thread(target=lambda: results.setdefault("new_owner", claim_cache(location)))
+    claimer.start()
+    claimer.join(0.5)
+    assert claimer.is_alive(), "the claim was written while a manifest write under the old claim was in progress"
+    go_on.set()
+    writer.join(60)
+    claimer.join(60)
+    assert not writer.is_alive() and not claimer.is_alive() and (tmp_path / "written").read_text() == "old"
+    with pytest.raises(CacheOwnershipLost), owned(location, old_owner):
+        raise AssertionError("the old owner's block ran after the new claim")
+    check_owner(location, results["new_owner"])
 
 
 @pytest.mark.parametrize("storage_format", FORMATS)

@@ -51,7 +51,7 @@ from storage.manifest import (
     save_target_head,
     target_head_hash,
 )
-from storage.ownership import CacheOwnershipLost, check_owner, remove_cache_files, remove_write_leftovers
+from storage.ownership import CacheOwnershipLost, check_owner, owned, remove_cache_files, remove_write_leftovers
 from storage.checksums import verified_shards
 from storage.shards import clean_partial_shards
 
@@ -226,8 +226,8 @@ def _first_manifest(plan: BuildPlan, *, owner: str, progress: bool, log) -> Shar
         # An older cache resumed: its shards' compute is unknown, so the manifest vouches for none.
         compute=None if previous is not None and previous.compute is None and done else plan.compute,
     )
-    check_owner(out, owner)
-    save_manifest(out, manifest)
+    with owned(out, owner):  # a build that lost the directory must not write its manifest
+        save_manifest(out, manifest)
     pending = [s for s in specs if s.index not in done]
     if done:
         log(f"resuming: {len(done)} of {len(specs)} shards verified, {len(pending)} to build")
@@ -259,8 +259,8 @@ class ShardBook:
                 f"--target-dtype {plan.compute['dtype']}"
             )
         self.manifest.shards = sorted([*self.manifest.shards, record], key=lambda s: s.index)
-        check_owner(out, self.owner)  # a build that lost the directory must not write its manifest
-        save_manifest(out, self.manifest)
+        with owned(out, self.owner):  # a build that lost the directory must not write its manifest
+            save_manifest(out, self.manifest)
         self.num_published += 1
         if times is not None:
             self.times += times
