@@ -100,6 +100,18 @@ def toy_family():
     del FAMILIES[family.name]
 
 
+def test_a_train_config_with_every_familys_options_pickles():
+    """A config crosses to a process pool (benchmarks/speed/paper.py trains arms in lanes): the
+    family options' group, a class made from the registry, must pickle by its name."""
+    import pickle
+
+    from pipeline.train.config import TrainConfig
+
+    for arch in FAMILIES:
+        config = TrainConfig.from_flags(cache="/c", out="/o", method="alr_ira", arch=arch)
+        assert pickle.loads(pickle.dumps(config)) == config
+
+
 def test_a_family_registered_in_a_test_trains_evaluates_and_exports(toy_family, k7_cache, toy_target, tmp_path):
     from pipeline.eval.evaluate import EvalConfig, run_eval
     from pipeline.eval.replay import run_replay

@@ -162,7 +162,8 @@ def families_section(report: dict, *, command: str) -> str:
         f"geometric mean over {s['eval_categories']} categories.", "",
         f"Command: `{command}` ({report['wall_s'] / 60:.0f} min wall; phases "
         + ", ".join(f"{k} {v / 60:.1f} min" for k, v in report["phase_s"].items()) + f"). Every number below comes from "
-        f"`{report['out']}` (paper.json, evals/*/summary.json). Corpus greedy agreement "
+        f"`{report['out']}` (paper.json, evals/*/summary.json). Code paths: "
+        + "; ".join(f"{k} {v}" for k, v in report.get("code_paths", {}).items()) + ". Corpus greedy agreement "
         f"{report['corpus_greedy_agreement']:.3f}; arms: {s['epochs']} epochs, batch {s['batch_size']}, "
         f"{s['anchors_per_step']} of {s['anchors']} cached anchors per sequence and step, lr {s['lr']}.", "",
         *families_lines(report), "", FAMILIES_SECTION_END,

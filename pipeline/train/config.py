@@ -49,7 +49,9 @@ def family_options_class() -> type:
     """One group of every registered family's own settings (`DrafterFamily.options_class`), a field
     per family named after it: each becomes flags of `alrira-train` (pipeline/config.py)."""
     fields = [(f.name, f.options_class, group(f.options_class)) for f in families() if f.options_class is not None]
-    return dataclasses.make_dataclass("FamilyOptions", fields, kw_only=True)
+    options = dataclasses.make_dataclass("FamilyOptions", fields, kw_only=True)
+    options.__module__ = __name__  # found here by pickle: a config goes to a process pool (the paper's lanes)
+    return options
 
 
 FamilyOptions = family_options_class()
