@@ -173,3 +173,24 @@ def test_real_cache_agreement_finds_the_same_computation_and_the_codecs_error(ca
         assert 2.0**-8 < found["feature_relative_error"][name] < 2.0**-4, found
     same = agreement(caches["full"], caches["full"])
     assert same["feature_relative_error"] == {"features": 0.0, "rollout_features": 0.0}
+
+
+def test_real_cache_common_loss_scores_without_updating(caches, tmp_path):
+    """benchmarks/speed/real_cache.py's paired loss: a drafter trained on the profile, scored on one
+    epoch of a cache's blocks through the trainer's own path, repeatably, with its weights unchanged,
+    and differently on the two caches (their features differ by the codec)."""
+    from benchmarks.speed.real_cache import common_loss
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.loop import train
+
+    run = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ALRIRA_CPU_BF16", "0")
+        train(TrainConfig.from_flags(cache=str(caches["small"]), out=str(run), method="alr_ira", draft_layers=1, batch_size=2,
+                                     max_steps=2, anchors_per_step=2, num_workers=0, progress=False, precision="fp32"))  # fmt: skip
+        weights = {p.name: p.read_bytes() for p in (run / "drafter").iterdir()}
+        scores = [common_loss(run / "drafter", cache=caches[name], method="alr_ira", arch="dflash", seed=0, batch_size=2)
+                  for name in ("full", "full", "small")]  # fmt: skip
+    assert scores[0] == scores[1] and np.isfinite(scores[0]) and scores[0] > 0
+    assert scores[2] != scores[0]
+    assert {p.name: p.read_bytes() for p in (run / "drafter").iterdir()} == weights

@@ -11,8 +11,9 @@ did not write, as an off-policy corpus is). Then builds one cache per `--cache N
 process (the CLI's own flag parsing, no Ray): the same target, corpus and taps (`--draft-layers 5`:
 five taps, as Qwen3-4B's DFlash heads read), each with its FLAGS on top. With `--train`, trains
 every `--methods` x `--archs` drafter from every cache with one recipe and writes the final losses
-side by side (OUT/losses.json, OUT/losses.md): the real model's check that a lossy feature codec
-trains to the loss of the lossless cache. `--built NAME=PATH` takes a cache built before as it is
+side by side (OUT/losses.json, OUT/losses.md), each run's training loss and its loss on one common
+set of the baseline cache's blocks (common_loss): the real model's check that a lossy feature
+codec trains to the loss of the lossless cache. `--built NAME=PATH` takes a cache built before as it is
 (the first of them is then the baseline). Before training, every cache is checked against the
 baseline record by record (OUT/agreement.json): the arrays no feature codec touches (tokens,
 anchors, rollouts, top-k) should be the same computation of the same target, and each feature
@@ -143,9 +144,50 @@ def train_config(*, cache: Path, out: Path, method: str, arch: str, seed: int, e
     )  # fmt: skip
 
 
-def train_all(out: Path, caches: dict[str, Path], *, methods, archs, seeds, epochs: int) -> dict:
-    """{cache: {arch:method: {seed: mean loss of the last 10% of steps}}}."""
+COMMON_SEED_OFFSET = 1000  # the common blocks' draw: a seed no run trained with
+
+
+def common_loss(drafter: Path, *, cache: Path, method: str, arch: str, seed: int, batch_size: int = 8) -> float:
+    """A trained drafter's loss on one common set of blocks, with no update: one epoch of `cache`'s
+    batches (the baseline's features and labels) drawn at seed + COMMON_SEED_OFFSET, through the
+    trainer's own plan, loader and forward_loss. The drafters of every cache are scored on the same
+    blocks, so the comparison is paired for alr_ira too, whose IRA draw depends on the cache's
+    stored parents."""
+    import tempfile
+
+    from pipeline.train.data import release_loader
+    from pipeline.train.plan import open_run, plan_training
+    from pipeline.train.setup import setup
+    from pipeline.train.step import _next_batch, forward_loss
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = TrainConfig.from_flags(
+            cache=str(cache), out=str(Path(tmp) / "run"), method=method, arch=arch, epochs=1, batch_size=batch_size, lr=1.47e-3,
+            anchors_per_step=8, gamma=2.0, dflash_gamma=2.0, seed=seed + COMMON_SEED_OFFSET, drafter_init=str(drafter),
+            num_workers=1, progress=False, precision="fp32",
+        )  # fmt: skip
+        plan = plan_training(config, open_run(config))
+        state = setup(plan)
+        loss_sum = weight_sum = 0.0
+        try:
+            with torch.no_grad():
+                for _ in range(plan.last_step):
+                    stats = forward_loss(
+                        state.model, _next_batch(state, device=plan.ranks.device), embed_tokens=state.embed_tokens,
+                        lm_head=state.lm_head, block_size=plan.block_size, loss_chunk=config.optim.loss_chunk,
+                        autocast=state.autocast, attention=plan.attention, options=plan.drafter.options,
+                    )  # fmt: skip
+                    loss_sum, weight_sum = loss_sum + float(stats.loss_sum), weight_sum + float(stats.weight_sum)
+        finally:
+            release_loader(state.batches, loader=config.loader)
+    return loss_sum / weight_sum
+
+
+def train_all(out: Path, caches: dict[str, Path], *, methods, archs, seeds, epochs: int, baseline: str) -> tuple[dict, dict]:
+    """({cache: {arch:method: {seed: mean loss of the last 10% of steps}}}, the same of each run's
+    common_loss on the baseline cache's blocks)."""
     losses: dict = {}
+    common: dict = {}
     for arch in archs:
         for method in methods:
             for seed in seeds:
@@ -155,8 +197,11 @@ def train_all(out: Path, caches: dict[str, Path], *, methods, archs, seeds, epoc
                     summary = train_method(config, log=log)
                     loss = summary["mean_loss_last_10pct"]
                     losses.setdefault(name, {}).setdefault(f"{arch}:{method}", {})[seed] = loss
-                    log(f"{name} {arch}:{method} seed {seed}: loss (last 10%) {loss:.5f}, final {summary['final_loss']:.5f}")
-    return losses
+                    scored = common_loss(run / "drafter", cache=caches[baseline], method=method, arch=arch, seed=seed)
+                    common.setdefault(name, {}).setdefault(f"{arch}:{method}", {})[seed] = scored
+                    log(f"{name} {arch}:{method} seed {seed}: loss (last 10%) {loss:.5f}, final {summary['final_loss']:.5f}, "
+                        f"on {baseline}'s common blocks {scored:.5f}")
+    return losses, common
 
 
 def loss_table(losses: dict, *, baseline: str) -> str:
@@ -223,12 +268,13 @@ def main(argv=None) -> None:
         log(f"{name} vs {baseline}: equal share {found['equal_share']}, feature relative error {found['feature_relative_error']}")
     if not args.train:
         return
-    losses = train_all(
+    losses, common = train_all(
         out, caches, methods=args.methods.split(","), archs=args.archs.split(","),
-        seeds=[int(s) for s in args.seeds.split(",")], epochs=args.epochs,
+        seeds=[int(s) for s in args.seeds.split(",")], epochs=args.epochs, baseline=baseline,
     )  # fmt: skip
-    (out / "losses.json").write_text(json.dumps(losses, indent=2) + "\n")
-    table = loss_table(losses, baseline=baseline)
+    (out / "losses.json").write_text(json.dumps({"last_10pct": losses, "common_blocks": common}, indent=2) + "\n")
+    table = (f"Training loss (last 10% of steps):\n\n{loss_table(losses, baseline=baseline)}\n"
+             f"Loss on {baseline}'s common blocks (common_loss):\n\n{loss_table(common, baseline=baseline)}")  # fmt: skip
     (out / "losses.md").write_text(table)
     print(table)
 
