@@ -44,7 +44,7 @@ from storage.formats import open_shard, read_shard_records, shard_format
 from storage.formats.protocol import BodySettings, ShardBody, ShardSize
 from storage.location import Location, remove_path, remove_path_tolerant, resolve
 from storage.manifest import ShardRecord, check_compute
-from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner, owner_lock
+from storage.ownership import SHARD_NAME, CacheOwnershipLost, check_owner, owned
 from storage.layout import shard_layout
 from storage.records import RecordDims, check_record
 
@@ -209,9 +209,9 @@ class ShardWriter:
         if self.location.is_local:
             fsync_tree(self.tmp)
             final = self.shard_dir / self.name
-            claimed = owner_lock(self.location) if self.owner is not None else contextlib.nullcontext()
-            with claimed:  # check and rename as one step: no new claim in between (storage.ownership)
-                self._check_owner()  # the shard took a while: still ours?
+            # Check (the shard took a while: still ours?) and rename as one step: no new claim in between.
+            claimed = owned(self.location, self.owner) if self.owner is not None else contextlib.nullcontext()
+            with claimed:
                 remove_path(final)
                 move_into_place(self.tmp, final, sync=False)  # fsynced above, before the owner check
                 fsync_path(self.shard_dir)

@@ -145,4 +145,3 @@ def serving_section(*, name: str, title: str, method: str, pair, cpu_refusal: st
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-

@@ -110,18 +110,14 @@ def agreement(baseline: Path, other: Path) -> dict:
                 if same and b[name].size:
                     diff = np.abs(b[name].astype(np.float64) - c[name].astype(np.float64)).max()
                     largest[name] = max(largest.get(name, 0.0), float(diff))
-            rows = {"features": slice(None)}
-            if "rollout_features" in b and "rollout_features" in c:
-                rows["rollout_features"] = cand.parent_rows(len(c["anchor_pos"]))
-            for name, keep in rows.items():
-                if name == "rollout_features":
-                    wanted = base.parent_rows(len(b["anchor_pos"]))
-                    position = {int(r): i for i, r in enumerate(wanted)}
-                    ref = b[name][[position[int(r)] for r in keep]]
-                else:
-                    ref = b[name][keep]
+            pairs = [("features", c["features"], b["features"])]
+            if "rollout_features" in b and "rollout_features" in c:  # the baseline's rows of `other`'s parents
+                stored = {int(r): i for i, r in enumerate(base.parent_rows(len(b["anchor_pos"])))}
+                rows = [stored[int(r)] for r in cand.parent_rows(len(c["anchor_pos"]))]
+                pairs.append(("rollout_features", c["rollout_features"], b["rollout_features"][rows]))
+            for name, got, ref in pairs:
                 sums = error.setdefault(name, [0.0, 0.0])
-                sums[0] += float(((c[name].astype(np.float64) - ref) ** 2).sum())
+                sums[0] += float(((got.astype(np.float64) - ref) ** 2).sum())
                 sums[1] += float((ref.astype(np.float64) ** 2).sum())
     finally:
         base.close()
@@ -134,13 +130,17 @@ def agreement(baseline: Path, other: Path) -> dict:
     }
 
 
+# One recipe for every cache (benchmarks/speed/paper.py's arms: batch 8, 8 anchors per step, the
+# paper's lr, gamma 2, fp32), for training and for common_loss's scoring alike.
+RECIPE = dict(batch_size=8, lr=1.47e-3, anchors_per_step=8, gamma=2.0, dflash_gamma=2.0, num_workers=1, progress=False,
+              precision="fp32")  # fmt: skip
+
+
 def train_config(*, cache: Path, out: Path, method: str, arch: str, seed: int, epochs: int) -> TrainConfig:
-    """One recipe for every cache (benchmarks/paper.py's arms: 1 draft layer, batch 8, 8 anchors per
-    step, the paper's lr, gamma 2); only the cache, method, arch and seed differ."""
+    """RECIPE with a fresh 1-layer drafter; only the cache, method, arch and seed differ."""
     return TrainConfig.from_flags(
-        cache=str(cache), out=str(out), method=method, arch=arch, epochs=epochs, batch_size=8, lr=1.47e-3,
-        anchors_per_step=8, gamma=2.0, dflash_gamma=2.0, seed=seed, draft_layers=1, num_workers=1, resume=True,
-        save_dtype="float32", progress=False, precision="fp32",
+        **RECIPE, cache=str(cache), out=str(out), method=method, arch=arch, epochs=epochs, seed=seed, draft_layers=1,
+        resume=True, save_dtype="float32",
     )  # fmt: skip
 
 
@@ -162,9 +162,8 @@ def common_loss(drafter: Path, *, cache: Path, method: str, arch: str, seed: int
 
     with tempfile.TemporaryDirectory() as tmp:
         config = TrainConfig.from_flags(
-            cache=str(cache), out=str(Path(tmp) / "run"), method=method, arch=arch, epochs=1, batch_size=batch_size, lr=1.47e-3,
-            anchors_per_step=8, gamma=2.0, dflash_gamma=2.0, seed=seed + COMMON_SEED_OFFSET, drafter_init=str(drafter),
-            num_workers=1, progress=False, precision="fp32",
+            **(RECIPE | {"batch_size": batch_size}), cache=str(cache), out=str(Path(tmp) / "run"), method=method, arch=arch,
+            epochs=1, seed=seed + COMMON_SEED_OFFSET, drafter_init=str(drafter),
         )  # fmt: skip
         plan = plan_training(config, open_run(config))
         state = setup(plan)

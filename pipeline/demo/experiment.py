@@ -72,6 +72,8 @@ class Arm:
 # training's precision is auto too; evaluation stays fp32 (the exact lossless check).
 TARGET_DTYPE = "auto"
 
+FAMILY_METHODS = ("dflash", "erase", "alr", "alr_ira")  # each drafter family's arms (the families table's rows)
+
 # The paper's arms (docs/results.md, "The real target"): three epochs unless said.
 ARMS = (
     Arm(name="dflash", method="dflash"),
@@ -89,12 +91,10 @@ ARMS = (
     Arm(name="alr_ira_1ep", method="alr_ira", epochs=1),
     # The other drafter families (docs/design.md, "Drafter families"), four methods each; the
     # backbone starts from the DFlash head, the family's own parts fresh (docs/dspark.md, docs/dflash2.md).
-    *(Arm(name=f"{arch}_{method}", method=method, arch=arch) for arch in ("dspark", "dflash2")
-      for method in ("dflash", "erase", "alr", "alr_ira")),
+    *(Arm(name=f"{arch}_{method}", method=method, arch=arch) for arch in ("dspark", "dflash2") for method in FAMILY_METHODS),
 )  # fmt: skip
 MAIN_ARMS = ("dflash", "kd", "erase", "alr", "alr_ira")  # trained with every seed
-FAMILY_METHODS = ("dflash", "erase", "alr", "alr_ira")  # the families table's rows (benchmarks/speed/paper.py)
-FAMILY_ARMS = ("dflash", "erase", "alr", "alr_ira", *(a.name for a in ARMS if a.arch != "dflash"))
+FAMILY_ARMS = (*FAMILY_METHODS, *(a.name for a in ARMS if a.arch != "dflash"))
 QUICK_ARMS = ("dflash", "erase", "alr", "alr_ira", "ref_window", "dspark_alr_ira", "dflash2_alr_ira")
 
 
